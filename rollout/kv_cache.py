@@ -1,0 +1,109 @@
+"""Preallocated static KV cache written by slot, and the attention backend that reads it.
+
+Owns the cache tensors (allocated once, so the hot step can be captured in a CUDA graph) and the
+masks that say which cached slots each query sees: right-padded prefill, decode, and token trees.
+Masks are additive float tensors; a masked entry holds the dtype's most negative finite value so
+rows with nothing visible (padding) stay finite.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class StaticKVCache:
+    """Keys/values for ``batch`` rows of up to ``max_len`` slots each, for every layer."""
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        if batch <= 0 or max_len <= 0:
+            raise ValueError(f"batch and max_len must be > 0, got {batch=} {max_len=}")
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots: [B, T] long; k, v: [B, KV, T, D] written to rows 0..B-1
+        idx = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        self.k[layer, : k.shape[0]].scatter_(2, idx, k)
+        self.v[layer, : k.shape[0]].scatter_(2, idx, v)
+
+
+class CachedBackend:
+    """Writes this step's keys/values to cache slots, then attends over the first ``S`` slots."""
+
+    def __init__(self, cache: StaticKVCache, slots: torch.Tensor, mask: torch.Tensor) -> None:
+        self.cache, self.slots = cache, slots  # slots: [B, T]
+        self.mask = mask  # [B, 1, T, S] additive float
+        self.span = mask.shape[-1]
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer_idx, self.slots, k, v)
+        keys = self.cache.k[layer_idx, : q.shape[0], :, : self.span]
+        vals = self.cache.v[layer_idx, : q.shape[0], :, : self.span]
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=self.mask.to(q.dtype),
+                                              enable_gqa=True)
+
+
+def to_additive(visible: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Boolean visibility [B, T, S] -> additive mask [B, 1, T, S]."""
+    neg = torch.finfo(dtype).min
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+        ~visible, neg)[:, None]
+
+
+def prefill_mask(lengths: torch.Tensor, span: int, start: torch.Tensor | None = None) -> torch.Tensor:
+    """Visibility for right-padded chunks: row b's token i sits at slot start_b + i.
+
+    lengths: [B] valid tokens per row in this chunk; start: [B] tokens already cached.
+    Returns bool [B, T, S] with T = max(lengths); padded query rows see slot 0 only.
+    """
+    b = lengths.shape[0]
+    t = int(lengths.max())
+    start = torch.zeros_like(lengths) if start is None else start
+    qpos = start[:, None] + torch.arange(t, device=lengths.device)[None]  # [B, T]
+    kpos = torch.arange(span, device=lengths.device)[None, None]  # [1, 1, S]
+    visible = kpos <= qpos[..., None]
+    valid_q = torch.arange(t, device=lengths.device)[None] < lengths[:, None]
+    visible = visible & valid_q[..., None]
+    visible[..., 0] |= ~valid_q
+    assert visible.shape == (b, t, span)
+    return visible
+
+
+def tree_mask(prefix_len: torch.Tensor, parents: torch.Tensor, span: int) -> torch.Tensor:
+    """Visibility for a token tree appended after each row's prefix.
+
+    prefix_len: [B] cached tokens per row; parents: [B, T] index of each node's parent within the
+    tree (-1 for children of the prefix), nodes in topological order. Node j sits at slot
+    prefix_len_b + j and sees the whole prefix plus its ancestors and itself.
+    """
+    b, t = parents.shape
+    anc = torch.eye(t, dtype=torch.bool, device=parents.device).expand(b, t, t).clone()
+    for j in range(t):
+        p = parents[:, j]
+        has = p >= 0
+        if has.any():
+            rows = torch.nonzero(has).squeeze(1)
+            anc[rows, j] |= anc[rows, p[rows]]
+    kpos = torch.arange(span, device=parents.device)[None, None]
+    visible = kpos < prefix_len[:, None, None]
+    off = prefix_len[:, None] + torch.arange(t, device=parents.device)[None]  # [B, T] node slots
+    tree_slots = torch.zeros(b, t, span, dtype=torch.bool, device=parents.device)
+    tree_slots.scatter_(2, off[:, None, :].expand(b, t, t), anc)
+    return visible | tree_slots
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth (0 for children of the prefix) of each node; parents: [B, T] -> [B, T]."""
+    depth = torch.zeros_like(parents)
+    for j in range(parents.shape[1]):
+        p = parents[:, j]
+        depth[:, j] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None]).squeeze(1) + 1, 0)
+    return depth
