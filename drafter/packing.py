@@ -1,0 +1,176 @@
+"""Drafter training batches: sequence packing without cross-sample attention, and padding.
+
+Owns the training sample record, packing samples into rows up to a token budget (positions
+restart per sample, attention never crosses samples), the padded layout used as the baseline, and
+the attention backends for both, including the training-time-test (TTT) attention where step
+``j`` sees the step-0 keys causally plus its own keys from steps 1..j on the diagonal.
+
+Kernel: per-document SDPA (the fastest exact option on CPU in torch 2.13; on CUDA it runs the
+same fused SDPA kernels per sample). Later TTT steps use an explicit score matrix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class FeatureSample:
+    """One target sequence with what the drafter learns from."""
+
+    input_ids: torch.Tensor  # [n] long: prompt + response
+    loss_mask: torch.Tensor  # [n] bool: True on response tokens
+    hidden: torch.Tensor  # [n, H] post-norm last hidden state of the target
+    aux: torch.Tensor | None = None  # [n, A*H] EAGLE-3 target features
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def __post_init__(self) -> None:
+        n = self.input_ids.shape[0]
+        if self.loss_mask.shape != (n,) or self.hidden.shape[0] != n or (
+                self.aux is not None and self.aux.shape[0] != n):
+            raise ValueError("FeatureSample tensors disagree on sequence length: ids "
+                             f"{tuple(self.input_ids.shape)}, mask {tuple(self.loss_mask.shape)}, "
+                             f"hidden {tuple(self.hidden.shape)}")
+
+
+@dataclasses.dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T]
+    position_ids: torch.Tensor  # [B, T] restarting at 0 per sample
+    loss_mask: torch.Tensor  # [B, T] bool
+    doc_end: torch.Tensor  # [B, T] exclusive end index of each token's sample within its row
+    hidden: torch.Tensor  # [B, T, H]
+    aux: torch.Tensor | None  # [B, T, A*H]
+    cu_seqlens: torch.Tensor | None  # [D+1] sample boundaries when packed (B == 1)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens."""
+        return int((self.doc_end > torch.arange(self.doc_end.shape[1], device=self.doc_end.device)).sum())
+
+    def backend(self) -> "PackedTTTBackend | PaddedTTTBackend":
+        return PackedTTTBackend(self.cu_seqlens) if self.cu_seqlens is not None else PaddedTTTBackend()
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(**{f.name: (getattr(self, f.name).to(device) if getattr(self, f.name) is not None
+                                 else None) for f in dataclasses.fields(self)})
+
+
+def pack(samples: Sequence[FeatureSample]) -> Batch:
+    """All ``samples`` concatenated into one row."""
+    lens = torch.tensor([len(s) for s in samples])
+    cu = torch.zeros(len(samples) + 1, dtype=torch.long)
+    cu[1:] = lens.cumsum(0)
+    ends = torch.repeat_interleave(cu[1:], lens)
+    pos = torch.cat([torch.arange(n) for n in lens.tolist()])
+    aux = torch.cat([s.aux for s in samples])[None] if samples[0].aux is not None else None
+    return Batch(torch.cat([s.input_ids for s in samples])[None], pos[None],
+                 torch.cat([s.loss_mask for s in samples])[None], ends[None],
+                 torch.cat([s.hidden for s in samples])[None], aux, cu)
+
+
+def pad(samples: Sequence[FeatureSample]) -> Batch:
+    """One right-padded row per sample (the baseline packing is measured against)."""
+    b, t = len(samples), max(len(s) for s in samples)
+    h = samples[0].hidden
+    ids = torch.zeros(b, t, dtype=torch.long)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    hidden = torch.zeros(b, t, h.shape[1], dtype=h.dtype)
+    aux = torch.zeros(b, t, samples[0].aux.shape[1], dtype=h.dtype) if samples[0].aux is not None else None
+    ends = torch.zeros(b, t, dtype=torch.long)
+    for i, s in enumerate(samples):
+        n = len(s)
+        ids[i, :n], mask[i, :n], hidden[i, :n], ends[i, :n] = s.input_ids, s.loss_mask, s.hidden, n
+        if aux is not None:
+            aux[i, :n] = s.aux
+    return Batch(ids, torch.arange(t).expand(b, t).clone(), mask, ends, hidden, aux, None)
+
+
+def pack_by_budget(samples: Sequence[FeatureSample], token_budget: int) -> list[list[FeatureSample]]:
+    """Group samples, in order, into packs of at most ``token_budget`` tokens (first fit).
+
+    A sample longer than the budget is truncated to it (and logged) rather than dropped.
+    """
+    if token_budget <= 0:
+        raise ValueError(f"token_budget must be > 0, got {token_budget}")
+    groups: list[list[FeatureSample]] = []
+    room: list[int] = []
+    for s in samples:
+        if len(s) > token_budget:
+            log.warning("sample of %d tokens truncated to the %d-token budget", len(s), token_budget)
+            s = FeatureSample(s.input_ids[:token_budget], s.loss_mask[:token_budget],
+                              s.hidden[:token_budget], None if s.aux is None else s.aux[:token_budget])
+        for i, r in enumerate(room):
+            if len(s) <= r:
+                groups[i].append(s)
+                room[i] -= len(s)
+                break
+        else:
+            groups.append([s])
+            room.append(token_budget - len(s))
+    return groups
+
+
+def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+                  diag: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Causal attention over step-0 keys plus same-position keys of later TTT steps.
+
+    q: [B, H, T, D]; k0, v0 and each diag pair: [B, KV, T, D] -> [B, H, T, D].
+    """
+    rep = q.shape[1] // k0.shape[1]
+    if not diag:
+        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=True)
+    t, scale = q.shape[2], q.shape[-1] ** -0.5
+    k0, v0 = k0.repeat_interleave(rep, 1), v0.repeat_interleave(rep, 1)
+    s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, H, T, T]
+    s0 = s0.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    sd = torch.stack([(q * k.repeat_interleave(rep, 1)).sum(-1) for k, _ in diag], -1) * scale
+    p = torch.cat([s0, sd], -1).float().softmax(-1).to(q.dtype)  # [B, H, T, T + j]
+    out = p[..., :t] @ v0
+    for m, (_, v) in enumerate(diag):
+        out = out + p[..., t + m, None] * v.repeat_interleave(rep, 1)
+    return out
+
+
+class _TTTBackend:
+    """Remembers each step's keys/values; the first call of a batch is step 0."""
+
+    def __init__(self) -> None:
+        self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        steps = self.kv.setdefault(layer_idx, [])
+        steps.append((k, v))
+        return self.attend(q, steps[0][0], steps[0][1], steps[1:])
+
+    def attend(self, q, k0, v0, diag):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class PaddedTTTBackend(_TTTBackend):
+    """Right-padded rows: causal attention keeps every real query off the padding."""
+
+    def attend(self, q, k0, v0, diag):
+        return ttt_attention(q, k0, v0, diag)
+
+
+class PackedTTTBackend(_TTTBackend):
+    """One packed row; attention is computed per sample so nothing crosses a boundary."""
+
+    def __init__(self, cu_seqlens: torch.Tensor) -> None:
+        super().__init__()
+        self.bounds = list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
+
+    def attend(self, q, k0, v0, diag):
+        outs = [ttt_attention(q[:, :, s:e], k0[:, :, s:e], v0[:, :, s:e],
+                              [(k[:, :, s:e], v[:, :, s:e]) for k, v in diag]) for s, e in self.bounds]
+        return torch.cat(outs, dim=2)

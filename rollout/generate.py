@@ -1,0 +1,91 @@
+"""Plain autoregressive batched generation on the static KV cache.
+
+Owns the reference decoding loop (right-padded prefill, one token per step, per-request stop)
+and the sampling rule (temperature, top-k, top-p) that the speculative engine must reproduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
+from rollout.target import TargetModel
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.max_new_tokens <= 0:
+            raise ValueError(f"top_k must be >= 0 and max_new_tokens > 0, got {self.top_k}, "
+                             f"{self.max_new_tokens}")
+
+
+def probs_from_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Sampling distribution [..., V] after temperature, top-k and top-p (requires temperature>0)."""
+    logits = logits.float() / p.temperature
+    if p.top_k:
+        kth = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if p.top_p < 1:
+        sorted_p, idx = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= p.top_p  # keep the smallest prefix reaching top_p
+        probs = probs.masked_fill(drop.scatter(-1, idx, drop), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def next_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+    # logits: [B, V] -> [B]
+    if p.temperature == 0:
+        return logits.argmax(-1)
+    return torch.multinomial(probs_from_logits(logits, p), 1, generator=gen).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: TargetModel, prompts: list[list[int]], params: SamplingParams,
+             *, generator: torch.Generator | None = None) -> list[list[int]]:
+    """Response token ids per prompt (stop token included when hit)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt and no empty prompt")
+    cfg, device = model.config, model.embed_weight.device
+    b = len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    span = int(lengths.max()) + params.max_new_tokens
+    cache = StaticKVCache(cfg.num_hidden_layers, b, cfg.num_key_value_heads, span, cfg.head_dim,
+                          dtype=model.embed_weight.dtype, device=device)
+    ids = torch.zeros(b, int(lengths.max()), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    pos = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    out = model(ids, pos, CachedBackend(cache, pos, to_additive(prefill_mask(lengths, span))))
+    tok = next_token(out.logits[torch.arange(b), lengths - 1], params, generator)
+    results: list[list[int]] = [[] for _ in range(b)]
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    cur = lengths.clone()
+    stops = torch.tensor(params.stop_ids, device=device, dtype=torch.long)
+    slot_range = torch.arange(span, device=device)
+    for step in range(params.max_new_tokens):
+        for i in torch.nonzero(~done).flatten().tolist():
+            results[i].append(int(tok[i]))
+        done |= torch.isin(tok, stops)
+        if bool(done.all()) or step == params.max_new_tokens - 1:
+            break
+        slots = cur[:, None]
+        mask = to_additive(slot_range[None, None] <= cur[:, None, None])
+        out = model(tok[:, None], slots, CachedBackend(cache, slots, mask))
+        tok = next_token(out.logits[:, 0], params, generator)
+        cur = cur + 1
+    return results

@@ -1,0 +1,164 @@
+"""The embedded default target: a small real-architecture model built and trained here.
+
+Owns ``tlt make-target``: a Llama / Qwen2 / Qwen3 decoder sized for a laptop CPU, a byte-level
+BPE tokenizer trained on the project's synthetic arithmetic corpus, optional training on that
+corpus, and a content-keyed cache so tests and the demo build each model once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from drafter.model_config import ModelConfig
+from rollout.target import TargetModel
+from tlt.corpus import CorpusConfig, make_corpus
+from tlt.tokenizer import TextTokenizer, train_tokenizer
+
+log = logging.getLogger(__name__)
+FACTORY_VERSION = 1
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TargetSpec:
+    family: str = "llama"
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 352
+    vocab_size: int = 512
+    max_position_embeddings: int = 2048
+    train_steps: int = 0
+    batch_size: int = 8
+    seq_len: int = 512
+    lr: float = 3e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r}; use one of {FAMILIES}")
+        if self.train_steps < 0:
+            raise ValueError(f"train_steps must be >= 0, got {self.train_steps}")
+        if self.vocab_size < 300:
+            raise ValueError(f"vocab_size must be >= 300 (256 bytes + specials), got {self.vocab_size}")
+
+    def key(self) -> str:
+        blob = json.dumps({**dataclasses.asdict(self), "v": FACTORY_VERSION}, sort_keys=True)
+        return f"{self.family}-s{self.train_steps}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+
+
+def sample_tokens(tok: TextTokenizer, prompt: str, response: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids + eos) in the chat format the demo rolls out with."""
+    p = tok.chat_prompt([{"role": "user", "content": prompt}])
+    return p, tok.encode(response) + [tok.eos_id]
+
+
+def build_target(spec: TargetSpec, out: Path, *, progress: bool = True) -> dict:
+    """Write a HF-format model dir (config, safetensors, tokenizer) to ``out``; returns its meta."""
+    torch.manual_seed(spec.seed)
+    corpus = make_corpus(4000, CorpusConfig(seed=spec.seed))
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = train_tokenizer((t for p in corpus for t in (p.prompt, p.response)),
+                              spec.vocab_size, Path(tmp))
+        vocab = tok.vocab_size
+        cfg = ModelConfig(
+            model_type=spec.family, vocab_size=vocab, hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+            head_dim=spec.hidden_size // spec.num_heads,
+            max_position_embeddings=spec.max_position_embeddings,
+            qkv_bias=spec.family == "qwen2", qk_norm=spec.family == "qwen3",
+            bos_token_id=tok.tok.token_to_id("<|bos|>"), eos_token_id=tok.eos_id,
+            pad_token_id=tok.pad_id,
+        )
+        model = TargetModel(cfg)
+        _init_weights(model)
+        meta = {"family": spec.family, "spec": dataclasses.asdict(spec), "train_steps": 0}
+        if spec.train_steps:
+            meta.update(_train(model, tok, corpus, spec, progress))
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(Path(tmp) / name, out / name)
+    (out / "tlt_target.json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def _init_weights(model: TargetModel) -> None:
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            torch.nn.init.normal_(p, std=0.02)
+        elif name.endswith("bias"):
+            torch.nn.init.zeros_(p)
+
+
+def _train(model: TargetModel, tok: TextTokenizer, corpus, spec: TargetSpec, progress: bool) -> dict:
+    stream: list[int] = []
+    for prob in corpus:
+        p, r = sample_tokens(tok, prob.prompt, prob.response)
+        stream += p + r
+    data = torch.tensor(stream)
+    n_win = (len(data) - 1) // spec.seq_len
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(spec.seed)
+    warm = max(1, spec.train_steps // 20)
+    model.train()
+    losses = []
+    t0 = time.monotonic()
+    for step in tqdm(range(spec.train_steps), desc="train target", disable=not progress):
+        lr = spec.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / spec.train_steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        starts = torch.randint(0, n_win, (spec.batch_size,), generator=gen) * spec.seq_len
+        idx = starts[:, None] + torch.arange(spec.seq_len + 1)
+        batch = data[idx]
+        logits = model(batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    final = sum(losses[-20:]) / len(losses[-20:])
+    log.info("target trained %d steps in %.0fs, final loss %.3f", spec.train_steps,
+             time.monotonic() - t0, final)
+    return {"train_steps": spec.train_steps, "final_loss": final, "first_loss": losses[0],
+            "train_seconds": time.monotonic() - t0}
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TLT_CACHE", Path.home() / ".cache" / "tlt"))
+
+
+def ensure_target(spec: TargetSpec, cache_dir: Path | None = None, *, progress: bool = True) -> Path:
+    """Path of the cached model for ``spec``, building it (atomically) on first use."""
+    root = (cache_dir or default_cache_dir()) / "targets"
+    final = root / spec.key()
+    if (final / "tlt_target.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    try:
+        build_target(spec, tmp, progress=progress)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process won the race; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
