@@ -1,0 +1,5 @@
+import sys
+
+from tlt.cli import main
+
+sys.exit(main())

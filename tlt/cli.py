@@ -1,0 +1,165 @@
+"""The ``tlt`` command line: one sub-command per capability.
+
+Owns argument parsing, turning user errors (ValueError) into one clear line and exit code 2,
+and printing results. The work itself lives in the modules each sub-command calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+log = logging.getLogger("tlt")
+
+
+def _cmd_make_target(a: argparse.Namespace) -> None:
+    from tlt.target_factory import TargetSpec, ensure_target
+
+    spec = TargetSpec(family=a.family, train_steps=a.train_steps, seed=a.seed)
+    out = Path(a.out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out} is not empty; choose a new directory")
+    cached = ensure_target(spec, Path(a.cache) if a.cache else None, progress=not a.quiet)
+    shutil.copytree(cached, out, dirs_exist_ok=True)
+    meta = json.loads((out / "tlt_target.json").read_text())
+    print(f"target {a.family} written to {out} (cache {cached}); train steps {meta['train_steps']}"
+          + (f", final loss {meta['final_loss']:.3f}" if meta.get("final_loss") else ""))
+
+
+def _cmd_warmup(a: argparse.Namespace) -> None:
+    from drafter.trainer import TrainConfig
+    from drafter.ttt import TTTConfig
+    from tlt.warmup import WarmupConfig, run_warmup
+
+    train = TrainConfig(max_steps=a.max_steps, lr=a.lr, token_budget=a.token_budget,
+                        save_every=a.save_every, seed=a.seed,
+                        ttt=TTTConfig(steps=a.ttt_steps, decay=a.ttt_decay, loss=a.loss))
+    cfg = WarmupConfig(target=Path(a.target), data=Path(a.data), out=Path(a.out), method=a.method,
+                       responses=a.responses, max_prompts=a.max_prompts, max_new_tokens=a.max_new_tokens,
+                       temperature=a.temperature, samples_per_prompt=a.samples_per_prompt,
+                       draft_vocab_size=a.draft_vocab_size, resume=a.resume, train=train)
+    r = run_warmup(cfg, progress=not a.quiet)
+    b, t = r["untrained"], r["trained"]
+    print(f"warm-up {r['method']}: {r['train_samples']} train / {r['heldout_samples']} held-out samples, "
+          f"{r['train_tokens']} tokens, {r['steps']} steps, loss {r['first_loss']:.3f} -> {r['final_loss']:.3f}")
+    print(f"held-out top-1 {b['top1']:.3f} -> {t['top1']:.3f}, top-3 {b['top3']:.3f} -> {t['top3']:.3f}, "
+          f"est. accept length ({r['ttt_steps']}-token chain) {b['accept_length']:.2f} -> {t['accept_length']:.2f}")
+    print(f"drafter saved to {cfg.out} ({r['seconds']:.0f}s)")
+
+
+def _cmd_export(a: argparse.Namespace) -> None:
+    from drafter.export import export_drafter
+
+    r = export_drafter(Path(a.drafter), Path(a.target), a.format, Path(a.out), dtype=a.dtype,
+                       overwrite=a.overwrite)
+    print(json.dumps(r, indent=2, default=str))
+
+
+def _cmd_bench(a: argparse.Namespace) -> None:
+    from tlt.bench import BENCHES
+
+    result = BENCHES[a.which](a)
+    print("\n".join(result["summary"]))
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {a.json}")
+
+
+def _cmd_demo(a: argparse.Namespace) -> None:
+    from tlt.demo import run_demo, summary_lines
+
+    print("\n".join(summary_lines(run_demo(Path(a.workdir), quick=a.quick, progress=not a.quiet))))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tlt", description="TLT: lossless speculative decoding for RL rollouts, with a drafter "
+        "trained on idle rollout workers. Start with `tlt demo`.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("make-target", help="build the small embedded target model (HF format)",
+                       description="Build a small Llama/Qwen2/Qwen3 target with a tokenizer trained "
+                       "here; with --train-steps, train it on the synthetic arithmetic corpus. "
+                       "Cached by content under $TLT_CACHE (default ~/.cache/tlt).")
+    s.add_argument("--family", choices=("llama", "qwen2", "qwen3"), default="llama")
+    s.add_argument("--out", required=True, help="directory to write (must be new or empty)")
+    s.add_argument("--train-steps", type=int, default=0, help="training steps (0 = random weights)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--cache", help="cache directory (default $TLT_CACHE or ~/.cache/tlt)")
+    s.set_defaults(fn=_cmd_make_target)
+
+    s = sub.add_parser("warmup", help="train a first drafter on the target's own rollouts",
+                       description="Prompts -> target responses -> hidden states -> drafter. Prints "
+                       "held-out top-1/top-3 accuracy and estimated accept length before and after.")
+    s.add_argument("--target", required=True, help="HF model directory (config.json, safetensors, tokenizer.json)")
+    s.add_argument("--data", required=True, help="prompts: .json/.jsonl/.parquet, text or chat messages")
+    s.add_argument("--out", required=True, help="drafter checkpoint directory")
+    s.add_argument("--method", choices=("eagle", "eagle3"), default="eagle")
+    s.add_argument("--max-steps", type=int, default=300, help="optimizer steps (default 300)")
+    s.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    s.add_argument("--responses", choices=("auto", "generate", "file"), default="auto",
+                   help="auto: use the file's responses when every row has one, else generate")
+    s.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    s.add_argument("--max-new-tokens", type=int, default=256)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
+    s.add_argument("--samples-per-prompt", type=int, default=1)
+    s.add_argument("--draft-vocab-size", type=int, default=0, help="EAGLE-3 draft vocab (0 = full)")
+    s.add_argument("--lr", type=float, default=3e-3)
+    s.add_argument("--token-budget", type=int, default=4096, help="tokens per packed batch")
+    s.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps")
+    s.add_argument("--ttt-decay", type=float, default=0.8)
+    s.add_argument("--loss", choices=("feature+ce", "ce"), default="feature+ce",
+                   help="EAGLE loss (EAGLE-3 always uses ce)")
+    s.add_argument("--save-every", type=int, default=100)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=_cmd_warmup)
+
+    s = sub.add_parser("export", help="write a drafter as an SGLang or vLLM serving checkpoint")
+    s.add_argument("--drafter", required=True)
+    s.add_argument("--target", required=True)
+    s.add_argument("--format", choices=("sglang", "vllm"), required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    s.add_argument("--overwrite", action="store_true")
+    s.set_defaults(fn=_cmd_export)
+
+    s = sub.add_parser("bench", help="benchmarks that print side-by-side ratios and write JSON")
+    s.add_argument("which", choices=("packing",))
+    s.add_argument("--json", help="write the result record here")
+    s.add_argument("--quick", action="store_true", help="smaller workload (for smoke tests)")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=_cmd_bench)
+
+    s = sub.add_parser("demo", help="end to end on CPU: make target, warm up, export",
+                       description="Build and train the tiny target, roll it out on its own "
+                       "arithmetic prompts, warm up an EAGLE drafter on those rollouts, export it "
+                       "for SGLang and vLLM, and print what happened. No network, no GPU.")
+    s.add_argument("--workdir", default="runs/demo")
+    s.add_argument("--quick", action="store_true", help="tiny sizes, for tests (~1 min)")
+    s.set_defaults(fn=_cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.fn(args)
+    except ValueError as err:
+        print(f"tlt {args.cmd}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tlt {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
