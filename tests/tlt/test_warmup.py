@@ -1,0 +1,110 @@
+"""`tlt warmup` end to end on a trained tiny target, its resume, and its input errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from drafter.trainer import STATE_NAME
+from tlt.cli import main
+
+SHARED_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "eurus2_rl_sample_prompts.json"
+
+
+def _warmup(target, data, out, *extra):
+    return main(["-q", "warmup", "--target", str(target), "--data", str(data), "--out", str(out),
+                 "--max-new-tokens", "48", *extra])
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_warmup_raises_heldout_accuracy(trained_target, chat_prompts, tmp_path, capsys, method):
+    out = tmp_path / "drafter"
+    extra = ["--draft-vocab-size", "200"] if method == "eagle3" else []
+    assert _warmup(trained_target, chat_prompts, out, "--method", method, "--max-steps", "80", *extra) == 0
+    report = json.loads((out / "warmup_report.json").read_text())
+    before, after = report["untrained"], report["trained"]
+    print(f"{method}: held-out top-1 {before['top1']:.3f} -> {after['top1']:.3f}, "
+          f"accept length {before['accept_length']:.2f} -> {after['accept_length']:.2f}")
+    assert after["top1"] > before["top1"] + 0.3
+    assert after["accept_length"] > before["accept_length"] + 0.5
+    for name in ("model.safetensors", "tlt_drafter.json", STATE_NAME, "rollouts.jsonl"):
+        assert (out / name).is_file()
+    assert "held-out top-1" in capsys.readouterr().out
+
+
+def test_resume_continues_without_regenerating(trained_target, chat_prompts, tmp_path):
+    out = tmp_path / "d"
+    assert _warmup(trained_target, chat_prompts, out, "--max-steps", "4", "--save-every", "2") == 0
+    rollouts = (out / "rollouts.jsonl").read_text()
+    assert _warmup(trained_target, chat_prompts, out, "--max-steps", "8", "--resume") == 0
+    assert (out / "rollouts.jsonl").read_text() == rollouts
+    assert json.loads((out / "tlt_drafter.json").read_text())["step"] == 8
+
+
+@pytest.mark.skipif(not SHARED_PROMPTS.is_file(), reason="../shared/data is not beside the checkout")
+def test_shared_eurus_sample_works(trained_target, tmp_path):
+    out = tmp_path / "eurus"
+    assert _warmup(trained_target, SHARED_PROMPTS, out, "--max-steps", "3", "--max-prompts", "6") == 0
+    report = json.loads((out / "warmup_report.json").read_text())
+    assert report["train_samples"] + report["heldout_samples"] == 6
+
+
+def test_responses_from_file(trained_target, tmp_path):
+    data = tmp_path / "pairs.json"
+    data.write_text(json.dumps([{"prompt": f"Compute {i} + 1.", "response": f"{i} + 1 = {i + 1}"}
+                                for i in range(6)]))
+    out = tmp_path / "d"
+    assert _warmup(trained_target, data, out, "--max-steps", "2", "--responses", "file") == 0
+    first = json.loads((out / "rollouts.jsonl").read_text().splitlines()[0])
+    assert first["response"][-1] == 2  # the file's text, ended by <|eos|> (id 2)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "does not exist"),
+    ("schema", "no usable 'prompt'"),
+    ("empty", "holds no prompts"),
+    ("badjson", "not valid JSON"),
+])
+def test_bad_data_is_one_clear_error(trained_target, tmp_path, capsys, case, message):
+    data = tmp_path / "data.json"
+    if case == "schema":
+        data.write_text(json.dumps([{"question": "hi"}]))
+    elif case == "empty":
+        data.write_text("[]")
+    elif case == "badjson":
+        data.write_text("[{")
+    out = tmp_path / "out"
+    assert _warmup(trained_target, data, out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists()  # nothing half-written
+
+
+def test_target_drafter_mismatch_on_resume(trained_target, chat_prompts, tmp_path, tlt_cache, capsys):
+    from tlt.target_factory import TargetSpec, ensure_target
+
+    out = tmp_path / "d"
+    assert _warmup(trained_target, chat_prompts, out, "--max-steps", "2") == 0
+    other = ensure_target(TargetSpec(hidden_size=32, num_layers=2, intermediate_size=64), tlt_cache,
+                          progress=False)
+    before = sorted(p.name for p in out.iterdir())
+    assert _warmup(other, chat_prompts, out, "--max-steps", "4", "--resume") == 2
+    assert "mismatch" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_non_empty_out_and_bad_target(trained_target, chat_prompts, tmp_path, capsys):
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert _warmup(trained_target, chat_prompts, out) == 2
+    assert "not empty" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    shutil.copytree(trained_target, broken)
+    (broken / "model.safetensors").unlink()
+    assert _warmup(broken, chat_prompts, tmp_path / "d2") == 2
+    assert "no model.safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "d2").exists()
