@@ -60,10 +60,6 @@ class Batch:
     def backend(self) -> "PackedTTTBackend | PaddedTTTBackend":
         return PackedTTTBackend(self.cu_seqlens) if self.cu_seqlens is not None else PaddedTTTBackend()
 
-    def to(self, device: torch.device | str) -> "Batch":
-        return Batch(**{f.name: (getattr(self, f.name).to(device) if getattr(self, f.name) is not None
-                                 else None) for f in dataclasses.fields(self)})
-
 
 def pack(samples: Sequence[FeatureSample]) -> Batch:
     """All ``samples`` concatenated into one row."""

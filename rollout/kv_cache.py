@@ -24,10 +24,6 @@ class StaticKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [B, T] long; k, v: [B, KV, T, D] written to rows 0..B-1
         idx = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])

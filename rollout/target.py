@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -20,8 +19,6 @@ from torch import nn
 
 from drafter.layers import AttentionBackend, CausalBackend, DecoderLayer, RMSNorm, RotaryEmbedding
 from drafter.model_config import ModelConfig
-
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass

@@ -13,8 +13,6 @@ import shutil
 import sys
 from pathlib import Path
 
-log = logging.getLogger("tlt")
-
 
 def _cmd_make_target(a: argparse.Namespace) -> None:
     from tlt.target_factory import TargetSpec, ensure_target

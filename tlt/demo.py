@@ -30,7 +30,7 @@ QUICK_TARGET = TargetSpec(hidden_size=64, num_layers=2, intermediate_size=128, t
 def run_demo(workdir: Path, *, quick: bool = False, progress: bool = True) -> dict:
     t0 = time.monotonic()
     spec = QUICK_TARGET if quick else DEMO_TARGET
-    n_prompts, steps, max_new = (12, 20, 48) if quick else (160, 150, 200)
+    n_prompts, steps, max_new = (12, 20, 48) if quick else (160, 150, 320)
     log.info("1/4 target: %s, %d training steps (cached after the first run)", spec.family,
              spec.train_steps)
     target = ensure_target(spec, progress=progress)
@@ -78,6 +78,6 @@ def summary_lines(s: dict) -> list[str]:
         f"tokens (median {s['response_len_median']:.0f})",
         f"drafter     held-out top-1 {b['top1']:.3f} -> {t['top1']:.3f}, top-3 {b['top3']:.3f} -> "
         f"{t['top3']:.3f}, est. accept length {b['accept_length']:.2f} -> {t['accept_length']:.2f}",
-        f"exports     " + ", ".join(f"{k}: {v}" for k, v in s["exports"].items()),
+        "exports     " + ", ".join(f"{k}: {v}" for k, v in s["exports"].items()),
         f"done in {s['seconds']:.0f}s",
     ]

@@ -21,7 +21,6 @@ from tqdm import tqdm
 from drafter.eagle import Drafter, DrafterConfig, METHODS, read_config, vocab_by_frequency
 from drafter.packing import FeatureSample
 from drafter.trainer import STATE_NAME, TrainConfig, evaluate, train
-from drafter.ttt import TTTConfig
 from rollout.generate import SamplingParams, generate
 from rollout.target import TargetModel
 from tlt.data import PromptRecord, load_prompts
