@@ -1,0 +1,47 @@
+"""Speculation strategies (arms): how deep and how wide to draft, and how many tokens to verify.
+
+Owns the :class:`Arm` value type shared by the proposers, the BEG-MAB tuner and the CUDA-graph
+planner. ``Arm.off()`` (all zeros) means plain autoregressive decoding: the tuner may pick it
+when speculation does not pay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Arm:
+    depth: int  # draft levels
+    topk: int  # children expanded per node (1 = chain)
+    tokens_to_verify: int  # draft nodes sent to the target (the root token is not counted)
+
+    def __post_init__(self) -> None:
+        if (self.depth, self.topk, self.tokens_to_verify) == (0, 0, 0):
+            return
+        if self.depth < 1 or self.topk < 1 or self.tokens_to_verify < 1:
+            raise ValueError(f"{self}: depth, topk and tokens_to_verify must all be >= 1 "
+                             "(or all 0 for 'no speculation')")
+        if self.tokens_to_verify > self.max_nodes:
+            raise ValueError(f"{self}: a depth-{self.depth}, top-{self.topk} tree has at most "
+                             f"{self.max_nodes} candidate nodes; lower tokens_to_verify")
+
+    @classmethod
+    def off(cls) -> "Arm":
+        return cls(0, 0, 0)
+
+    @property
+    def is_off(self) -> bool:
+        return self.depth == 0
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def max_nodes(self) -> int:
+        """Candidates an EAGLE-2 tree can offer: topk at depth 1, topk^2 at each later depth."""
+        return self.topk + (self.depth - 1) * self.topk * self.topk
+
+    def __str__(self) -> str:
+        return "off" if self.is_off else f"d{self.depth}k{self.topk}v{self.tokens_to_verify}"
