@@ -1,8 +1,4 @@
-"""``tlt bench ...``: benchmarks that time alternatives side by side in one run.
-
-Owns the benchmark workloads and their JSON records (with a ``summary`` of printable lines). Each benchmark interleaves the variants it
-compares (A B A B ...) and reports medians and their ratio, because a shared machine drifts.
-"""
+"""``tlt bench packing``: drafter training tokens/s, packed vs padded, on long-tail lengths."""
 
 from __future__ import annotations
 
@@ -13,7 +9,6 @@ import platform
 import random
 import statistics
 import time
-from typing import Callable
 
 import torch
 
@@ -38,7 +33,7 @@ def _train_pass(drafter: Drafter, batches, ttt: TTTConfig, opt: torch.optim.Opti
         opt.step()
 
 
-def bench_packing(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """Drafter training tokens/s: packed (token budget) vs padded (same samples, same order)."""
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
@@ -95,5 +90,3 @@ def bench_packing(args: argparse.Namespace) -> dict:
     result["summary"] = lines
     return result
 
-
-BENCHES: dict[str, Callable[[argparse.Namespace], dict]] = {"packing": bench_packing}
