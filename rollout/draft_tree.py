@@ -64,10 +64,17 @@ class Proposer(Protocol):
     with the tokens each request committed, ``finish`` when a request ends (its output may still
     inform its GRPO siblings), and ``propose`` before a speculative step. ``features[i][k]`` is
     the target hidden state (EAGLE feature, [F]) at the position that predicted ``tokens[i][k]``;
-    model-free proposers ignore it.
+    model-free proposers set ``feature_layers = None`` and get ``features=None``. Otherwise
+    ``feature_layers`` lists the target layers whose inputs are concatenated (EAGLE-3), or is
+    empty for the post-norm last hidden state (EAGLE). ``start`` gets the features of prompt
+    positions ``0..P-2`` (those predicting prompt tokens ``1..P-1``). Requests keep the order in
+    which they were started; ``finish`` removes them without reordering the rest.
     """
 
-    def start(self, rids: Sequence[int], groups: Sequence[int], prompts: Sequence[Sequence[int]]) -> None: ...
+    feature_layers: tuple[int, ...] | None
+
+    def start(self, rids: Sequence[int], groups: Sequence[int], prompts: Sequence[Sequence[int]],
+              features: Sequence[torch.Tensor] | None = None) -> None: ...
 
     def accept(self, rids: Sequence[int], tokens: Sequence[Sequence[int]],
                features: Sequence[torch.Tensor] | None = None) -> None: ...

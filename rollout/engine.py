@@ -1,0 +1,223 @@
+"""The reference rollout engine: batched generation with elastic, tuned speculative decoding.
+
+Owns the step loop over a shrinking batch (the long tail): right-padded prefill, then steps that
+each run one target pass over ``[last committed token] + draft tree`` per running request on the
+static KV cache, verify losslessly, compact the accepted nodes' keys/values into place and retire
+finished requests (swap-remove of cache rows). Plain decoding is the same step with an empty
+tree. Speculation is elastic: on only while running requests <= ``elastic_threshold``; the
+strategy comes from the BEG-MAB tuner (or a fixed arm); proposers are fed every committed token
+and feature even while speculation is off, so switching on costs only the drafter's catch-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Protocol, Sequence
+
+import torch
+
+from rollout.draft_tree import DraftTree, Proposer
+from rollout.generate import SamplingParams
+from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive, tree_mask
+from rollout.strategy import Arm
+from rollout.target import TargetModel
+from rollout.verify import verify
+
+
+class Tuner(Protocol):
+    def choose(self, batch_size: int) -> Arm: ...
+
+    def record(self, batch_size: int, arm: Arm, accepted_tokens: int, step_time_s: float) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    max_batch: int = 64
+    max_len: int = 2048  # KV slots per request: prompt + new tokens + one draft tree
+    elastic_threshold: int = 32  # speculate only while running requests <= this
+    arm: Arm | None = None  # fixed strategy; None = ask the tuner
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_len < 2:
+            raise ValueError(f"max_batch >= 1 and max_len >= 2 required, got {self.max_batch}, {self.max_len}")
+        if self.elastic_threshold < 0:
+            raise ValueError(f"elastic_threshold must be >= 0, got {self.elastic_threshold}")
+
+
+@dataclasses.dataclass
+class StepRecord:
+    batch: int
+    arm: str
+    sd: bool
+    accepted: int  # accepted draft tokens, summed over the batch
+    committed: int  # tokens committed, summed over the batch
+    seconds: float
+
+
+@dataclasses.dataclass
+class RolloutResult:
+    outputs: list[list[int]]  # response token ids per request, in input order
+    steps: list[StepRecord]
+    accept_lengths: list[int]  # committed tokens per request per speculative step
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+
+class RolloutEngine:
+    def __init__(self, target: TargetModel, cfg: EngineConfig = EngineConfig(), *,
+                 proposer: Proposer | None = None, tuner: Tuner | None = None) -> None:
+        if proposer is not None and cfg.arm is None and tuner is None:
+            raise ValueError("a proposer needs a strategy: set EngineConfig.arm or pass a tuner")
+        self.target, self.cfg, self.proposer, self.tuner = target, cfg, proposer, tuner
+        mc = target.config
+        self.device = target.embed_weight.device
+        self.cache = StaticKVCache(mc.num_hidden_layers, cfg.max_batch, mc.num_key_value_heads,
+                                   cfg.max_len, mc.head_dim, dtype=target.embed_weight.dtype,
+                                   device=self.device)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 groups: Sequence[int] | None = None) -> RolloutResult:
+        """Responses for ``prompts`` (GRPO ``groups``: requests sharing a prompt group id)."""
+        n = len(prompts)
+        if n == 0 or n > self.cfg.max_batch:
+            raise ValueError(f"need 1..{self.cfg.max_batch} prompts (EngineConfig.max_batch), got {n}")
+        plist = list(params) if isinstance(params, Sequence) else [params] * n
+        groups = list(groups) if groups is not None else list(range(n))
+        if len(plist) != n or len(groups) != n:
+            raise ValueError("params and groups must have one entry per prompt")
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) + sp.max_new_tokens + 1 > self.cfg.max_len:
+                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {sp.max_new_tokens} exceed "
+                                 f"EngineConfig.max_len={self.cfg.max_len}")
+        t_start = time.perf_counter()
+        gens = [torch.Generator(device=self.device).manual_seed(self.cfg.seed * 1_000_003 + i) for i in range(n)]
+        rows = list(range(n))  # running request id per cache row
+        outputs: list[list[int]] = [[] for _ in range(n)]
+        lengths = [len(p) for p in prompts]  # committed tokens incl. the pending last one
+
+        first, features = self._prefill(prompts, plist, gens)
+        self._pending = dict(enumerate(first))  # last committed token: its KV is not cached yet
+        if self.proposer is not None:
+            # Prompt position t's feature predicted prompt token t + 1; the last one predicted `first`.
+            self.proposer.start(rows, groups, [list(p) for p in prompts],
+                                [f[:-1] for f in features] if features else None)
+        steps: list[StepRecord] = []
+        accept_lengths: list[int] = []
+        last = [[t] for t in first]
+        hidden_last = [f[-1:] for f in features] if features else None
+        while rows:
+            # Commit what the last step produced; retire finished requests.
+            if self.proposer is not None:
+                self.proposer.accept(list(rows), last, hidden_last)
+            keep = []
+            for k, r in enumerate(rows):
+                p = plist[r]
+                for tok in last[k]:
+                    outputs[r].append(tok)
+                    lengths[r] += 1
+                    if tok in p.stop_ids or len(outputs[r]) >= p.max_new_tokens:
+                        break
+                done = outputs[r][-1] in p.stop_ids or len(outputs[r]) >= p.max_new_tokens
+                if not done:
+                    keep.append(k)
+            kept = set(keep)
+            finished = [r for k, r in enumerate(rows) if k not in kept]
+            if finished and self.proposer is not None:
+                self.proposer.finish(finished)  # proposers compact their own rows the same way
+            self._compact_rows(keep)
+            rows = [rows[k] for k in keep]
+            if not rows:
+                break
+            last, hidden_last, rec, acc = self._step(rows, lengths, plist, gens)
+            steps.append(rec)
+            accept_lengths += acc
+        return RolloutResult(outputs, steps, accept_lengths, time.perf_counter() - t_start)
+
+    # ------------------------------------------------------------------ internals
+    def _prefill(self, prompts, plist, gens):
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)
+        t = int(lens.max())
+        ids = torch.zeros(len(prompts), t, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(list(p))
+        pos = torch.arange(t, device=self.device).expand_as(ids)
+        mask = to_additive(prefill_mask(lens, t))
+        out = self.target(ids, pos, CachedBackend(self.cache, pos, mask), capture=self._capture)
+        first = []
+        for i, p in enumerate(prompts):
+            logits = out.logits[i, len(p) - 1: len(p)]
+            first.append(verify(logits[None], DraftTree.empty(1, self.device), [plist[i]], [gens[i]]).tokens[0][0])
+        # The pending first token's KV is written by the next step (as its tree root).
+        feats = self._features(out)
+        return first, None if feats is None else [feats[i, : len(p)] for i, p in enumerate(prompts)]
+
+    @property
+    def _capture(self) -> tuple[int, ...]:
+        layers = self.proposer.feature_layers if self.proposer is not None else None
+        return tuple(layers or ())
+
+    def _features(self, out) -> torch.Tensor | None:
+        """What the proposer pairs with tokens: [B, T, F] post-norm hidden or concatenated layers."""
+        layers = self.proposer.feature_layers if self.proposer is not None else None
+        if layers is None:
+            return None
+        return torch.cat([out.aux[i] for i in layers], -1) if layers else out.hidden
+
+    def _step(self, rows, lengths, plist, gens):
+        b = len(rows)
+        sd = self.proposer is not None and b <= self.cfg.elastic_threshold
+        arm = Arm.off()
+        if sd:
+            arm = self.cfg.arm if self.cfg.arm is not None else self.tuner.choose(b)
+        t0 = time.perf_counter()
+        tree = self.proposer.propose(rows, arm) if sd and not arm.is_off else DraftTree.empty(b, self.device)
+        tree = DraftTree(tree.tokens.to(self.device), tree.parents.to(self.device), tree.valid.to(self.device))
+        n = tree.num_nodes
+        cur = torch.tensor([lengths[r] for r in rows], device=self.device)  # committed incl. pending
+        roots = cur - 1
+        last_tok = torch.tensor([self._pending[r] for r in rows], device=self.device)
+        ids = torch.cat([last_tok[:, None], tree.tokens], 1)  # [B, 1 + N]
+        parents = torch.cat([torch.full((b, 1), -1, device=self.device), tree.parents + 1], 1)
+        parents[:, 1:] = torch.where(tree.valid, parents[:, 1:], -1)
+        depth = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=self.device),
+                           tree.depths() + 1], 1)
+        slots = roots[:, None] + torch.arange(1 + n, device=self.device)
+        span = int(slots.max()) + 1
+        mask = to_additive(tree_mask(roots, parents, span))
+        out = self.target(ids, roots[:, None] + depth, CachedBackend(self.cache, slots, mask),
+                          capture=self._capture)
+        res = verify(out.logits, tree, [plist[r] for r in rows], [gens[r] for r in rows])
+        # Move accepted nodes' keys/values to the slots right after the root.
+        for k, nodes in enumerate(res.nodes):
+            for d, node in enumerate(nodes):
+                src, dst = int(roots[k]) + 1 + node, int(roots[k]) + 1 + d
+                if src != dst:
+                    self.cache.k[:, k, :, dst] = self.cache.k[:, k, :, src]
+                    self.cache.v[:, k, :, dst] = self.cache.v[:, k, :, src]
+        feats = self._features(out)
+        hidden = None if feats is None else [feats[k, [0] + [1 + j for j in nodes]]
+                                             for k, nodes in enumerate(res.nodes)]
+        for k, r in enumerate(rows):
+            self._pending[r] = res.tokens[k][-1]
+        seconds = time.perf_counter() - t0
+        accepted = sum(len(x) for x in res.nodes)
+        if sd and self.tuner is not None and self.cfg.arm is None:
+            self.tuner.record(b, arm, accepted, seconds)
+        rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(len(t) for t in res.tokens), seconds)
+        acc = [len(t) for t in res.tokens] if rec.sd else []
+        return res.tokens, hidden, rec, acc
+
+    def _compact_rows(self, keep: list[int]) -> None:
+        """Cache rows of the kept requests become rows 0..len(keep)-1 (order preserved)."""
+        for new, old in enumerate(keep):
+            if new != old:
+                self.cache.k[:, new] = self.cache.k[:, old]
+                self.cache.v[:, new] = self.cache.v[:, old]

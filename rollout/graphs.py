@@ -1,0 +1,509 @@
+"""CUDA-graph planning per batch-size bucket, a graph-memory model, and the capture/replay pool.
+
+Owns which graphs the SD engine captures (:func:`plan_graphs`), what they are estimated to cost
+(:func:`estimate_bytes`, :meth:`GraphPlan.memory_report`) and the pool that captures and replays
+them on a GPU (:class:`CudaGraphPool`). The pool is model-agnostic: the engine hands it a factory
+``make_step(key) -> (static_inputs, fn)`` and the pool only warms up, captures, copies inputs and
+replays. It never decides strategies; the BEG-MAB tuner does, from the same buckets.
+
+Graph keys (both frozen, so identical shapes from different arms merge into one graph):
+
+* ``TargetGraphKey(batch, query_tokens)``: one target forward over ``[batch, query_tokens]``;
+  an arm verifies ``tokens_to_verify + 1`` tokens (its draft nodes plus the root token), and
+  ``Arm.off()`` is the plain decode graph ``query_tokens=1``.
+* ``DraftGraphKey(batch, topk)``: one drafter step over ``[batch, topk]`` tokens. An arm of
+  depth ``d`` replays it ``d`` times (the first level has one valid token per row, the root; the
+  other ``topk-1`` columns are masked padding), so arms that differ only in depth or
+  tokens-to-verify share it. Keying by ``(batch, depth, topk)`` (one multi-step graph, as SGLang
+  captures) would save ``d-1`` graph launches (~10 us each) per round but multiply the graph count
+  and hold ``d`` levels of activations; per-step replay keeps one level's workspace.
+  The drafter's catch-up forward over accepted tokens is not planned here.
+
+Policies: ``naive`` captures every arm of every bucket at every captured batch size;
+``bucketed`` captures, at captured size ``c``, only the arms of the buckets that runtime batch
+sizes padded to ``c`` (``prev_c < bs <= c``) map to. A batch above the last bucket's max uses the
+last bucket; a batch above the largest captured size has no graph (``padded_batch`` -> None: the
+engine runs it eagerly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Union
+
+import torch
+
+from drafter.model_config import ModelConfig
+from rollout.strategy import Arm
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("bucketed", "naive")
+DEFAULT_CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# (max batch size, arms the tuner may pick there); deep/wide trees for few requests, shallow ones
+# for many (TLT Table 2: 64 tokens verified at bs 1, 16 at bs 32). Pass the tuner's own buckets.
+DEFAULT_BUCKETS: tuple[tuple[int, tuple[Arm, ...]], ...] = (
+    (2, (Arm(8, 8, 64), Arm(6, 8, 48), Arm(6, 4, 32), Arm.off())),
+    (8, (Arm(6, 8, 48), Arm(6, 4, 32), Arm(5, 4, 24), Arm.off())),
+    (16, (Arm(6, 4, 32), Arm(5, 4, 24), Arm(4, 4, 16), Arm.off())),
+    (32, (Arm(5, 4, 24), Arm(4, 4, 16), Arm(4, 2, 8), Arm.off())),
+    (64, (Arm(4, 2, 8), Arm(3, 2, 6), Arm(3, 1, 3), Arm.off())),
+)
+
+
+# --------------------------------------------------------------------------- keys and config
+@dataclasses.dataclass(frozen=True, order=True, kw_only=True)
+class TargetGraphKey:
+    batch: int  # captured (padded) batch size
+    query_tokens: int  # tokens per row: tokens_to_verify + 1, or 1 for plain decode
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.query_tokens
+
+    def __str__(self) -> str:
+        return f"target[b{self.batch} q{self.query_tokens}]"
+
+
+@dataclasses.dataclass(frozen=True, order=True, kw_only=True)
+class DraftGraphKey:
+    batch: int  # captured (padded) batch size
+    topk: int  # tokens per row in one draft step
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.topk
+
+    def __str__(self) -> str:
+        return f"draft[b{self.batch} k{self.topk}]"
+
+
+GraphKey = Union[TargetGraphKey, DraftGraphKey]
+
+
+def arm_keys(batch: int, arm: Arm) -> tuple[TargetGraphKey, DraftGraphKey | None]:
+    """The graphs one round of ``arm`` replays at captured size ``batch`` (no draft graph if off)."""
+    if arm.is_off:
+        return TargetGraphKey(batch=batch, query_tokens=1), None
+    return (TargetGraphKey(batch=batch, query_tokens=arm.tokens_to_verify + 1),
+            DraftGraphKey(batch=batch, topk=arm.topk))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GraphPlanConfig:
+    capture_batch_sizes: tuple[int, ...] = DEFAULT_CAPTURE_BATCH_SIZES
+    buckets: tuple[tuple[int, tuple[Arm, ...]], ...] = DEFAULT_BUCKETS
+    # Plain decode graph (query_tokens=1) at every captured size: the engine decodes without SD
+    # above the elastic threshold. Off, decode graphs come only from buckets holding Arm.off().
+    include_decode: bool = True
+
+    def __post_init__(self) -> None:
+        sizes = tuple(self.capture_batch_sizes)
+        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+            raise ValueError(f"capture_batch_sizes={sizes}: give one or more batch sizes >= 1")
+        if list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"capture_batch_sizes={sizes}: sort them ascending without repeats")
+        if not self.buckets:
+            raise ValueError("buckets is empty: give at least one (max_batch_size, arms) bucket")
+        prev = 0
+        for i, bucket in enumerate(self.buckets):
+            if not (isinstance(bucket, tuple) and len(bucket) == 2):
+                raise ValueError(f"buckets[{i}]={bucket!r}: each bucket is (max_batch_size, (Arm, ...))")
+            top, arms = bucket
+            if not isinstance(top, int) or top <= prev:
+                raise ValueError(f"buckets[{i}] max_batch_size={top!r}: bucket maxima must be ints "
+                                 f"strictly ascending (previous {prev})")
+            if not arms or not all(isinstance(a, Arm) for a in arms):
+                raise ValueError(f"buckets[{i}] arms={arms!r}: give a non-empty tuple of Arm")
+            if len(set(arms)) != len(arms):
+                raise ValueError(f"buckets[{i}] arms={tuple(map(str, arms))}: remove the repeated arm")
+            prev = top
+        object.__setattr__(self, "capture_batch_sizes", sizes)
+
+    def bucket_index(self, batch: int) -> int:
+        """The bucket a runtime batch maps to: the first with ``batch <= max``, else the last."""
+        if batch < 1:
+            raise ValueError(f"batch={batch}: a batch has at least one request")
+        for i, (top, _) in enumerate(self.buckets):
+            if batch <= top:
+                return i
+        return len(self.buckets) - 1
+
+    def padded_batch(self, batch: int) -> int | None:
+        """The captured size a runtime batch is padded up to; None above the largest (eager)."""
+        if batch < 1:
+            raise ValueError(f"batch={batch}: a batch has at least one request")
+        return next((c for c in self.capture_batch_sizes if c >= batch), None)
+
+    @property
+    def all_arms(self) -> tuple[Arm, ...]:
+        return tuple(sorted({a for _, arms in self.buckets for a in arms}))
+
+
+# --------------------------------------------------------------------------- memory model
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelDims:
+    """Shapes the graph-memory model needs; drafter fields of 0 mean 'same as the target'."""
+
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_layers: int  # not in the formula (intermediates are freed layer by layer); bounds aux_layers
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2  # bf16 activations
+    logits_bytes: int = 4  # logits handed to sampling/verification (fp32)
+    aux_layers: int = 0  # extra per-layer hidden states returned by verify (EAGLE-3: 3)
+    draft_intermediate_size: int = 0
+    draft_vocab_size: int = 0  # EAGLE-3 draft vocabulary; 0 = target vocab (EAGLE)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "vocab_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "dtype_bytes", "logits_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in ("aux_layers", "draft_intermediate_size", "draft_vocab_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0 (0 = default)")
+        if self.aux_layers > self.num_layers + 1:
+            raise ValueError(f"aux_layers={self.aux_layers}: at most num_layers + 1 = {self.num_layers + 1}")
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, **kw) -> "ModelDims":
+        return cls(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                   vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
+                   num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                   head_dim=cfg.head_dim, **kw)
+
+
+QWEN25_32B = ModelDims(hidden_size=5120, intermediate_size=27648, vocab_size=152064, num_layers=64,
+                       num_heads=40, num_kv_heads=8, head_dim=128)
+
+
+def estimate_parts(key: GraphKey, dims: ModelDims) -> tuple[int, int]:
+    """(static output bytes, transient workspace bytes) of one captured graph.
+
+    Per token, with H hidden, I intermediate, V vocab, A = heads*head_dim, K = kv_heads*head_dim,
+    b = dtype bytes, f = logits bytes (attention scores are not materialised: flash/paged kernels):
+      target  workspace = b*(2H + 2A + 2K + 3I + V)  residual + normed x, q + attention out, k + v,
+                                                      gate + up + silu(gate)*up, logits before cast
+              outputs   = b*H*(1 + aux_layers) + f*V  post-norm feature (+ EAGLE-3 layers), logits
+      draft   workspace = b*(4H + 2A + 2K + 3I_d + V_d) + 4*V_d  [embed, feature] concat 2H, fc out
+                                                      + normed, layer as above, logits + fp32 softmax
+              outputs   = b*H + topk*(4 + 8)          next feature, top-k probs (fp32) + ids (int64)
+    The transient part is freed layer by layer, so one layer's worth counts; multiply by tokens.
+    """
+    h, a, k = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+    b = dims.dtype_bytes
+    if isinstance(key, TargetGraphKey):
+        work = b * (2 * h + 2 * a + 2 * k + 3 * dims.intermediate_size + dims.vocab_size)
+        out = b * h * (1 + dims.aux_layers) + dims.logits_bytes * dims.vocab_size
+    elif isinstance(key, DraftGraphKey):
+        inter = dims.draft_intermediate_size or dims.intermediate_size
+        vd = dims.draft_vocab_size or dims.vocab_size
+        work = b * (4 * h + 2 * a + 2 * k + 3 * inter + vd) + 4 * vd
+        out = b * h + key.topk * (4 + 8)
+    else:
+        raise TypeError(f"not a graph key: {key!r}")
+    return key.tokens * out, key.tokens * work
+
+
+def estimate_bytes(key: GraphKey, dims: ModelDims) -> int:
+    """Activation + workspace bytes of one graph captured into its own pool (see estimate_parts)."""
+    out, work = estimate_parts(key, dims)
+    return out + work
+
+
+def _sum_bytes(keys: Iterable[GraphKey], dims: ModelDims) -> tuple[int, int]:
+    """(private pools: sum of graphs, one shared pool: sum of outputs + largest workspace)."""
+    parts = [estimate_parts(k, dims) for k in keys]
+    private = sum(o + w for o, w in parts)
+    shared = sum(o for o, _ in parts) + max((w for _, w in parts), default=0)
+    return private, shared
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryReport:
+    naive_bytes: int  # every arm at every captured size, each graph counted whole
+    bucketed_bytes: int
+    single_bytes: int  # the largest single arm at every captured size
+    single_arm: str
+    naive_shared_bytes: int  # same sets in one shared pool: outputs + the largest workspace
+    bucketed_shared_bytes: int
+    naive_graphs: int
+    bucketed_graphs: int
+    single_graphs: int
+
+    @property
+    def ratio(self) -> float:
+        return self.naive_bytes / self.bucketed_bytes if self.bucketed_bytes else float("inf")
+
+    @property
+    def shared_ratio(self) -> float:
+        return self.naive_shared_bytes / self.bucketed_shared_bytes if self.bucketed_shared_bytes else float("inf")
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "ratio": self.ratio, "shared_ratio": self.shared_ratio}
+
+    def lines(self) -> list[str]:
+        gb = 1e9
+        return [
+            f"  model naive    {self.naive_bytes / gb:7.2f} GB  ({self.naive_graphs} graphs)",
+            f"  model bucketed {self.bucketed_bytes / gb:7.2f} GB  ({self.bucketed_graphs} graphs)",
+            f"  model single   {self.single_bytes / gb:7.2f} GB  ({self.single_graphs} graphs, "
+            f"largest arm {self.single_arm})",
+            f"  naive / bucketed = {self.ratio:.2f}x (paper 30.39/10.69 = 2.84x); one shared pool: "
+            f"{self.naive_shared_bytes / gb:.2f} / {self.bucketed_shared_bytes / gb:.2f} GB = "
+            f"{self.shared_ratio:.2f}x",
+        ]
+
+
+# --------------------------------------------------------------------------- the plan
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GraphSet:
+    target: tuple[TargetGraphKey, ...]
+    draft: tuple[DraftGraphKey, ...]
+
+    @classmethod
+    def of(cls, keys: Iterable[GraphKey | None]) -> "GraphSet":
+        keys = {k for k in keys if k is not None}
+        return cls(target=tuple(sorted(k for k in keys if isinstance(k, TargetGraphKey))),
+                   draft=tuple(sorted(k for k in keys if isinstance(k, DraftGraphKey))))
+
+    @property
+    def keys(self) -> tuple[GraphKey, ...]:
+        return self.target + self.draft
+
+    def __len__(self) -> int:
+        return len(self.target) + len(self.draft)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.target or key in self.draft
+
+
+def _graphs_for(arms_by_batch: Mapping[int, Sequence[Arm]], include_decode: bool) -> GraphSet:
+    keys: list[GraphKey | None] = []
+    for c, arms in arms_by_batch.items():
+        if include_decode:
+            keys.append(TargetGraphKey(batch=c, query_tokens=1))
+        for arm in arms:
+            keys.extend(arm_keys(c, arm))
+    return GraphSet.of(keys)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GraphPlan:
+    config: GraphPlanConfig
+    arms_by_batch: tuple[tuple[int, tuple[Arm, ...]], ...]  # captured size -> arms needed there
+    bucketed: GraphSet
+    naive: GraphSet
+
+    def graphs(self, policy: str = "bucketed") -> GraphSet:
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r}: use one of {POLICIES}")
+        return self.bucketed if policy == "bucketed" else self.naive
+
+    def padded_batch(self, batch: int) -> int | None:
+        return self.config.padded_batch(batch)
+
+    def keys_for(self, batch: int, arm: Arm, policy: str = "bucketed") -> tuple[TargetGraphKey, DraftGraphKey | None]:
+        """Graphs to replay for a runtime batch running ``arm``; KeyError if not captured."""
+        padded = self.padded_batch(batch)
+        if padded is None:
+            raise KeyError(f"batch {batch} exceeds the largest captured size "
+                           f"{self.config.capture_batch_sizes[-1]}: run it eagerly")
+        keys = arm_keys(padded, arm)
+        graphs = self.graphs(policy)
+        missing = [str(k) for k in keys if k is not None and k not in graphs]
+        if missing:
+            raise KeyError(f"arm {arm} at batch {batch} (padded {padded}) needs {missing}, not in the "
+                           f"{policy} plan; the tuner must pick arms from bucket "
+                           f"{self.config.bucket_index(batch)}")
+        return keys
+
+    def memory_report(self, dims: ModelDims) -> MemoryReport:
+        naive, naive_shared = _sum_bytes(self.naive.keys, dims)
+        bucketed, bucketed_shared = _sum_bytes(self.bucketed.keys, dims)
+        sizes = self.config.capture_batch_sizes
+        best: tuple[int, str, int] = (-1, "off", 0)
+        for arm in self.config.all_arms:
+            single = _graphs_for({c: (arm,) for c in sizes}, self.config.include_decode)
+            total = _sum_bytes(single.keys, dims)[0]
+            if total > best[0]:
+                best = (total, str(arm), len(single))
+        return MemoryReport(naive_bytes=naive, bucketed_bytes=bucketed, single_bytes=best[0],
+                            single_arm=best[1], single_graphs=best[2],
+                            naive_shared_bytes=naive_shared, bucketed_shared_bytes=bucketed_shared,
+                            naive_graphs=len(self.naive), bucketed_graphs=len(self.bucketed))
+
+
+def plan_graphs(cfg: GraphPlanConfig) -> GraphPlan:
+    """Unique graph keys per policy; identical shapes from different arms are captured once."""
+    arms_by_batch: dict[int, tuple[Arm, ...]] = {}
+    prev = 0
+    for c in cfg.capture_batch_sizes:
+        # runtime batches prev < bs <= c all replay at c: take every bucket they map to
+        first, last = cfg.bucket_index(prev + 1), cfg.bucket_index(c)
+        arms = {a for i in range(first, last + 1) for a in cfg.buckets[i][1]}
+        arms_by_batch[c] = tuple(sorted(arms))
+        prev = c
+    every = cfg.all_arms
+    plan = GraphPlan(config=cfg, arms_by_batch=tuple(arms_by_batch.items()),
+                     bucketed=_graphs_for(arms_by_batch, cfg.include_decode),
+                     naive=_graphs_for({c: every for c in cfg.capture_batch_sizes}, cfg.include_decode))
+    log.info("graph plan: %d captured sizes, %d arms -> bucketed %d graphs (%d target, %d draft), "
+             "naive %d", len(cfg.capture_batch_sizes), len(every), len(plan.bucketed),
+             len(plan.bucketed.target), len(plan.bucketed.draft), len(plan.naive))
+    return plan
+
+
+# --------------------------------------------------------------------------- the CUDA pool
+StepFn = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+MakeStep = Callable[[GraphKey], tuple[dict[str, torch.Tensor], StepFn]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GraphMemory:
+    """Measured cost of one capture (bytes)."""
+
+    key: str
+    policy: str
+    tokens: int
+    input_bytes: int  # static input buffers made by make_step (exact nbytes)
+    output_bytes: int  # memory_allocated delta across capture: live static outputs
+    pool_bytes: int  # memory_reserved delta across capture: growth of the policy's graph pool
+    device_bytes: int  # mem_get_info delta across capture: pool growth + the graph executable
+
+
+@dataclasses.dataclass
+class _Captured:
+    graph: "torch.cuda.CUDAGraph"
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+    memory: GraphMemory
+
+
+class CudaGraphPool:
+    """Captures ``torch.cuda.CUDAGraph`` s for graph keys and replays them.
+
+    One graph-memory pool (``torch.cuda.graph_pool_handle()``) per policy is shared by that
+    policy's graphs; keys are captured largest first so smaller graphs reuse the pool's blocks.
+    Graphs of one pool must not be replayed concurrently (one stream). Replay returns the static
+    output tensors, overwritten by the next replay of that graph: clone what you keep.
+
+    Needs CUDA: constructing it without a device raises RuntimeError (check
+    ``CudaGraphPool.available()`` and run the step functions eagerly on CPU). Step functions must
+    be capturable: no host syncs (``.item()``, ``int(tensor)``, dynamic-NTK RoPE), no allocation
+    of new inputs, fixed shapes.
+    """
+
+    def __init__(self, make_step: MakeStep, *, device: torch.device | str | None = None,
+                 warmup_iters: int = 3) -> None:
+        if not self.available():
+            raise RuntimeError("CudaGraphPool needs a CUDA device and torch.cuda.is_available() is "
+                               "False: check CudaGraphPool.available() and run steps eagerly on CPU")
+        if warmup_iters < 1:
+            raise ValueError(f"warmup_iters={warmup_iters}: at least 1 warm-up run is needed "
+                             "before capture (cuBLAS handles, lazy init)")
+        self.device = torch.device(device if device is not None else "cuda")
+        self._make_step = make_step
+        self.warmup_iters = warmup_iters
+        self._pools: dict[str, tuple] = {}
+        self._graphs: dict[tuple[str, GraphKey], _Captured] = {}
+        self._side = torch.cuda.Stream(device=self.device)  # one warm-up stream: one cuBLAS workspace
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available()
+
+    def capture(self, keys: Iterable[GraphKey], *, policy: str = "bucketed") -> list[GraphMemory]:
+        """Capture every key not yet captured under ``policy`` (largest first); their costs."""
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r}: use one of {POLICIES}")
+        with torch.cuda.device(self.device):
+            pool = self._pools.setdefault(policy, torch.cuda.graph_pool_handle())
+            todo = sorted(set(keys), key=lambda k: (-k.tokens, str(k)))
+            out = [self._capture_one(policy, k, pool) for k in todo if (policy, k) not in self._graphs]
+        log.info("captured %d %s graphs: pool +%.1f MB", len(out), policy,
+                 sum(m.pool_bytes for m in out) / 1e6)
+        return out
+
+    def _capture_one(self, policy: str, key: GraphKey, pool: tuple) -> GraphMemory:
+        inputs, fn = self._make_step(key)
+        for name, t in inputs.items():
+            if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+                raise ValueError(f"{key}: static input {name!r} must be a CUDA tensor, got "
+                                 f"{type(t).__name__} on {getattr(t, 'device', None)}")
+        # Warm-up on a side stream, as the PyTorch CUDA-graph docs prescribe.
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(self._side):
+            for _ in range(self.warmup_iters):
+                fn(inputs)
+        torch.cuda.current_stream().wait_stream(self._side)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # so the reserved delta below is the graph pool's growth only
+        free0, alloc0, res0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
+            outputs = fn(inputs)
+        torch.cuda.synchronize()
+        if not isinstance(outputs, Mapping) or not all(isinstance(v, torch.Tensor) for v in outputs.values()):
+            raise TypeError(f"{key}: the step function must return a dict of tensors, got "
+                            f"{type(outputs).__name__}")
+        mem = GraphMemory(key=str(key), policy=policy, tokens=key.tokens,
+                          input_bytes=sum(t.numel() * t.element_size() for t in inputs.values()),
+                          output_bytes=torch.cuda.memory_allocated() - alloc0,
+                          pool_bytes=torch.cuda.memory_reserved() - res0,
+                          device_bytes=free0 - torch.cuda.mem_get_info()[0])
+        self._graphs[(policy, key)] = _Captured(graph, inputs, dict(outputs), mem)
+        log.debug("captured %s (%s): pool +%d B, outputs %d B", key, policy, mem.pool_bytes, mem.output_bytes)
+        return mem
+
+    def has(self, key: GraphKey, policy: str | None = None) -> bool:
+        return any(k == key and (policy is None or p == policy) for p, k in self._graphs)
+
+    def replay(self, key: GraphKey, *, policy: str | None = None, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copy ``inputs`` into the static buffers (same shapes), replay, return static outputs."""
+        cap = next((c for (p, k), c in self._graphs.items() if k == key and policy in (None, p)), None)
+        if cap is None:
+            raise KeyError(f"{key} was not captured{f' under {policy}' if policy else ''}; "
+                           "capture it first (or pad the batch to a captured size)")
+        for name, value in inputs.items():
+            dst = cap.inputs.get(name)
+            if dst is None:
+                raise KeyError(f"{key}: no static input {name!r}; inputs are {sorted(cap.inputs)}")
+            if dst.shape != value.shape:
+                raise ValueError(f"{key}: input {name!r} has shape {tuple(value.shape)}, the graph was "
+                                 f"captured with {tuple(dst.shape)}; pad to the captured shape")
+            dst.copy_(value, non_blocking=True)
+        cap.graph.replay()
+        return cap.outputs
+
+    def memory(self, policy: str | None = None) -> list[GraphMemory]:
+        return [c.memory for (p, _), c in self._graphs.items() if policy in (None, p)]
+
+    def memory_report(self) -> dict:
+        """Measured totals per captured policy, and naive/bucketed when both were captured."""
+        report: dict = {}
+        for policy in POLICIES:
+            mems = self.memory(policy)
+            if mems:
+                report[policy] = {"graphs": len(mems), **{f: sum(getattr(m, f) for m in mems) for f in
+                                  ("input_bytes", "output_bytes", "pool_bytes", "device_bytes")}}
+        if "naive" in report and "bucketed" in report:
+            for f in ("pool_bytes", "device_bytes"):
+                den = report["bucketed"][f]
+                report[f"ratio_{f}"] = report["naive"][f] / den if den else float("inf")
+        return report
+
+    def close(self) -> None:
+        """Drop every graph and its buffers, and return the cached memory to the device."""
+        for cap in self._graphs.values():
+            cap.graph.reset()
+        self._graphs.clear()
+        self._pools.clear()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

@@ -1,0 +1,365 @@
+"""Model-free n-gram drafter: drafts from the request's prompt, its own output and its GRPO siblings.
+
+Owns :class:`NgramConfig` and :class:`NgramProposer`, a :class:`~rollout.draft_tree.Proposer` used
+while no trained EAGLE drafter exists (early RL steps). Matching is plain Python over incremental
+hash indexes (every token is indexed once, when it arrives); torch is touched only to pack the final
+:class:`~rollout.draft_tree.DraftTree`. Proposers only propose: verification stays lossless whatever
+is drafted here.
+
+Matching rules
+--------------
+Context
+    A request's context is ``prompt + output``, output being every token passed to ``accept``.
+Occurrence
+    A position ``p`` of some source sequence whose preceding ``n`` tokens equal the last ``n``
+    tokens of the context. Its *continuation* is ``source[p : p + arm.depth]``; an occurrence with
+    an empty continuation (the source ends at ``p``) never counts.
+Sources
+    * own prompt (``use_prompt``): positions ``p < len(prompt)`` of the request's own sequence;
+    * own output (``use_own_output``): positions ``p >= len(prompt)`` of its own sequence. The
+      current end ``p == len(context)`` has an empty continuation, so a request never matches
+      itself trivially; a continuation may run up to the current end;
+    * siblings (``use_siblings``): positions ``p >= len(sibling prompt)`` of any other request of
+      the same GRPO group, running or finished. Only continuations starting in a sibling's output
+      count (the matched n-gram itself may lie in its prompt): the shared prompt is covered by the
+      request's own prompt and is not counted once per sibling. Other groups are never used.
+Match length
+    Suffix lengths ``n = min(max_n, len(context))`` down to ``min_n`` are tried. A position found
+    at several lengths counts once, at its longest. Occurrences are collected longest ``n`` first,
+    most recent first within one ``n``, at most ``max_occurrences`` in all, so shorter matches only
+    fill the slots longer ones left. No occurrence at any ``n >= min_n``: no draft (an all-invalid
+    row), never a guess.
+Ranking
+    The collected continuations form a trie whose root is the last verified token. Every trie node
+    gets the key ``(match length, frequency, recency)``: the longest ``n`` among the occurrences
+    whose continuation passes through the node; how many of those (at that ``n``) pass through it;
+    the newest of their stamps (a global counter bumped for every indexed token). Keys compare
+    lexicographically, higher first; two distinct nodes never tie (stamps are unique).
+Tree
+    Paths are taken greedily. The first descends from the root to the best child at every level;
+    each next one starts at the best not-yet-taken child of any node already in the tree (best
+    branch point, whatever its depth) and descends greedily again. At most ``arm.topk`` paths
+    (distinct continuations, so ``topk == 1`` gives a chain), at most ``arm.depth`` deep, at most
+    ``arm.tokens_to_verify`` nodes in all (the last path is cut). Nodes are emitted in the order
+    taken, so a parent always precedes its children. ``Arm.off()`` gives an empty tree.
+
+Lifetime
+--------
+``start`` indexes the prompt (siblings with equal prompts share one prompt index); ``accept``
+indexes each committed token (``max_n - min_n + 1`` dict appends per token); ``finish`` freezes
+a request, whose sequence stays a source for its siblings. When the last running request of a
+group finishes, the group's data are dropped (``drop_finished_groups=True``, the default; with
+``False`` call :meth:`NgramProposer.clear_group` or :meth:`NgramProposer.reset`). A request id
+can be reused once its group is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import logging
+from typing import Iterable, Sequence
+
+import torch
+
+from rollout.draft_tree import DraftTree
+from rollout.strategy import Arm
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NgramConfig", "NgramProposer"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NgramConfig:
+    min_n: int = 1  # shortest context suffix that may match
+    max_n: int = 4  # longest context suffix tried (longer = more precise, more index entries)
+    max_occurrences: int = 32  # occurrences (candidate continuations) gathered per request and step
+    use_prompt: bool = True  # the request's own prompt
+    use_own_output: bool = True  # the request's own output so far
+    use_siblings: bool = True  # outputs of the other requests of its GRPO group
+    drop_finished_groups: bool = True  # free a group's data when its last request finishes
+
+    def __post_init__(self) -> None:
+        for name in ("min_n", "max_n", "max_occurrences"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"NgramConfig.{name} must be an int, got {value!r}")
+        for name in ("use_prompt", "use_own_output", "use_siblings", "drop_finished_groups"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"NgramConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.min_n < 1:
+            raise ValueError(f"NgramConfig.min_n must be >= 1, got {self.min_n}")
+        if self.max_n < self.min_n:
+            raise ValueError(f"NgramConfig.max_n ({self.max_n}) must be >= min_n ({self.min_n})")
+        if self.max_n > 32:
+            raise ValueError(f"NgramConfig.max_n must be <= 32 (index cost grows with it), got {self.max_n}")
+        if self.max_occurrences < 1:
+            raise ValueError(f"NgramConfig.max_occurrences must be >= 1, got {self.max_occurrences}")
+        if not (self.use_prompt or self.use_own_output or self.use_siblings):
+            raise ValueError("NgramConfig: use_prompt, use_own_output and use_siblings are all False; "
+                             "enable at least one source (or run with Arm.off())")
+
+
+class _Index:
+    """n-gram (tuple) -> the positions right after each of its occurrences, oldest first."""
+
+    __slots__ = ("table",)
+
+    def __init__(self) -> None:
+        self.table: dict[tuple[int, ...], list[int]] = {}
+
+
+class _Seq:
+    """One request: its tokens, their stamps and its two indexes."""
+
+    __slots__ = ("rid", "group", "tokens", "stamps", "prompt_len", "prompt_index", "output_index", "finished")
+
+    def __init__(self, rid: int, group: "_Group", prompt_len: int, prompt_index: _Index) -> None:
+        self.rid = rid
+        self.group = group
+        self.tokens: list[int] = []
+        self.stamps: list[int] = []  # stamps[i]: global clock when tokens[i] was indexed
+        self.prompt_len = prompt_len
+        self.prompt_index = prompt_index  # positions p < prompt_len (may be shared with siblings)
+        self.output_index = _Index()  # positions p >= prompt_len
+        self.finished = False
+
+
+class _Group:
+    __slots__ = ("gid", "members", "running", "prompt_indexes")
+
+    def __init__(self, gid: int) -> None:
+        self.gid = gid
+        self.members: list[_Seq] = []
+        self.running = 0
+        self.prompt_indexes: dict[tuple[int, ...], _Index] = {}  # equal prompts share one index
+
+
+class _Node:
+    """Trie node; (n, count, stamp) is its ranking key (see the module docstring)."""
+
+    __slots__ = ("children", "n", "count", "stamp")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.n = 0
+        self.count = 0
+        self.stamp = -1
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.n, self.count, self.stamp)
+
+
+def _as_list(tokens: Iterable[int]) -> list[int]:
+    return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
+
+
+class NgramProposer:
+    """The model-free drafter (see the module docstring for the exact rules)."""
+
+    def __init__(self, config: NgramConfig | None = None) -> None:
+        self.config = config if config is not None else NgramConfig()
+        self._reqs: dict[int, _Seq] = {}
+        self._groups: dict[int, _Group] = {}
+        self._clock = 0
+
+    # --- lifetime ---------------------------------------------------------------------------
+
+    def start(self, rids: Sequence[int], groups: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        if not (len(rids) == len(groups) == len(prompts)):
+            raise ValueError(f"start: rids, groups and prompts must have one entry per request, got "
+                             f"{len(rids)}, {len(groups)}, {len(prompts)}")
+        if len(set(rids)) != len(rids):
+            raise ValueError(f"start: duplicate request ids in {list(rids)}")
+        for rid in rids:
+            if rid in self._reqs:
+                raise ValueError(f"start: request {rid} is already registered")
+        for rid, gid, prompt in zip(rids, groups, prompts):
+            prompt = _as_list(prompt)
+            group = self._groups.get(gid)
+            if group is None:
+                group = self._groups[gid] = _Group(gid)
+            key = tuple(prompt)
+            shared = group.prompt_indexes.get(key)
+            seq = _Seq(rid, group, len(prompt), shared if shared is not None else _Index())
+            self._append(seq, prompt, index_prompt=shared is None)
+            if shared is None:
+                group.prompt_indexes[key] = seq.prompt_index
+            group.members.append(seq)
+            group.running += 1
+            self._reqs[rid] = seq
+
+    def accept(self, rids: Sequence[int], tokens: Sequence[Sequence[int]],
+               features: Sequence[torch.Tensor] | None = None) -> None:
+        del features  # model-free
+        if len(rids) != len(tokens):
+            raise ValueError(f"accept: {len(rids)} request ids but {len(tokens)} token lists")
+        for rid, toks in zip(rids, tokens):
+            seq = self._running(rid, "accept")
+            self._append(seq, _as_list(toks), index_prompt=False)
+
+    def finish(self, rids: Sequence[int]) -> None:
+        for rid in rids:
+            seq = self._running(rid, "finish")
+            seq.finished = True
+            group = seq.group
+            group.running -= 1
+            assert group.running >= 0
+            if group.running == 0 and self.config.drop_finished_groups:
+                self.clear_group(group.gid)
+
+    def clear_group(self, gid: int) -> None:
+        """Forget a group (its requests, running or not, become unknown ids)."""
+        group = self._groups.pop(gid, None)
+        if group is None:
+            raise ValueError(f"clear_group: unknown group {gid}")
+        for seq in group.members:
+            del self._reqs[seq.rid]
+        logger.debug("n-gram drafter: dropped group %s (%d requests)", gid, len(group.members))
+
+    def reset(self) -> None:
+        """Forget everything (e.g. between RL steps)."""
+        self._reqs.clear()
+        self._groups.clear()
+
+    @property
+    def num_requests(self) -> int:
+        """Known requests, running or finished-but-kept."""
+        return len(self._reqs)
+
+    # --- proposing --------------------------------------------------------------------------
+
+    def propose(self, rids: Sequence[int], arm: Arm) -> DraftTree:
+        if arm.is_off:
+            return DraftTree.empty(len(rids))
+        drafts = [self._draft(self._running(rid, "propose"), arm) for rid in rids]
+        n = max((len(d) for d in drafts), default=0)
+        tokens = torch.zeros(len(rids), n, dtype=torch.long)  # [B, N]
+        parents = torch.full((len(rids), n), -1, dtype=torch.long)  # [B, N]; padding hangs off the root
+        valid = torch.zeros(len(rids), n, dtype=torch.bool)  # [B, N]
+        for i, d in enumerate(drafts):
+            if d:
+                tokens[i, : len(d)] = torch.tensor([t for t, _ in d], dtype=torch.long)
+                parents[i, : len(d)] = torch.tensor([p for _, p in d], dtype=torch.long)
+                valid[i, : len(d)] = True
+        return DraftTree(tokens, parents, valid)
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _running(self, rid: int, op: str) -> _Seq:
+        seq = self._reqs.get(rid)
+        if seq is None:
+            raise ValueError(f"{op}: unknown request {rid} (never started, or its group was dropped)")
+        if seq.finished:
+            raise ValueError(f"{op}: request {rid} has finished")
+        return seq
+
+    def _append(self, seq: _Seq, new: list[int], *, index_prompt: bool) -> None:
+        """Append tokens and index every n-gram ending at each new token (keyed by the next position)."""
+        lo, hi = self.config.min_n, self.config.max_n
+        toks, plen = seq.tokens, seq.prompt_len
+        for t in new:
+            toks.append(t)
+            seq.stamps.append(self._clock)
+            self._clock += 1
+            p = len(toks)  # position right after the n-grams ending at t
+            if p < plen:
+                if not index_prompt:
+                    continue
+                table = seq.prompt_index.table
+            else:
+                table = seq.output_index.table
+            for n in range(lo, min(hi, p) + 1):
+                key = tuple(toks[p - n:p])
+                bucket = table.get(key)
+                if bucket is None:
+                    table[key] = [p]
+                else:
+                    bucket.append(p)
+
+    def _sources(self, seq: _Seq) -> list[tuple[_Index, _Seq]]:
+        cfg = self.config
+        out: list[tuple[_Index, _Seq]] = []
+        if cfg.use_prompt:
+            out.append((seq.prompt_index, seq))
+        if cfg.use_own_output:
+            out.append((seq.output_index, seq))
+        if cfg.use_siblings:
+            out.extend((sib.output_index, sib) for sib in seq.group.members if sib is not seq)
+        return out
+
+    def _occurrences(self, seq: _Seq) -> list[tuple[int, int, _Seq, int]]:
+        """(match length n, stamp, source, position) of the collected occurrences, best first."""
+        cfg, ctx = self.config, seq.tokens
+        sources = self._sources(seq)
+        found: list[tuple[int, int, _Seq, int]] = []
+        seen: set[tuple[int, int]] = set()  # (id(source), position): counted at its longest n
+        for n in range(min(cfg.max_n, len(ctx)), cfg.min_n - 1, -1):
+            room = cfg.max_occurrences - len(found)
+            key = tuple(ctx[len(ctx) - n:])
+            level: list[tuple[int, _Seq, int]] = []
+            for index, src in sources:
+                positions = index.table.get(key)
+                if not positions:
+                    continue
+                taken = 0
+                for p in reversed(positions):  # newest first; stop once this source filled the room
+                    if p >= len(src.tokens) or (id(src), p) in seen:
+                        continue  # empty continuation (incl. the request's own end) or a longer match
+                    seen.add((id(src), p))
+                    level.append((src.stamps[p - 1], src, p))
+                    taken += 1
+                    if taken == room:
+                        break
+            level.sort(key=lambda e: e[0], reverse=True)
+            found.extend((n, stamp, src, p) for stamp, src, p in level[:room])
+            if len(found) >= cfg.max_occurrences:
+                break
+        return found
+
+    def _draft(self, seq: _Seq, arm: Arm) -> list[tuple[int, int]]:
+        """The tree for one request as (token, parent) pairs in topological order."""
+        occurrences = self._occurrences(seq)
+        if not occurrences:
+            return []
+        root = _Node()
+        for n, stamp, src, p in occurrences:
+            node = root
+            for tok in src.tokens[p:p + arm.depth]:
+                child = node.children.get(tok)
+                if child is None:
+                    child = node.children[tok] = _Node()
+                if n > child.n:
+                    child.n, child.count, child.stamp = n, 1, stamp
+                elif n == child.n:
+                    child.count += 1
+                    child.stamp = max(child.stamp, stamp)
+                node = child
+
+        out: list[tuple[int, int]] = []
+        tie = itertools.count()  # keys never tie; this only keeps the heap from comparing nodes
+        heap: list = []  # branch points: (-key, tie, token, node, parent index, depth)
+
+        def push_children(node: _Node, parent: int, depth: int, skip: _Node | None) -> None:
+            for tok, child in node.children.items():
+                if child is not skip:
+                    n, c, s = child.key()
+                    heapq.heappush(heap, ((-n, -c, -s), next(tie), tok, child, parent, depth))
+
+        push_children(root, -1, 1, None)
+        paths = 0
+        while heap and paths < arm.topk and len(out) < arm.tokens_to_verify:
+            _, _, tok, node, parent, depth = heapq.heappop(heap)
+            paths += 1
+            while True:  # greedy descent from the branch point
+                out.append((tok, parent))
+                if len(out) >= arm.tokens_to_verify or depth >= arm.depth or not node.children:
+                    break
+                best_tok, best = max(node.children.items(), key=lambda kv: kv[1].key())
+                parent, depth = len(out) - 1, depth + 1
+                push_children(node, parent, depth, best)
+                tok, node = best_tok, best
+        assert len(out) <= arm.tokens_to_verify
+        return out
