@@ -23,7 +23,8 @@ Policies: ``naive`` captures every arm of every bucket at every captured batch s
 ``bucketed`` captures, at captured size ``c``, only the arms of the buckets that runtime batch
 sizes padded to ``c`` (``prev_c < bs <= c``) map to. A batch above the last bucket's max uses the
 last bucket; a batch above the largest captured size has no graph (``padded_batch`` -> None: the
-engine runs it eagerly).
+engine runs it eagerly). With ``speculate_max_batch`` (the elastic threshold) sizes that only
+non-speculating batches pad to get the decode graph alone, in both policies.
 """
 
 from __future__ import annotations
@@ -31,26 +32,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Union
 
 import torch
 
 from drafter.model_config import ModelConfig
 from rollout.strategy import Arm
+from rollout.tuner import TunerConfig
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("bucketed", "naive")
 DEFAULT_CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-# (max batch size, arms the tuner may pick there); deep/wide trees for few requests, shallow ones
-# for many (TLT Table 2: 64 tokens verified at bs 1, 16 at bs 32). Pass the tuner's own buckets.
-DEFAULT_BUCKETS: tuple[tuple[int, tuple[Arm, ...]], ...] = (
-    (2, (Arm(8, 8, 64), Arm(6, 8, 48), Arm(6, 4, 32), Arm.off())),
-    (8, (Arm(6, 8, 48), Arm(6, 4, 32), Arm(5, 4, 24), Arm.off())),
-    (16, (Arm(6, 4, 32), Arm(5, 4, 24), Arm(4, 4, 16), Arm.off())),
-    (32, (Arm(5, 4, 24), Arm(4, 4, 16), Arm(4, 2, 8), Arm.off())),
-    (64, (Arm(4, 2, 8), Arm(3, 2, 6), Arm(3, 1, 3), Arm.off())),
-)
+# (max batch size, arms the tuner may pick there): the BEG-MAB tuner's own defaults, so the graphs
+# always cover what the tuner can pick; pass the tuner's config.buckets when it is not the default.
+DEFAULT_BUCKETS: tuple[tuple[int, tuple[Arm, ...]], ...] = TunerConfig().buckets
 
 
 # --------------------------------------------------------------------------- keys and config
@@ -80,7 +75,7 @@ class DraftGraphKey:
         return f"draft[b{self.batch} k{self.topk}]"
 
 
-GraphKey = Union[TargetGraphKey, DraftGraphKey]
+GraphKey = TargetGraphKey | DraftGraphKey
 
 
 def arm_keys(batch: int, arm: Arm) -> tuple[TargetGraphKey, DraftGraphKey | None]:
@@ -98,8 +93,15 @@ class GraphPlanConfig:
     # Plain decode graph (query_tokens=1) at every captured size: the engine decodes without SD
     # above the elastic threshold. Off, decode graphs come only from buckets holding Arm.off().
     include_decode: bool = True
+    # The engine's elastic threshold: a captured size that only batches above it pad to gets no SD
+    # graphs (in both policies: SD never runs there). None = speculate at every captured size.
+    speculate_max_batch: int | None = None
 
     def __post_init__(self) -> None:
+        if self.speculate_max_batch is not None and (
+                not isinstance(self.speculate_max_batch, int) or self.speculate_max_batch < 0):
+            raise ValueError(f"speculate_max_batch={self.speculate_max_batch!r}: give the elastic "
+                             "threshold (an int >= 0) or None to speculate at every captured size")
         sizes = tuple(self.capture_batch_sizes)
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"capture_batch_sizes={sizes}: give one or more batch sizes >= 1")
@@ -107,11 +109,12 @@ class GraphPlanConfig:
             raise ValueError(f"capture_batch_sizes={sizes}: sort them ascending without repeats")
         if not self.buckets:
             raise ValueError("buckets is empty: give at least one (max_batch_size, arms) bucket")
-        prev = 0
+        prev, buckets = 0, []
         for i, bucket in enumerate(self.buckets):
-            if not (isinstance(bucket, tuple) and len(bucket) == 2):
+            if not (isinstance(bucket, (tuple, list)) and len(bucket) == 2
+                    and isinstance(bucket[1], (tuple, list))):
                 raise ValueError(f"buckets[{i}]={bucket!r}: each bucket is (max_batch_size, (Arm, ...))")
-            top, arms = bucket
+            top, arms = bucket[0], tuple(bucket[1])
             if not isinstance(top, int) or top <= prev:
                 raise ValueError(f"buckets[{i}] max_batch_size={top!r}: bucket maxima must be ints "
                                  f"strictly ascending (previous {prev})")
@@ -120,22 +123,31 @@ class GraphPlanConfig:
             if len(set(arms)) != len(arms):
                 raise ValueError(f"buckets[{i}] arms={tuple(map(str, arms))}: remove the repeated arm")
             prev = top
+            buckets.append((top, arms))
         object.__setattr__(self, "capture_batch_sizes", sizes)
+        object.__setattr__(self, "buckets", tuple(buckets))
 
     def bucket_index(self, batch: int) -> int:
         """The bucket a runtime batch maps to: the first with ``batch <= max``, else the last."""
         if batch < 1:
             raise ValueError(f"batch={batch}: a batch has at least one request")
-        for i, (top, _) in enumerate(self.buckets):
-            if batch <= top:
-                return i
-        return len(self.buckets) - 1
+        return next((i for i, (top, _) in enumerate(self.buckets) if batch <= top), len(self.buckets) - 1)
 
     def padded_batch(self, batch: int) -> int | None:
         """The captured size a runtime batch is padded up to; None above the largest (eager)."""
         if batch < 1:
             raise ValueError(f"batch={batch}: a batch has at least one request")
         return next((c for c in self.capture_batch_sizes if c >= batch), None)
+
+    def speculative_sizes(self) -> dict[int, tuple[int, int]]:
+        """Captured size -> (lo, hi): the speculating runtime batches lo..hi padded to it."""
+        out, prev, cap = {}, 0, self.speculate_max_batch
+        for c in self.capture_batch_sizes:
+            hi = c if cap is None else min(c, cap)
+            if hi > prev:
+                out[c] = (prev + 1, hi)
+            prev = c
+        return out
 
     @property
     def all_arms(self) -> tuple[Arm, ...]:
@@ -172,7 +184,7 @@ class ModelDims:
             raise ValueError(f"aux_layers={self.aux_layers}: at most num_layers + 1 = {self.num_layers + 1}")
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, **kw) -> "ModelDims":
+    def from_config(cls, cfg: ModelConfig, **kw) -> ModelDims:
         return cls(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                    vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
                    num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
@@ -196,8 +208,7 @@ def estimate_parts(key: GraphKey, dims: ModelDims) -> tuple[int, int]:
               outputs   = b*H + topk*(4 + 8)          next feature, top-k probs (fp32) + ids (int64)
     The transient part is freed layer by layer, so one layer's worth counts; multiply by tokens.
     """
-    h, a, k = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
-    b = dims.dtype_bytes
+    h, a, k, b = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim, dims.dtype_bytes
     if isinstance(key, TargetGraphKey):
         work = b * (2 * h + 2 * a + 2 * k + 3 * dims.intermediate_size + dims.vocab_size)
         out = b * h * (1 + dims.aux_layers) + dims.logits_bytes * dims.vocab_size
@@ -213,16 +224,13 @@ def estimate_parts(key: GraphKey, dims: ModelDims) -> tuple[int, int]:
 
 def estimate_bytes(key: GraphKey, dims: ModelDims) -> int:
     """Activation + workspace bytes of one graph captured into its own pool (see estimate_parts)."""
-    out, work = estimate_parts(key, dims)
-    return out + work
+    return sum(estimate_parts(key, dims))
 
 
 def _sum_bytes(keys: Iterable[GraphKey], dims: ModelDims) -> tuple[int, int]:
     """(private pools: sum of graphs, one shared pool: sum of outputs + largest workspace)."""
     parts = [estimate_parts(k, dims) for k in keys]
-    private = sum(o + w for o, w in parts)
-    shared = sum(o for o, _ in parts) + max((w for _, w in parts), default=0)
-    return private, shared
+    return sum(o + w for o, w in parts), sum(o for o, _ in parts) + max((w for _, w in parts), default=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -268,7 +276,7 @@ class GraphSet:
     draft: tuple[DraftGraphKey, ...]
 
     @classmethod
-    def of(cls, keys: Iterable[GraphKey | None]) -> "GraphSet":
+    def of(cls, keys: Iterable[GraphKey | None]) -> GraphSet:
         keys = {k for k in keys if k is not None}
         return cls(target=tuple(sorted(k for k in keys if isinstance(k, TargetGraphKey))),
                    draft=tuple(sorted(k for k in keys if isinstance(k, DraftGraphKey))))
@@ -327,10 +335,10 @@ class GraphPlan:
     def memory_report(self, dims: ModelDims) -> MemoryReport:
         naive, naive_shared = _sum_bytes(self.naive.keys, dims)
         bucketed, bucketed_shared = _sum_bytes(self.bucketed.keys, dims)
-        sizes = self.config.capture_batch_sizes
+        sizes, sd = self.config.capture_batch_sizes, self.config.speculative_sizes()
         best: tuple[int, str, int] = (-1, "off", 0)
         for arm in self.config.all_arms:
-            single = _graphs_for({c: (arm,) for c in sizes}, self.config.include_decode)
+            single = _graphs_for({c: (arm,) if c in sd else () for c in sizes}, self.config.include_decode)
             total = _sum_bytes(single.keys, dims)[0]
             if total > best[0]:
                 best = (total, str(arm), len(single))
@@ -342,18 +350,15 @@ class GraphPlan:
 
 def plan_graphs(cfg: GraphPlanConfig) -> GraphPlan:
     """Unique graph keys per policy; identical shapes from different arms are captured once."""
-    arms_by_batch: dict[int, tuple[Arm, ...]] = {}
-    prev = 0
-    for c in cfg.capture_batch_sizes:
-        # runtime batches prev < bs <= c all replay at c: take every bucket they map to
-        first, last = cfg.bucket_index(prev + 1), cfg.bucket_index(c)
-        arms = {a for i in range(first, last + 1) for a in cfg.buckets[i][1]}
-        arms_by_batch[c] = tuple(sorted(arms))
-        prev = c
-    every = cfg.all_arms
+    sd, every = cfg.speculative_sizes(), cfg.all_arms
+    arms_by_batch: dict[int, tuple[Arm, ...]] = {c: () for c in cfg.capture_batch_sizes}
+    for c, (lo, hi) in sd.items():
+        # speculating runtime batches lo..hi all replay at c: take every bucket they map to
+        first, last = cfg.bucket_index(lo), cfg.bucket_index(hi)
+        arms_by_batch[c] = tuple(sorted({a for i in range(first, last + 1) for a in cfg.buckets[i][1]}))
     plan = GraphPlan(config=cfg, arms_by_batch=tuple(arms_by_batch.items()),
                      bucketed=_graphs_for(arms_by_batch, cfg.include_decode),
-                     naive=_graphs_for({c: every for c in cfg.capture_batch_sizes}, cfg.include_decode))
+                     naive=_graphs_for({c: every if c in sd else () for c in arms_by_batch}, cfg.include_decode))
     log.info("graph plan: %d captured sizes, %d arms -> bucketed %d graphs (%d target, %d draft), "
              "naive %d", len(cfg.capture_batch_sizes), len(every), len(plan.bucketed),
              len(plan.bucketed.target), len(plan.bucketed.draft), len(plan.naive))
@@ -380,7 +385,7 @@ class GraphMemory:
 
 @dataclasses.dataclass
 class _Captured:
-    graph: "torch.cuda.CUDAGraph"
+    graph: torch.cuda.CUDAGraph
     inputs: dict[str, torch.Tensor]
     outputs: dict[str, torch.Tensor]
     memory: GraphMemory
@@ -391,8 +396,9 @@ class CudaGraphPool:
 
     One graph-memory pool (``torch.cuda.graph_pool_handle()``) per policy is shared by that
     policy's graphs; keys are captured largest first so smaller graphs reuse the pool's blocks.
-    Graphs of one pool must not be replayed concurrently (one stream). Replay returns the static
-    output tensors, overwritten by the next replay of that graph: clone what you keep.
+    So graphs of one pool must not be replayed concurrently (one stream), and the static outputs
+    ``replay`` returns are valid only until the next replay of *any* graph of that pool (a later
+    graph's outputs may sit in an earlier graph's freed workspace): consume or clone them first.
 
     Needs CUDA: constructing it without a device raises RuntimeError (check
     ``CudaGraphPool.available()`` and run the step functions eagerly on CPU). Step functions must
@@ -462,12 +468,17 @@ class CudaGraphPool:
         log.debug("captured %s (%s): pool +%d B, outputs %d B", key, policy, mem.pool_bytes, mem.output_bytes)
         return mem
 
+    def _find(self, key: GraphKey, policy: str | None) -> _Captured | None:
+        return next((self._graphs[(p, key)] for p in ((policy,) if policy else POLICIES)
+                     if (p, key) in self._graphs), None)
+
     def has(self, key: GraphKey, policy: str | None = None) -> bool:
-        return any(k == key and (policy is None or p == policy) for p, k in self._graphs)
+        return self._find(key, policy) is not None
 
     def replay(self, key: GraphKey, *, policy: str | None = None, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Copy ``inputs`` into the static buffers (same shapes), replay, return static outputs."""
-        cap = next((c for (p, k), c in self._graphs.items() if k == key and policy in (None, p)), None)
+        """Copy ``inputs`` into the static buffers (same shapes), replay, return static outputs
+        (see the class note on their lifetime); ``policy=None``: bucketed if captured, else naive."""
+        cap = self._find(key, policy)
         if cap is None:
             raise KeyError(f"{key} was not captured{f' under {policy}' if policy else ''}; "
                            "capture it first (or pad the batch to a captured size)")
@@ -482,14 +493,11 @@ class CudaGraphPool:
         cap.graph.replay()
         return cap.outputs
 
-    def memory(self, policy: str | None = None) -> list[GraphMemory]:
-        return [c.memory for (p, _), c in self._graphs.items() if policy in (None, p)]
-
     def memory_report(self) -> dict:
         """Measured totals per captured policy, and naive/bucketed when both were captured."""
         report: dict = {}
         for policy in POLICIES:
-            mems = self.memory(policy)
+            mems = [c.memory for (p, _), c in self._graphs.items() if p == policy]
             if mems:
                 report[policy] = {"graphs": len(mems), **{f: sum(getattr(m, f) for m in mems) for f in
                                   ("input_bytes", "output_bytes", "pool_bytes", "device_bytes")}}

@@ -33,8 +33,10 @@ Ranking
     The collected continuations form a trie whose root is the last verified token. Every trie node
     gets the key ``(match length, frequency, recency)``: the longest ``n`` among the occurrences
     whose continuation passes through the node; how many of those (at that ``n``) pass through it;
-    the newest of their stamps (a global counter bumped for every indexed token). Keys compare
-    lexicographically, higher first; two distinct nodes never tie (stamps are unique).
+    the newest of their stamps. An occurrence's stamp is when its continuation's first token came:
+    prompt tokens are older than every output token (the prompt in position order), output tokens
+    are ordered by a global counter bumped for every committed token, across all requests. Keys
+    compare lexicographically, higher first; two distinct nodes never tie (stamps are unique).
 Tree
     Paths are taken greedily. The first descends from the root to the best child at every level;
     each next one starts at the best not-yet-taken child of any node already in the tree (best
@@ -57,9 +59,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import itertools
 import logging
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -120,7 +121,7 @@ class _Seq:
         self.rid = rid
         self.group = group
         self.tokens: list[int] = []
-        self.stamps: list[int] = []  # stamps[i]: global clock when tokens[i] was indexed
+        self.stamps: list[int] = []  # stamps[i]: i - prompt_len in the prompt, else the global clock
         self.prompt_len = prompt_len
         self.prompt_index = prompt_index  # positions p < prompt_len (may be shared with siblings)
         self.output_index = _Index()  # positions p >= prompt_len
@@ -135,21 +136,6 @@ class _Group:
         self.members: list[_Seq] = []
         self.running = 0
         self.prompt_indexes: dict[tuple[int, ...], _Index] = {}  # equal prompts share one index
-
-
-class _Node:
-    """Trie node; (n, count, stamp) is its ranking key (see the module docstring)."""
-
-    __slots__ = ("children", "n", "count", "stamp")
-
-    def __init__(self) -> None:
-        self.children: dict[int, _Node] = {}
-        self.n = 0
-        self.count = 0
-        self.stamp = -1
-
-    def key(self) -> tuple[int, int, int]:
-        return (self.n, self.count, self.stamp)
 
 
 def _as_list(tokens: Iterable[int]) -> list[int]:
@@ -262,9 +248,12 @@ class NgramProposer:
         toks, plen = seq.tokens, seq.prompt_len
         for t in new:
             toks.append(t)
-            seq.stamps.append(self._clock)
-            self._clock += 1
             p = len(toks)  # position right after the n-grams ending at t
+            if p <= plen:  # prompt token: older than any output, ordered by position
+                seq.stamps.append(p - 1 - plen)
+            else:
+                seq.stamps.append(self._clock)
+                self._clock += 1
             if p < plen:
                 if not index_prompt:
                     continue
@@ -297,24 +286,28 @@ class NgramProposer:
         found: list[tuple[int, int, _Seq, int]] = []
         seen: set[tuple[int, int]] = set()  # (id(source), position): counted at its longest n
         for n in range(min(cfg.max_n, len(ctx)), cfg.min_n - 1, -1):
-            room = cfg.max_occurrences - len(found)
             key = tuple(ctx[len(ctx) - n:])
-            level: list[tuple[int, _Seq, int]] = []
-            for index, src in sources:
-                positions = index.table.get(key)
-                if not positions:
-                    continue
-                taken = 0
-                for p in reversed(positions):  # newest first; stop once this source filled the room
-                    if p >= len(src.tokens) or (id(src), p) in seen:
-                        continue  # empty continuation (incl. the request's own end) or a longer match
-                    seen.add((id(src), p))
-                    level.append((src.stamps[p - 1], src, p))
-                    taken += 1
-                    if taken == room:
-                        break
-            level.sort(key=lambda e: e[0], reverse=True)
-            found.extend((n, stamp, src, p) for stamp, src, p in level[:room])
+            # k-way merge of the sources' position lists, newest first (stamps grow along each list)
+            heads: list[tuple[int, int, int]] = []  # (-stamp, source index, index into its list)
+            lists: list[list[int]] = []
+            for s, (index, src) in enumerate(sources):
+                positions = index.table.get(key) or []
+                lists.append(positions)
+                i = len(positions) - 1
+                if i >= 0 and positions[i] == len(src.tokens):
+                    i -= 1  # the source ends right there (the request's own end): empty continuation
+                if i >= 0:
+                    heads.append((-src.stamps[positions[i]], s, i))
+            heapq.heapify(heads)
+            while heads and len(found) < cfg.max_occurrences:
+                neg_stamp, s, i = heapq.heappop(heads)
+                src, p = sources[s][1], lists[s][i]
+                if i > 0:
+                    heapq.heappush(heads, (-src.stamps[lists[s][i - 1]], s, i - 1))
+                if (id(src), p) in seen:
+                    continue  # counted at a longer n
+                seen.add((id(src), p))
+                found.append((n, -neg_stamp, src, p))
             if len(found) >= cfg.max_occurrences:
                 break
         return found
@@ -324,40 +317,38 @@ class NgramProposer:
         occurrences = self._occurrences(seq)
         if not occurrences:
             return []
-        root = _Node()
+        # Trie node: [n, count, stamp, children]; (n, count, stamp) is its ranking key. Occurrences
+        # arrive sorted by (n, stamp) descending, so the first one through a node sets n and stamp.
+        root: list = [0, 0, -1, {}]
         for n, stamp, src, p in occurrences:
             node = root
             for tok in src.tokens[p:p + arm.depth]:
-                child = node.children.get(tok)
+                children = node[3]
+                child = children.get(tok)
                 if child is None:
-                    child = node.children[tok] = _Node()
-                if n > child.n:
-                    child.n, child.count, child.stamp = n, 1, stamp
-                elif n == child.n:
-                    child.count += 1
-                    child.stamp = max(child.stamp, stamp)
+                    child = children[tok] = [n, 1, stamp, {}]
+                elif child[0] == n:
+                    child[1] += 1
                 node = child
 
         out: list[tuple[int, int]] = []
-        tie = itertools.count()  # keys never tie; this only keeps the heap from comparing nodes
-        heap: list = []  # branch points: (-key, tie, token, node, parent index, depth)
+        heap: list = []  # branch points: (-n, -count, -stamp, token, node, parent index, depth)
 
-        def push_children(node: _Node, parent: int, depth: int, skip: _Node | None) -> None:
-            for tok, child in node.children.items():
+        def push_children(node: list, parent: int, depth: int, skip: list | None) -> None:
+            for tok, child in node[3].items():  # keys are unique (stamps are), so nodes are never compared
                 if child is not skip:
-                    n, c, s = child.key()
-                    heapq.heappush(heap, ((-n, -c, -s), next(tie), tok, child, parent, depth))
+                    heapq.heappush(heap, (-child[0], -child[1], -child[2], tok, child, parent, depth))
 
         push_children(root, -1, 1, None)
         paths = 0
         while heap and paths < arm.topk and len(out) < arm.tokens_to_verify:
-            _, _, tok, node, parent, depth = heapq.heappop(heap)
+            _, _, _, tok, node, parent, depth = heapq.heappop(heap)
             paths += 1
             while True:  # greedy descent from the branch point
                 out.append((tok, parent))
-                if len(out) >= arm.tokens_to_verify or depth >= arm.depth or not node.children:
+                if len(out) >= arm.tokens_to_verify or depth >= arm.depth or not node[3]:
                     break
-                best_tok, best = max(node.children.items(), key=lambda kv: kv[1].key())
+                best_tok, best = max(node[3].items(), key=lambda kv: (kv[1][0], kv[1][1], kv[1][2]))
                 parent, depth = len(out) - 1, depth + 1
                 push_children(node, parent, depth, best)
                 tok, node = best_tok, best

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ from rollout.strategy import Arm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AcceptStats", "measure_accept_length", "greedy_accept"]
+__all__ = ["AcceptStats", "greedy_accept", "measure_accept_length"]
 
 Group = tuple[Sequence[int], Sequence[Sequence[int]]]  # (prompt, sibling responses)
 

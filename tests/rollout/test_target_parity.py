@@ -7,7 +7,7 @@ import torch
 
 from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive, tree_depths, tree_mask
 from rollout.target import TargetModel
-from tests.conftest import hf_model
+from tests.hf import hf_model
 
 TOL = 1e-4
 

@@ -1,0 +1,261 @@
+"""CUDA-graph bucket planner and memory model (CPU); capture/replay parity and memory (GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rollout.graphs import (
+    DEFAULT_BUCKETS,
+    QWEN25_32B,
+    CudaGraphPool,
+    DraftGraphKey,
+    GraphPlanConfig,
+    GraphSet,
+    ModelDims,
+    TargetGraphKey,
+    estimate_bytes,
+    estimate_parts,
+    plan_graphs,
+)
+from rollout.strategy import Arm
+
+T, D = (lambda b, q: TargetGraphKey(batch=b, query_tokens=q)), (lambda b, k: DraftGraphKey(batch=b, topk=k))
+A326, A224, A212 = Arm(3, 2, 6), Arm(2, 2, 4), Arm(2, 1, 2)
+SMALL = GraphPlanConfig(capture_batch_sizes=(1, 2, 4), buckets=((1, (A326,)), (4, (A224, A212))),
+                        include_decode=False)
+# Toy dims: H=4, A=2*2=4, K=1*2=2, I=8, V=16, bf16 activations, fp32 logits.
+TOY = ModelDims(hidden_size=4, intermediate_size=8, vocab_size=16, num_layers=2, num_heads=2,
+                num_kv_heads=1, head_dim=2)
+TGT_OUT, TGT_WORK = 2 * 4 + 4 * 16, 2 * (2 * 4 + 2 * 4 + 2 * 2 + 3 * 8 + 16)  # 72, 120 per token
+DRF_WORK = 2 * (4 * 4 + 2 * 4 + 2 * 2 + 3 * 8 + 16) + 4 * 16  # 200 per token
+DRF_OUT = {1: 2 * 4 + 1 * 12, 2: 2 * 4 + 2 * 12}  # per token, by topk
+
+
+def test_each_captured_size_gets_its_bucket_arms():
+    cfg = GraphPlanConfig()  # the tuner's default buckets
+    arms = dict(plan_graphs(cfg).arms_by_batch)
+    assert tuple(arms) == cfg.capture_batch_sizes
+    prev = 0
+    for c, got in arms.items():  # brute force: every runtime batch that pads to c
+        want = {a for bs in range(prev + 1, c + 1) for a in DEFAULT_BUCKETS[cfg.bucket_index(bs)][1]}
+        assert set(got) == want, c
+        prev = c
+    assert set(arms[64]) == set(DEFAULT_BUCKETS[-1][1])
+    assert cfg.bucket_index(1000) == len(DEFAULT_BUCKETS) - 1  # above the last max: last bucket
+
+
+def test_captured_size_covers_every_bucket_padded_to_it():
+    # bucket max 3 is not a captured size: batch 3 (bucket 0) and batch 4 (bucket 1) both pad to 4
+    cfg = GraphPlanConfig(capture_batch_sizes=(2, 4, 8), buckets=((3, (A326,)), (6, (A224,)), (8, (A212,))),
+                          include_decode=False)
+    arms = dict(plan_graphs(cfg).arms_by_batch)
+    assert arms == {2: (A326,), 4: tuple(sorted((A326, A224))), 8: tuple(sorted((A224, A212)))}
+    plan = plan_graphs(cfg)
+    assert plan.keys_for(3, A326) == (T(4, 7), D(4, 2))  # the graph the tuner's pick at bs 3 needs
+
+
+def test_no_sd_graphs_where_only_batches_above_the_elastic_threshold_pad():
+    cfg = GraphPlanConfig(capture_batch_sizes=(16, 32, 48), buckets=((16, (A326,)), (64, (A224,))),
+                          speculate_max_batch=30)
+    plan = plan_graphs(cfg)
+    # 32 still hosts SD (batches 17..30 pad to it); 48 only sees batches > 30: decode only
+    assert dict(plan.arms_by_batch) == {16: (A326,), 32: (A224,), 48: ()}
+    at48 = {policy: {k for k in plan.graphs(policy).keys if k.batch == 48} for policy in ("naive", "bucketed")}
+    assert at48 == {"naive": {T(48, 1)}, "bucketed": {T(48, 1)}}
+    assert plan.memory_report(TOY).single_graphs == 2 * 2 + 3  # A326 at 16, 32 + decode at all three
+    with pytest.raises(KeyError):
+        plan.keys_for(40, A224)
+    never = plan_graphs(dataclasses.replace(cfg, speculate_max_batch=0))
+    assert never.naive == never.bucketed == GraphSet.of(T(c, 1) for c in (16, 32, 48))
+
+
+def test_identical_shapes_merge():
+    # same tokens_to_verify -> one target graph; same topk -> one draft graph
+    cfg = GraphPlanConfig(capture_batch_sizes=(1, 2), buckets=((2, (Arm(2, 2, 4), Arm(4, 1, 4), Arm(3, 2, 5))),),
+                          include_decode=False)
+    plan = plan_graphs(cfg)
+    assert plan.bucketed.target == (T(1, 5), T(1, 6), T(2, 5), T(2, 6))
+    assert plan.bucketed.draft == (D(1, 1), D(1, 2), D(2, 1), D(2, 2))
+
+
+def test_small_config_counts_by_hand():
+    plan = plan_graphs(SMALL)
+    # c=1: bucket 0 (A326); c=2: batch 2 -> bucket 1; c=4: batches 3, 4 -> bucket 1
+    assert plan.bucketed.target == (T(1, 7), T(2, 3), T(2, 5), T(4, 3), T(4, 5))
+    assert plan.bucketed.draft == (D(1, 2), D(2, 1), D(2, 2), D(4, 1), D(4, 2))
+    assert (len(plan.naive.target), len(plan.naive.draft)) == (3 * 3, 3 * 2)  # q {7,5,3}, k {2,1}
+    assert set(plan.bucketed.keys) <= set(plan.naive.keys)
+    dec = plan_graphs(GraphPlanConfig(capture_batch_sizes=(1, 2, 4), buckets=SMALL.buckets))
+    assert len(dec.bucketed) == 10 + 3 and len(dec.naive) == 15 + 3  # + T(c, 1) per captured size
+
+
+def test_naive_is_superset_of_bucketed_on_defaults():
+    plan = plan_graphs(GraphPlanConfig())
+    assert set(plan.bucketed.keys) < set(plan.naive.keys)
+    assert len(plan.graphs("naive")) == len(plan.naive) > len(plan.bucketed)
+
+
+def test_off_arm_only_adds_decode_graphs():
+    base = ((2, (A326,)), (4, (A224,)))
+    without = plan_graphs(GraphPlanConfig(capture_batch_sizes=(1, 2, 4), buckets=base, include_decode=False))
+    with_off = plan_graphs(GraphPlanConfig(capture_batch_sizes=(1, 2, 4), include_decode=False,
+                                           buckets=((2, (A326, Arm.off())), (4, (A224,)))))
+    assert with_off.bucketed.draft == without.bucketed.draft
+    assert set(with_off.bucketed.keys) - set(without.bucketed.keys) == {T(1, 1), T(2, 1)}
+    assert with_off.keys_for(2, Arm.off()) == (T(2, 1), None)
+
+
+def test_padded_batch_and_keys_for():
+    plan = plan_graphs(GraphPlanConfig(buckets=((2, (Arm(8, 8, 64),)), (8, (Arm(5, 4, 24),)),
+                                                (32, (Arm(3, 1, 3), Arm.off())))))
+    assert [plan.padded_batch(b) for b in (1, 2, 3, 5, 17, 33, 64)] == [1, 2, 4, 8, 24, 48, 64]
+    assert plan.padded_batch(65) is None
+    with pytest.raises(ValueError, match="batch"):
+        plan.padded_batch(0)
+    assert plan.keys_for(3, Arm(5, 4, 24)) == (T(4, 25), D(4, 4))
+    with pytest.raises(KeyError, match="bucket"):
+        plan.keys_for(64, Arm(8, 8, 64))  # a bs<=2 arm is not captured at 64 when bucketed
+    assert plan.keys_for(64, Arm(8, 8, 64), policy="naive") == (T(64, 65), D(64, 8))
+    with pytest.raises(KeyError, match="eagerly"):
+        plan.keys_for(65, Arm.off())
+
+
+def test_memory_model_by_hand():
+    assert estimate_parts(T(2, 5), TOY) == (10 * TGT_OUT, 10 * TGT_WORK)
+    assert estimate_bytes(D(4, 2), TOY) == 8 * (DRF_OUT[2] + DRF_WORK)
+    rep = plan_graphs(SMALL).memory_report(TOY)
+    tgt, drf = TGT_OUT + TGT_WORK, {k: DRF_OUT[k] + DRF_WORK for k in (1, 2)}
+    bucketed = (7 + 10 + 6 + 20 + 12) * tgt + (2 + 4 + 8) * drf[2] + (2 + 4) * drf[1]
+    naive = 7 * (7 + 5 + 3) * tgt + 7 * 2 * drf[2] + 7 * drf[1]
+    assert (rep.bucketed_bytes, rep.naive_bytes) == (bucketed, naive) == (15128, 24948)
+    assert rep.ratio == pytest.approx(24948 / 15128) and rep.ratio > 1
+    assert (rep.single_arm, rep.single_bytes, rep.single_graphs) == ("d3k2v6", 7 * 7 * tgt + 14 * drf[2], 6)
+    # one shared pool: every output stays live, workspace only for the largest graph (T(4,5))
+    outputs = 55 * TGT_OUT + (2 + 4 + 8) * DRF_OUT[2] + (2 + 4) * DRF_OUT[1]
+    assert rep.bucketed_shared_bytes == outputs + 20 * TGT_WORK
+    assert rep.as_dict()["ratio"] == rep.ratio and len(rep.lines()) == 4
+
+
+def test_default_config_memory_on_32b_dims():
+    rep = plan_graphs(GraphPlanConfig()).memory_report(QWEN25_32B)
+    assert rep.naive_bytes >= rep.bucketed_bytes and rep.naive_bytes >= rep.single_bytes
+    assert rep.ratio >= 1 and rep.naive_graphs >= rep.bucketed_graphs
+
+
+def test_ratio_depends_on_how_much_buckets_differ():
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    deep, mid, flat = Arm(8, 4, 32), Arm(6, 4, 16), Arm(4, 1, 4)
+    same = GraphPlanConfig(capture_batch_sizes=sizes, buckets=((4, (deep, mid, flat)), (64, (deep, mid, flat))))
+    apart = GraphPlanConfig(capture_batch_sizes=sizes, buckets=((4, (deep, mid)), (64, (flat,))))
+    r_same, r_apart = (plan_graphs(c).memory_report(QWEN25_32B) for c in (same, apart))
+    assert r_same.ratio == 1.0 and r_same.bucketed_bytes == r_same.naive_bytes
+    # apart: the big batches (8..64: 124 of 127 rows) verify 5 tokens instead of up to 33
+    assert r_apart.ratio > 3 and r_apart.bucketed_bytes < r_apart.single_bytes
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(capture_batch_sizes=()), "capture_batch_sizes"),
+    (dict(capture_batch_sizes=(2, 1)), "capture_batch_sizes"),
+    (dict(capture_batch_sizes=(0, 1)), "capture_batch_sizes"),
+    (dict(capture_batch_sizes=(1, 1)), "capture_batch_sizes"),
+    (dict(buckets=()), "buckets"),
+    (dict(buckets=((4, (A326,)), (4, (A224,)))), "max_batch_size"),
+    (dict(buckets=((0, (A326,)),)), "max_batch_size"),
+    (dict(buckets=((4, ()),)), "arms"),
+    (dict(buckets=((4, ("d3k2v6",)),)), "arms"),
+    (dict(buckets=((4, (A326, A326)),)), "repeated"),
+    (dict(buckets=(4, (A326,))), "buckets"),
+    (dict(speculate_max_batch=-1), "speculate_max_batch"),
+])
+def test_config_validation(kw, field):
+    with pytest.raises(ValueError, match=field):
+        GraphPlanConfig(**kw)
+
+
+def test_dims_validation_and_policy_names():
+    with pytest.raises(ValueError, match="vocab_size"):
+        ModelDims(hidden_size=4, intermediate_size=8, vocab_size=0, num_layers=1, num_heads=1,
+                  num_kv_heads=1, head_dim=4)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        ModelDims(hidden_size=4, intermediate_size=8, vocab_size=8, num_layers=1, num_heads=1,
+                  num_kv_heads=1, head_dim=4, draft_vocab_size=-1)
+    with pytest.raises(ValueError, match="policy"):
+        plan_graphs(SMALL).graphs("eager")
+    assert GraphPlanConfig(capture_batch_sizes=[1, 2], buckets=[(2, [A326])]).buckets == ((2, (A326,)),)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+def test_pool_without_cuda_raises():
+    assert not CudaGraphPool.available()
+    with pytest.raises(RuntimeError, match="CUDA"):
+        CudaGraphPool(lambda key: ({}, lambda x: {}))
+
+
+# --------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
+def test_pool_replay_matches_eager_and_bucketed_uses_less_memory():
+    from drafter.model_config import ModelConfig
+    from rollout.kv_cache import CachedBackend, StaticKVCache, to_additive
+    from rollout.target import TargetModel
+
+    torch.manual_seed(0)
+    dev, span, prefix = torch.device("cuda"), 64, 20
+    cfg = ModelConfig(model_type="llama", vocab_size=32000, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    target = TargetModel(cfg).to(dev).eval()
+    drafter = TargetModel(dataclasses.replace(cfg, num_hidden_layers=1)).to(dev).eval()
+    sizes = (1, 2, 4, 8)
+    caches = {m: StaticKVCache(m.config.num_hidden_layers, sizes[-1], 2, span, 16, device=dev)
+              for m in (target, drafter)}
+
+    def make_step(key):
+        model, q = (target, key.query_tokens) if isinstance(key, TargetGraphKey) else (drafter, key.topk)
+        b, cache = key.batch, caches[model]
+        inputs = {"ids": torch.zeros(b, q, dtype=torch.long, device=dev),
+                  "pos": torch.zeros(b, q, dtype=torch.long, device=dev),
+                  "slots": torch.zeros(b, q, dtype=torch.long, device=dev),
+                  "mask": torch.zeros(b, 1, q, span, device=dev)}
+
+        def fn(x):
+            out = model(x["ids"], x["pos"], CachedBackend(cache, x["slots"], x["mask"]))
+            if isinstance(key, TargetGraphKey):
+                return {"logits": out.logits, "hidden": out.hidden}
+            p, ids = out.logits.float().softmax(-1).topk(key.topk, dim=-1)
+            return {"hidden": out.hidden, "p": p, "ids": ids}
+        return inputs, fn
+
+    def step_inputs(b, q):  # a chain of q tokens after a 20-token prefix
+        slots = (prefix + torch.arange(q, device=dev)).expand(b, q).contiguous()
+        visible = torch.arange(span, device=dev)[None, None] <= slots[..., None]
+        return {"ids": torch.randint(0, cfg.vocab_size, (b, q), device=dev), "pos": slots.clone(),
+                "slots": slots, "mask": to_additive(visible)}
+
+    plan = plan_graphs(GraphPlanConfig(capture_batch_sizes=sizes, buckets=(
+        (2, (Arm(4, 4, 16), Arm.off())), (8, (Arm(2, 2, 4), Arm.off())))))
+    pool = CudaGraphPool(make_step)
+    try:
+        for policy in ("bucketed", "naive"):
+            pool.capture(plan.graphs(policy).keys, policy=policy)
+        for c in caches.values():
+            c.k.normal_(), c.v.normal_()
+        for key in (T(8, 5), T(2, 17), T(1, 1), D(4, 2)):
+            q = key.query_tokens if isinstance(key, TargetGraphKey) else key.topk
+            x = step_inputs(key.batch, q)
+            got = {k: v.clone() for k, v in pool.replay(key, **x).items()}
+            _, fn = make_step(key)
+            with torch.no_grad():
+                want = fn(x)
+            for name in want:
+                assert torch.allclose(got[name].float(), want[name].float(), atol=1e-4, rtol=1e-4), (key, name)
+        with pytest.raises(ValueError, match="shape"):
+            pool.replay(T(8, 5), ids=torch.zeros(4, 5, dtype=torch.long, device=dev))
+        rep = pool.memory_report()
+        assert rep["naive"]["graphs"] == len(plan.naive) and rep["bucketed"]["graphs"] == len(plan.bucketed)
+        assert rep["naive"]["pool_bytes"] > rep["bucketed"]["pool_bytes"] > 0
+        assert rep["ratio_pool_bytes"] > 1
+    finally:
+        pool.close()
