@@ -145,6 +145,8 @@ def _as_list(tokens: Iterable[int]) -> list[int]:
 class NgramProposer:
     """The model-free drafter (see the module docstring for the exact rules)."""
 
+    feature_layers = None  # needs no target features
+
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config if config is not None else NgramConfig()
         self._reqs: dict[int, _Seq] = {}
@@ -153,7 +155,8 @@ class NgramProposer:
 
     # --- lifetime ---------------------------------------------------------------------------
 
-    def start(self, rids: Sequence[int], groups: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+    def start(self, rids: Sequence[int], groups: Sequence[int], prompts: Sequence[Sequence[int]],
+              features=None) -> None:
         if not (len(rids) == len(groups) == len(prompts)):
             raise ValueError(f"start: rids, groups and prompts must have one entry per request, got "
                              f"{len(rids)}, {len(groups)}, {len(prompts)}")

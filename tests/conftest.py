@@ -39,3 +39,24 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
+
+
+def _warm_drafter(target, prompts_file, out, method):
+    from drafter.trainer import TrainConfig
+    from tlt.warmup import WarmupConfig, run_warmup
+
+    extra = {"draft_vocab_size": 200} if method == "eagle3" else {}
+    run_warmup(WarmupConfig(target=target, data=prompts_file, out=out, method=method, max_new_tokens=64,
+                            train=TrainConfig(max_steps=60), **extra), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def warm_drafters(trained_target, tmp_path_factory):
+    """{"eagle": dir, "eagle3": dir}: drafters warmed up on the trained target's own rollouts."""
+    root = tmp_path_factory.mktemp("drafters")
+    prompts = root / "prompts.jsonl"
+    corpus = make_corpus(48, CorpusConfig(seed=78, median_steps=3))
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p.prompt}]}) + "\n"
+                               for p in corpus))
+    return {m: _warm_drafter(trained_target, prompts, root / m, m) for m in ("eagle", "eagle3")}

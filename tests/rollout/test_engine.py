@@ -1,0 +1,160 @@
+"""The rollout engine: greedy parity with autoregressive decoding for every strategy, elastic SD."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from drafter.eagle import Drafter
+from rollout.draft_tree import DraftTree
+from rollout.eagle_proposer import EagleProposer
+from rollout.engine import EngineConfig, RolloutEngine
+from rollout.generate import SamplingParams, generate
+from rollout.ngram import NgramProposer
+from rollout.strategy import Arm
+from rollout.target import TargetModel
+from tlt.corpus import CorpusConfig, make_corpus
+from tlt.tokenizer import TextTokenizer
+
+ARMS = [Arm(1, 1, 1), Arm(4, 1, 4), Arm(3, 2, 6), Arm(5, 4, 16)]
+
+
+@pytest.fixture(scope="module")
+def setup(trained_target):
+    model = TargetModel.from_pretrained(trained_target)
+    tok = TextTokenizer.from_pretrained(trained_target)
+    prompts = [tok.chat_prompt([{"role": "user", "content": p.prompt}])
+               for p in make_corpus(8, CorpusConfig(seed=5, median_steps=3))]
+    # Different lengths per request: the batch shrinks as they finish (the long tail).
+    params = [SamplingParams(max_new_tokens=12 + 9 * i, stop_ids=(tok.eos_id,)) for i in range(8)]
+    return model, prompts, params
+
+
+def _ar(model, prompts, params):
+    return RolloutEngine(model, EngineConfig(max_batch=8, max_len=512)).generate(prompts, params).outputs
+
+
+def test_ar_engine_matches_reference_generate(setup):
+    model, prompts, params = setup
+    ours = _ar(model, prompts, params)
+    for i, p in enumerate(prompts):
+        assert ours[i] == generate(model, [p], params[i])[0]
+
+
+class CorruptOracle:
+    """Drafts the known continuation with wrong siblings and wrong tokens mixed in (test-only)."""
+
+    feature_layers = None
+
+    def __init__(self, ref, seed=0):
+        self.ref, self.rng = ref, random.Random(seed)
+
+    def start(self, rids, groups, prompts, features=None):
+        self.pos = {r: 0 for r in rids}
+
+    def accept(self, rids, tokens, features=None):
+        for r, t in zip(rids, tokens):
+            self.pos[r] += len(t)
+
+    def finish(self, rids):
+        pass
+
+    def propose(self, rids, arm):
+        rows, pars = [], []
+        for r in rids:
+            toks, par, prev = [], [], -1
+            for x in self.ref[r][self.pos[r]: self.pos[r] + arm.depth]:
+                if arm.topk > 1 and self.rng.random() < 0.4:
+                    toks.append(x + 1)
+                    par.append(prev)
+                toks.append(x if self.rng.random() > 0.15 else x + 2)
+                par.append(prev)
+                prev = len(toks) - 1
+            rows.append(toks)
+            pars.append(par)
+        tree = DraftTree.chains(rows)
+        for i, par in enumerate(pars):
+            tree.parents[i, : len(par)] = torch.tensor(par, dtype=torch.long)
+        return tree
+
+
+@pytest.mark.parametrize("arm", ARMS, ids=str)
+def test_greedy_parity_with_adversarial_trees(setup, arm):
+    model, prompts, params = setup
+    ref = _ar(model, prompts, params)
+    eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=arm), proposer=CorruptOracle(ref))
+    res = eng.generate(prompts, params)
+    assert res.outputs == ref
+    assert max(res.accept_lengths) > 1  # drafts really were accepted
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_greedy_parity_eagle(setup, warm_drafters, method, batch):
+    model, prompts, params = setup
+    prompts, params = prompts[:batch], params[:batch]
+    ref = _ar(model, prompts, params)
+    drafter = Drafter.load(warm_drafters[method], model.embed_weight, model.lm_head.weight)
+    for arm in ARMS:
+        prop = EagleProposer(drafter, max_batch=8, max_len=600)
+        res = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=arm), proposer=prop).generate(
+            prompts, params)
+        assert res.outputs == ref, arm
+        al = sum(res.accept_lengths) / len(res.accept_lengths)
+        print(f"{method} bs={batch} {arm}: accept length {al:.2f}")
+        assert al > 1.3
+
+
+@pytest.mark.parametrize("arm", [Arm(4, 1, 4), Arm(4, 2, 8)], ids=str)
+def test_greedy_parity_ngram_with_siblings(setup, arm):
+    model, prompts, params = setup
+    # GRPO: 2 prompts x 4 samples each (greedy siblings are identical: later ones copy earlier ones).
+    ps = [prompts[0]] * 4 + [prompts[1]] * 4
+    pa = [SamplingParams(max_new_tokens=20 + 10 * i, stop_ids=params[0].stop_ids) for i in range(8)]
+    ref = _ar(model, ps, pa)
+    res = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=arm), proposer=NgramProposer()).generate(
+        ps, pa, groups=[0] * 4 + [1] * 4)
+    assert res.outputs == ref
+
+
+def test_elastic_switch_catches_up_only_what_was_missed(setup, warm_drafters):
+    model, prompts, params = setup
+    ref = _ar(model, prompts, params)
+    drafter = Drafter.load(warm_drafters["eagle"], model.embed_weight, model.lm_head.weight)
+    prop = EagleProposer(drafter, max_batch=8, max_len=600)
+    catch_ups = []
+    real = prop._catch_up
+
+    def spy():
+        catch_ups.append({r: len(prop.queue_tokens[r]) for r in prop.rows})
+        return real()
+
+    prop._catch_up = spy
+    arm = Arm(3, 1, 3)
+    res = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=arm, elastic_threshold=3),
+                        proposer=prop).generate(prompts, params)
+    assert res.outputs == ref
+    assert all(s.batch <= 3 for s in res.steps if s.sd)
+    assert any(s.sd for s in res.steps) and any(not s.sd for s in res.steps)
+    # First SD step: each request catches up everything it missed (prompt and output so far) ...
+    first = catch_ups[0]
+    assert all(n > 20 for n in first.values())
+    # ... afterwards only the tokens the previous step committed (at most depth + 1).
+    assert all(n <= arm.depth + 1 for c in catch_ups[1:] for n in c.values())
+    total_pairs = sum(len(p) - 1 + len(o) for p, o in zip(prompts, ref))
+    assert prop.pairs_processed <= total_pairs  # nothing is ever recomputed
+
+
+def test_bad_requests_are_clear_errors(setup):
+    model, prompts, params = setup
+    eng = RolloutEngine(model, EngineConfig(max_batch=2, max_len=64))
+    with pytest.raises(ValueError, match="max_batch"):
+        eng.generate(prompts[:3], params[0])
+    with pytest.raises(ValueError, match="max_len"):
+        eng.generate([prompts[0]], SamplingParams(max_new_tokens=200))
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([[]], params[0])
+    with pytest.raises(ValueError, match="strategy"):
+        RolloutEngine(model, EngineConfig(), proposer=NgramProposer())
