@@ -34,7 +34,8 @@ class Tuner(Protocol):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     max_batch: int = 64
-    max_len: int = 2048  # KV slots per request: prompt + new tokens + one draft tree
+    max_len: int = 2048  # prompt + new tokens per request
+    max_draft_tokens: int = 64  # largest draft tree (extra KV slots per request)
     elastic_threshold: int = 32  # speculate only while running requests <= this
     arm: Arm | None = None  # fixed strategy; None = ask the tuner
     seed: int = 0
@@ -42,6 +43,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
             raise ValueError(f"max_batch >= 1 and max_len >= 2 required, got {self.max_batch}, {self.max_len}")
+        if self.max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        if self.arm is not None and self.arm.tokens_to_verify > self.max_draft_tokens:
+            raise ValueError(f"arm {self.arm} verifies more than max_draft_tokens={self.max_draft_tokens}")
         if self.elastic_threshold < 0:
             raise ValueError(f"elastic_threshold must be >= 0, got {self.elastic_threshold}")
 
@@ -77,7 +82,7 @@ class RolloutEngine:
         mc = target.config
         self.device = target.embed_weight.device
         self.cache = StaticKVCache(mc.num_hidden_layers, cfg.max_batch, mc.num_key_value_heads,
-                                   cfg.max_len, mc.head_dim, dtype=target.embed_weight.dtype,
+                                   cfg.max_len + cfg.max_draft_tokens, mc.head_dim, dtype=target.embed_weight.dtype,
                                    device=self.device)
 
     @torch.no_grad()
@@ -181,6 +186,7 @@ class RolloutEngine:
         tree = self.proposer.propose(rows, arm) if sd and not arm.is_off else DraftTree.empty(b, self.device)
         tree = DraftTree(tree.tokens.to(self.device), tree.parents.to(self.device), tree.valid.to(self.device))
         n = tree.num_nodes
+        assert n <= self.cfg.max_draft_tokens, f"proposer drafted {n} > max_draft_tokens nodes"
         cur = torch.tensor([lengths[r] for r in rows], device=self.device)  # committed incl. pending
         roots = cur - 1
         last_tok = torch.tensor([self._pending[r] for r in rows], device=self.device)

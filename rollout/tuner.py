@@ -10,22 +10,32 @@ Policy, per batch-size bucket (each bucket has its own arms, so each has its own
 
 1. arms never rewarded yet are tried first, round-robin;
 2. else, with probability ``epsilon``, an arm chosen uniformly from the bucket (exploration);
-3. else the arm with the highest **median** reward over its last ``window`` rewards (exploitation).
+3. else the arm with the highest reward estimate over its last ``window`` steps (exploitation).
 
-The median ignores outlier steps (a GC pause, a prefill mixed into the batch); the sliding window
-forgets old regimes, so the tuner re-adapts when acceptance shifts (the drafter goes stale after a
-target update, or is refreshed).
+Reward. The goodput of a step is ``(accepted + batch_size) / step_time`` [tokens/s]: ``accepted``
+is the sum over the batch of accepted draft tokens and every request also commits one bonus token,
+i.e. per request ``(accepted_i + 1) / step_time`` summed over the batch (equivalently
+``(mean_accepted + 1) * batch_size / step_time``). Arms are ranked by goodput **per running
+request** (``goodput / batch_size``): at one batch size the ranking is the same, but a bucket spans
+several batch sizes (e.g. 9..32) that shrink over a long-tail rollout, and raw goodput grows almost
+linearly with the batch size in the memory-bound regime, so an arm last sampled at a larger batch
+would look better than it is.
 
-Reward. The engine's goodput of a step is ``(accepted + batch_size) / step_time`` [tokens/s]:
-``accepted`` is the sum over the batch of accepted draft tokens and every request also commits one
-bonus token, i.e. per request ``(accepted_i + 1) / step_time``, summed over the batch (equivalently
-``(mean_accepted + 1) * batch_size / step_time``). The tuner ranks arms by goodput **per running
-request**, ``goodput / batch_size``: at a fixed batch size the ranking is the same, but one bucket
-spans several batch sizes (e.g. 9..32) that shrink over a long-tail rollout, and raw goodput grows
-almost linearly with the batch size in the memory-bound regime, so rewards recorded at different
-batch sizes would otherwise be compared unfairly (an arm last sampled at a larger batch would look
-better than it is). ``tlt bench tuner`` measures the difference.
+Estimator over the window (per bucket and arm), robust where the outliers are:
 
+* default: ``mean(committed tokens per request per step) / median(step time)``. Outliers live in
+  the step time (a GC pause, a prefill chunk mixed into the batch): the median ignores them.
+  Accepted tokens are bounded (by the draft depth), so they cannot be outliers, and their *mean* is
+  what throughput is made of; the median of a capped, skewed accepted length ranks arms by their
+  typical step instead (at batch size 1 it barely separates a depth-8 from a depth-6 tree).
+* ``median_of_goodput=True``: the paper's median of per-step goodput (kept for comparison).
+
+The sliding window (last ``window`` steps per bucket and arm) forgets old regimes, so the tuner
+re-adapts when acceptance shifts (the drafter goes stale after a target update, or is refreshed).
+Known weak spot of epsilon-greedy, kept simple on purpose: an arm loses exploitation when its
+estimate is unluckily low, and that estimate then moves only with exploration (eps/k of the steps),
+so under heavy noise a near-best arm can be exploited for a few hundred steps instead of the best
+(forgetting samples by age was tried: no gain on the modelled rollouts of ``tlt bench tuner``).
 Not thread-safe: one tuner per scheduler thread.
 """
 
@@ -37,7 +47,8 @@ import dataclasses
 import logging
 import random
 import statistics
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from rollout.strategy import Arm
 
@@ -47,15 +58,19 @@ Bucket = tuple[int, tuple[Arm, ...]]  # (max running batch size, arms offered in
 
 
 def _default_buckets() -> tuple[Bucket, ...]:
-    # Small batches are memory-bound: verifying many tokens is nearly free, so deep/wide trees pay.
-    # Larger batches approach the compute knee: fewer tokens to verify. Every bucket offers
-    # several arms plus ``off`` so the tuner can explore and can turn speculation off.
+    # The paper's idea: small batches are memory-bound, so verifying many tokens is nearly free and
+    # deep/wide trees pay; larger batches near the compute knee verify fewer. tokens_to_verify per
+    # bucket: {32, 16} for bs <= 2, {32, 16, 8} for bs <= 8, {16, 8} for bs <= 16, {8, 4} for
+    # bs <= 32. A bucket holds few verify widths and topk values so that its CUDA graphs stay few
+    # (``tlt bench graphs``: ~3x less graph memory than every arm at every size); four buckets
+    # rather than three let each centre on its batch range (``tlt bench tuner``: within ~1-2% of
+    # the oracle over all these arms). Every bucket has 4 arms, ``off`` included, so the tuner
+    # explores and can turn speculation off.
     off = Arm.off()
-    return (
-        (2, (Arm(8, 4, 32), Arm(6, 4, 16), Arm(6, 2, 16), off)),
-        (8, (Arm(6, 4, 16), Arm(5, 2, 8), Arm(4, 1, 4), off)),
-        (32, (Arm(5, 2, 8), Arm(4, 1, 4), Arm(3, 1, 3), off)),
-    )
+    v32, v16, v16_narrow, v8, v8_chain, v4 = (Arm(8, 4, 32), Arm(6, 4, 16), Arm(8, 2, 16),
+                                              Arm(5, 2, 8), Arm(8, 1, 8), Arm(4, 1, 4))
+    return ((2, (v32, v16, v16_narrow, off)), (8, (v32, v16, v8, off)),
+            (16, (v16, v8, v8_chain, off)), (32, (v8, v8_chain, v4, off)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,8 +78,14 @@ class TunerConfig:
     # ((max_batch_size, (arm, ...)), ...), sorted by max_batch_size; a batch larger than the last
     # bucket's max uses the last bucket (the elastic threshold normally keeps SD off there).
     buckets: tuple[Bucket, ...] = dataclasses.field(default_factory=_default_buckets)
-    epsilon: float = 0.1  # exploration probability per choice
-    window: int = 16  # rewards kept per (bucket, arm); older ones are forgotten
+    # Exploration probability per choice, once every arm of the bucket was tried. 0.05 with 4 arms
+    # costs ~1% of goodput where the off arm is 3x slower; 0 locks in on an early lucky arm.
+    epsilon: float = 0.05
+    # Steps remembered per (bucket, arm). At batch size 1 one step's committed tokens vary with a
+    # CV of ~0.45, so 64 steps estimate an arm to ~6% -- enough to separate neighbouring arms
+    # (~10% apart) -- while ~1 s of exploited steps still suffice to follow a regime change.
+    window: int = 64
+    median_of_goodput: bool = False  # True: the paper's estimator (see the module docstring)
     seed: int = 0  # seeds the tuner's own random.Random
 
     def __post_init__(self) -> None:
@@ -91,20 +112,18 @@ class TunerConfig:
             prev = max_bs
         if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) \
                 or not 0.0 <= self.epsilon <= 1.0:
-            raise ValueError(f"TunerConfig.epsilon={self.epsilon!r} must be in [0, 1] (default 0.1)")
+            raise ValueError(f"TunerConfig.epsilon={self.epsilon!r} must be in [0, 1] (default 0.05)")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"TunerConfig.window={self.window!r} must be an int >= 1 (default 16)")
+            raise ValueError(f"TunerConfig.window={self.window!r} must be an int >= 1 (default 64)")
+        if not isinstance(self.median_of_goodput, bool):
+            raise ValueError(f"TunerConfig.median_of_goodput={self.median_of_goodput!r} must be a bool")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"TunerConfig.seed={self.seed!r} must be an int")
 
     @classmethod
-    def default(cls, **overrides: Any) -> "TunerConfig":
-        """The shipped configuration (buckets <= 2, <= 8, <= 32; 4 arms each incl. off)."""
+    def default(cls, **overrides: Any) -> TunerConfig:
+        """The shipped configuration (buckets <= 2, 8, 16, 32; 4 arms each, ``off`` included)."""
         return cls(**overrides)
-
-    @property
-    def max_batch_sizes(self) -> tuple[int, ...]:
-        return tuple(b[0] for b in self.buckets)
 
 
 class BegMab:
@@ -112,16 +131,20 @@ class BegMab:
 
     def __init__(self, config: TunerConfig | None = None) -> None:
         self.config = config if config is not None else TunerConfig.default()
-        self._bounds = list(self.config.max_batch_sizes)
+        self._bounds = [mx for mx, _ in self.config.buckets]
         self._rng = random.Random(self.config.seed)
-        w = self.config.window
-        # per bucket index, per arm: recent rewards [tokens/s per running request]
-        self._rewards: list[dict[Arm, collections.deque[float]]] = [
-            {a: collections.deque(maxlen=w) for a in arms} for _, arms in self.config.buckets]
-        self._median: list[dict[Arm, float]] = [{} for _ in self.config.buckets]  # cache
-        self._count: list[dict[Arm, int]] = [dict.fromkeys(arms, 0) for _, arms in self.config.buckets]
-        self._chosen: list[dict[Arm, int]] = [dict.fromkeys(arms, 0) for _, arms in self.config.buckets]
-        self._cursor = [0] * len(self.config.buckets)  # round-robin over untried arms
+        self._reset_stats()
+
+    def _reset_stats(self) -> None:
+        w, buckets = self.config.window, self.config.buckets
+        # per bucket index, per arm: last `window` steps as (committed tokens per request, seconds)
+        self._steps: list[dict[Arm, collections.deque[tuple[float, float]]]] = [
+            {a: collections.deque(maxlen=w) for a in arms} for _, arms in buckets]
+        self._estimate: list[dict[Arm, float]] = [{} for _ in buckets]  # tokens/s per request
+        self._count: list[dict[Arm, int]] = [dict.fromkeys(arms, 0) for _, arms in buckets]
+        self._chosen: list[dict[Arm, int]] = [dict.fromkeys(arms, 0) for _, arms in buckets]
+        self._cursor = [0] * len(buckets)  # round-robin position over untried arms
+        self._exploited: list[Arm | None] = [None] * len(buckets)  # for the log only
 
     def bucket_index(self, batch_size: int) -> int:
         """Index of the first bucket whose max >= batch_size (the last bucket beyond the end)."""
@@ -135,66 +158,77 @@ class BegMab:
     def choose(self, batch_size: int) -> Arm:
         """The arm for the next step of a running batch of ``batch_size`` requests."""
         b = self.bucket_index(batch_size)
-        arm = self._pick(b)
-        self._chosen[b][arm] += 1
-        return arm
-
-    def _pick(self, b: int) -> Arm:
-        arms = self.config.buckets[b][1]
+        arms, est = self.config.buckets[b][1], self._estimate[b]
         k = len(arms)
-        medians = self._median[b]
-        if len(medians) < k:  # 1. untried arms first, round-robin (also across un-recorded choices)
+        arm = None
+        if len(est) < k:  # 1. untried arms first, round-robin (also across choices not yet recorded)
             for i in range(k):
                 j = (self._cursor[b] + i) % k
-                if arms[j] not in medians:
-                    self._cursor[b] = j + 1
-                    return arms[j]
-        if self._rng.random() < self.config.epsilon:  # 2. explore uniformly
-            return arms[self._rng.randrange(k)]
-        return max(arms, key=lambda a: medians.get(a, float("-inf")))  # 3. exploit (ties: first)
+                if arms[j] not in est:
+                    self._cursor[b], arm = j + 1, arms[j]
+                    break
+        elif self._rng.random() < self.config.epsilon:  # 2. explore uniformly
+            arm = arms[self._rng.randrange(k)]
+        else:  # 3. exploit (ties: the first listed)
+            arm = max(arms, key=est.__getitem__)
+            if arm != self._exploited[b]:
+                log.debug("bucket <= %d: exploiting %s (was %s)", self._bounds[b], arm, self._exploited[b])
+                self._exploited[b] = arm
+        self._chosen[b][arm] += 1
+        return arm
 
     def record(self, batch_size: int, arm: Arm, accepted_tokens: int, step_time_s: float) -> None:
         """Feed one verify step: ``accepted_tokens`` = accepted draft tokens summed over the batch
         (0 for ``Arm.off()``), ``step_time_s`` = wall seconds of draft + verify. Host numbers only."""
-        if step_time_s <= 0 or accepted_tokens < 0:
+        if not step_time_s > 0 or accepted_tokens < 0:
             raise ValueError(f"record: step_time_s={step_time_s} must be > 0 and "
                              f"accepted_tokens={accepted_tokens} >= 0")
         b = self.bucket_index(batch_size)
-        if arm not in self._rewards[b]:
+        window = self._steps[b].get(arm)
+        if window is None:
             raise ValueError(f"record: arm {arm} is not offered in bucket <= {self._bounds[b]} "
-                             f"(batch_size={batch_size}); offered: {[str(a) for a in self._rewards[b]]}")
-        goodput = (accepted_tokens + batch_size) / step_time_s  # tokens committed per second
-        window = self._rewards[b][arm]
-        window.append(goodput / batch_size)  # per running request, see module docstring
-        self._median[b][arm] = statistics.median(window)
+                             f"(batch_size={batch_size}); offered: {[str(a) for a in self._steps[b]]}")
+        if accepted_tokens > batch_size * arm.depth:  # an accepted path is at most `depth` long
+            raise ValueError(f"record: accepted_tokens={accepted_tokens} exceeds batch_size x depth = "
+                             f"{batch_size} x {arm.depth} for arm {arm}; pass accepted *draft* tokens "
+                             "summed over the batch (bonus tokens excluded)")
+        window.append(((accepted_tokens + batch_size) / batch_size, float(step_time_s)))
+        self._estimate[b][arm] = self._estimate_of(window)
         self._count[b][arm] += 1
 
+    def _estimate_of(self, window: Iterable[tuple[float, float]]) -> float:
+        """Tokens committed per second per running request, from (tokens/request, seconds) steps."""
+        if self.config.median_of_goodput:
+            return statistics.median([tok / t for tok, t in window])
+        toks, times = zip(*window)
+        return sum(toks) / len(toks) / statistics.median(times)
+
     def best(self, batch_size: int) -> Arm | None:
-        """The current exploitation choice (None while any arm of the bucket is untried)."""
+        """The current exploitation choice (None while an arm of the bucket is untried)."""
         b = self.bucket_index(batch_size)
         arms = self.config.buckets[b][1]
-        if len(self._median[b]) < len(arms):
+        if len(self._estimate[b]) < len(arms):
             return None
-        return max(arms, key=lambda a: self._median[b][a])
+        return max(arms, key=self._estimate[b].__getitem__)
 
     def stats(self) -> dict[str, dict[str, dict[str, Any]]]:
-        """JSON-able per-rollout record: per bucket, per arm: rewards recorded, times chosen, and
-        the window median [tokens/s per running request] (None if never rewarded)."""
+        """JSON-able per-rollout record: per bucket, per arm: steps recorded, times chosen, and the
+        current reward estimate [tokens/s per running request] (None if never recorded)."""
         return {f"bs<={mx}": {str(a): {"count": self._count[b][a], "chosen": self._chosen[b][a],
-                                        "median_reward": self._median[b].get(a)} for a in arms}
+                                        "reward": self._estimate[b].get(a)} for a in arms}
                 for b, (mx, arms) in enumerate(self.config.buckets)}
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain Python state (JSON-able) to carry the tuner across engine restarts."""
+        """Plain-Python, JSON-able state, to carry the tuner across engine restarts."""
         version, internal, gauss = self._rng.getstate()
+        per = [(b, arms) for b, (_, arms) in enumerate(self.config.buckets)]
         return {
             "version": 1,
             "buckets": [[mx, [[a.depth, a.topk, a.tokens_to_verify] for a in arms]]
                         for mx, arms in self.config.buckets],
-            "rewards": [[list(self._rewards[b][a]) for a in arms]
-                        for b, (_, arms) in enumerate(self.config.buckets)],
-            "count": [[self._count[b][a] for a in arms] for b, (_, arms) in enumerate(self.config.buckets)],
-            "chosen": [[self._chosen[b][a] for a in arms] for b, (_, arms) in enumerate(self.config.buckets)],
+            "steps": [[[list(s) for s in self._steps[b][a]] for a in arms] for b, arms in per],
+            "count": [[self._count[b][a] for a in arms] for b, arms in per],
+            "chosen": [[self._chosen[b][a] for a in arms] for b, arms in per],
             "cursor": list(self._cursor),
             "rng": [version, list(internal), gauss],
         }
@@ -203,27 +237,26 @@ class BegMab:
         """Restore :meth:`state_dict` output; the buckets must match this tuner's config."""
         if state.get("version") != 1:
             raise ValueError(f"tuner state version {state.get('version')!r} is not supported (want 1)")
-        mine = self.state_dict()["buckets"]
-        if _as_lists(state.get("buckets")) != mine:
+        if _as_lists(state.get("buckets")) != self.state_dict()["buckets"]:
             raise ValueError("tuner state was saved with different buckets; build the tuner with the "
                              "same TunerConfig.buckets or start from a fresh state")
+        self._reset_stats()
         for b, (_, arms) in enumerate(self.config.buckets):
             for i, a in enumerate(arms):
-                self._rewards[b][a] = collections.deque(state["rewards"][b][i], maxlen=self.config.window)
+                self._steps[b][a].extend((float(tok), float(t)) for tok, t in state["steps"][b][i])
                 self._count[b][a] = int(state["count"][b][i])
                 self._chosen[b][a] = int(state["chosen"][b][i])
-            self._median[b] = {a: statistics.median(d) for a, d in self._rewards[b].items() if d}
+                if self._steps[b][a]:
+                    self._estimate[b][a] = self._estimate_of(self._steps[b][a])
         self._cursor = [int(c) for c in state["cursor"]]
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
 
 
 def _as_lists(x: Any) -> Any:
-    if isinstance(x, (list, tuple)):
-        return [_as_lists(v) for v in x]
-    return x
+    return [_as_lists(v) for v in x] if isinstance(x, (list, tuple)) else x
 
 
 def describe(buckets: Iterable[Bucket]) -> str:
-    """One line per config, e.g. ``bs<=2: d8k4v32 d6k4v16 off | bs<=8: ...`` (for logs)."""
+    """One line for logs, e.g. ``bs<=2: d8k4v32 d6k4v16 off | bs<=8: ...``."""
     return " | ".join(f"bs<={mx}: " + " ".join(str(a) for a in arms) for mx, arms in buckets)

@@ -57,6 +57,48 @@ def _cmd_export(a: argparse.Namespace) -> None:
     print(json.dumps(r, indent=2, default=str))
 
 
+def _parse_arm(text: str | None):
+    from rollout.strategy import Arm
+
+    if text is None:
+        return None
+    try:
+        depth, topk, ttv = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--arm {text!r}: expected DEPTH,TOPK,TOKENS_TO_VERIFY, e.g. 5,1,5") from None
+    return Arm(depth, topk, ttv)
+
+
+def _cmd_rollout(a: argparse.Namespace) -> None:
+    from tlt.rollout_job import RolloutJob, run_rollout
+
+    job = RolloutJob(target=Path(a.target), data=Path(a.data), drafter=Path(a.drafter) if a.drafter else None,
+                     n=a.n, max_prompts=a.max_prompts, max_new_tokens=a.max_new_tokens,
+                     temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, arm=_parse_arm(a.arm),
+                     no_sd=a.no_sd, elastic_threshold=a.elastic_threshold, seed=a.seed)
+    r = run_rollout(job, Path(a.out) if a.out else None, Path(a.record) if a.record else None)
+    al = f", mean accept length {r['mean_accept_length']:.2f}" if r["mean_accept_length"] else ""
+    print(f"rollout: {r['requests']} responses, {r['tokens']} tokens in {r['seconds']:.1f}s "
+          f"({r['tokens_per_s']:.0f} tok/s), {r['sd_steps']}/{r['steps']} steps speculative{al}")
+    for name in (a.out, a.record):
+        if name:
+            print(f"wrote {name}")
+
+
+def _cmd_report(a: argparse.Namespace) -> None:
+    from tlt.rollout_job import plot_record
+
+    record = Path(a.record)
+    if not record.is_file():
+        raise ValueError(f"record {record} does not exist")
+    try:
+        data = json.loads(record.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{record} is not JSON: {err.msg}") from None
+    plot_record(data, Path(a.out))
+    print(f"wrote {a.out}")
+
+
 def _cmd_bench(a: argparse.Namespace) -> None:
     from tlt import bench
 
@@ -126,6 +168,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     s.add_argument("--overwrite", action="store_true")
     s.set_defaults(fn=_cmd_export)
+
+    s = sub.add_parser("rollout", help="generate responses with elastic, tuned speculative decoding",
+                       description="GRPO-style rollout: --n samples per prompt (a group), drafted by the "
+                       "EAGLE drafter in --drafter or, without one, by the n-gram drafter over the "
+                       "prompt, the request's own output and its group siblings. Lossless: outputs are "
+                       "distributed exactly as plain sampling from the target.")
+    s.add_argument("--target", required=True)
+    s.add_argument("--data", required=True, help="prompts: .json/.jsonl/.parquet")
+    s.add_argument("--drafter", help="drafter directory from `tlt warmup` (default: n-gram drafter)")
+    s.add_argument("--n", type=int, default=1, help="samples per prompt (GRPO group size)")
+    s.add_argument("--out", help="responses as JSONL")
+    s.add_argument("--record", help="per-rollout record (JSON) for `tlt report`")
+    s.add_argument("--max-prompts", type=int, default=0)
+    s.add_argument("--max-new-tokens", type=int, default=256)
+    s.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--arm", help="fixed strategy DEPTH,TOPK,TOKENS_TO_VERIFY (default: BEG-MAB tuner)")
+    s.add_argument("--no-sd", action="store_true", help="plain autoregressive decoding")
+    s.add_argument("--elastic-threshold", type=int, default=32,
+                   help="speculate only while at most this many requests run (default 32)")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=_cmd_rollout)
+
+    s = sub.add_parser("report", help="plot a rollout record as a PNG")
+    s.add_argument("record")
+    s.add_argument("--out", default="rollout.png")
+    s.set_defaults(fn=_cmd_report)
 
     s = sub.add_parser("bench", help="benchmarks that print side-by-side ratios and write JSON")
     from tlt.bench import BENCHES

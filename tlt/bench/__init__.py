@@ -12,7 +12,7 @@ import importlib
 from typing import Callable
 
 # name -> module under tlt.bench (imported lazily: some need optional packages)
-BENCHES = {"packing": "packing"}
+BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs": "graphs"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:

@@ -1,0 +1,67 @@
+"""`tlt rollout` (n-gram, EAGLE, AR), its record, `tlt report`, and `tlt bench rollout --quick`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tlt.cli import main
+
+
+def _rollout(target, data, tmp_path, *extra):
+    out, rec = tmp_path / "out.jsonl", tmp_path / "rec.json"
+    code = main(["-q", "rollout", "--target", str(target), "--data", str(data), "--max-prompts", "4",
+                 "--n", "3", "--max-new-tokens", "24", "--temperature", "0", "--out", str(out),
+                 "--record", str(rec), *extra])
+    assert code == 0
+    return [json.loads(x) for x in out.read_text().splitlines()], json.loads(rec.read_text())
+
+
+def test_rollout_variants_agree_and_record(trained_target, chat_prompts, warm_drafters, tmp_path):
+    ar, ar_rec = _rollout(trained_target, chat_prompts, tmp_path / "a", "--no-sd")
+    ng, ng_rec = _rollout(trained_target, chat_prompts, tmp_path / "b")
+    ea, ea_rec = _rollout(trained_target, chat_prompts, tmp_path / "c", "--drafter", str(warm_drafters["eagle"]),
+                          "--arm", "4,1,4")
+    assert [r["response"] for r in ar] == [r["response"] for r in ng] == [r["response"] for r in ea]
+    assert [r["group"] for r in ar] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert ar_rec["sd_steps"] == 0 and ea_rec["sd_steps"] > 0 and ng_rec["sd_steps"] > 0
+    assert ea_rec["mean_accept_length"] > 1
+    for rec in (ar_rec, ng_rec, ea_rec):
+        assert rec["tokens"] == sum(rec["output_lengths"])
+        # + 1 per request: the first token comes from the prefill
+        assert sum(s["committed"] for s in rec["timeline"]) + rec["requests"] >= rec["tokens"]
+        assert [s["batch"] for s in rec["timeline"]] == sorted((s["batch"] for s in rec["timeline"]), reverse=True)
+    assert ng_rec["tuner"]  # BEG-MAB statistics are in the record
+    png = tmp_path / "r.png"
+    assert main(["report", str(tmp_path / "c" / "rec.json"), "--out", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--arm", "4,1"], "DEPTH,TOPK,TOKENS_TO_VERIFY"),
+    (["--arm", "2,1,5"], "at most"),
+    (["--n", "0"], "--n must be"),
+])
+def test_rollout_bad_arguments(trained_target, chat_prompts, tmp_path, capsys, args, message):
+    code = main(["rollout", "--target", str(trained_target), "--data", str(chat_prompts), *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_report_errors(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing.json")]) == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["report", str(bad)]) == 2
+    assert "timeline" in capsys.readouterr().err
+
+
+def test_bench_rollout_quick(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
+    rec = tmp_path / "r.json"
+    assert main(["-q", "bench", "rollout", "--quick", "--json", str(rec)]) == 0
+    r = json.loads(rec.read_text())
+    assert r["variants"]["AR"]["speedup_vs_ar"] == 1.0
+    assert all(v["lossless"] for v in r["by_batch"].values())
+    assert "reproduced the AR tokens exactly" in capsys.readouterr().out

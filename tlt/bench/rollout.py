@@ -1,0 +1,144 @@
+"""``tlt bench rollout``: a long-tail rollout under AR, static strategies, n-gram and BEG-MAB.
+
+The workload: 64 requests (16 arithmetic prompts x 4 GRPO samples) on the trained tiny target,
+with lognormal response lengths (the long tail), greedy so every variant must reproduce the AR
+tokens exactly (checked: a mismatch fails the bench). A drafter is warmed up on the target's own
+rollouts first (cached). Also measures SD speedup vs AR at batch 1 / 8 / 32 with a fixed chain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import platform
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from drafter.eagle import Drafter
+from drafter.trainer import TrainConfig
+from rollout.eagle_proposer import EagleProposer
+from rollout.engine import EngineConfig, RolloutEngine
+from rollout.generate import SamplingParams
+from rollout.ngram import NgramProposer
+from rollout.strategy import Arm
+from rollout.target import TargetModel
+from rollout.tuner import BegMab, TunerConfig
+from tlt.corpus import CorpusConfig, make_corpus
+from tlt.demo import DEMO_TARGET, QUICK_TARGET
+from tlt.target_factory import default_cache_dir, ensure_target
+from tlt.tokenizer import TextTokenizer
+from tlt.warmup import WarmupConfig, run_warmup
+
+log = logging.getLogger(__name__)
+STATIC_ARMS = (Arm(3, 1, 3), Arm(5, 1, 5), Arm(4, 2, 8), Arm(6, 4, 16))
+
+
+def _drafter_dir(target: Path, steps: int, quick: bool) -> Path:
+    out = default_cache_dir() / "drafters" / f"{target.name}-eagle-{steps}"
+    if (out / "tlt_drafter.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=out.parent) as tmp:
+        prompts = Path(tmp) / "p.jsonl"
+        corpus = make_corpus(32 if quick else 160, CorpusConfig(seed=7))
+        prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p.prompt}]}) + "\n"
+                                   for p in corpus))
+        run_warmup(WarmupConfig(target=target, data=prompts, out=Path(tmp) / "d", max_new_tokens=200,
+                                train=TrainConfig(max_steps=steps)), progress=False)
+        (Path(tmp) / "d").rename(out)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    quick = bool(args.quick)
+    target_dir = ensure_target(QUICK_TARGET if quick else DEMO_TARGET, progress=False)
+    drafter_dir = _drafter_dir(target_dir, 20 if quick else 150, quick)
+    model = TargetModel.from_pretrained(target_dir)
+    tok = TextTokenizer.from_pretrained(target_dir)
+    drafter = Drafter.load(drafter_dir, model.embed_weight, model.lm_head.weight)
+    rng = random.Random(args.seed)
+    n_prompts, n_samples, median, cap = (4, 4, 24, 64) if quick else (16, 4, 96, 512)
+    corpus = make_corpus(n_prompts, CorpusConfig(seed=args.seed + 4242))
+    prompts, groups, params = [], [], []
+    for g, p in enumerate(corpus):
+        ids = tok.chat_prompt([{"role": "user", "content": p.prompt}])
+        for _ in range(n_samples):
+            length = int(min(cap, max(8, rng.lognormvariate(math.log(median), 1.0))))
+            prompts.append(ids)
+            groups.append(g)
+            params.append(SamplingParams(max_new_tokens=length))  # no stop id: lengths are the tail
+    max_len = max(len(p) for p in prompts) + cap + 1
+    bs = len(prompts)
+
+    def engine(arm=None, proposer=None, tuner=None, threshold=32):
+        return RolloutEngine(model, EngineConfig(max_batch=bs, max_len=max_len, arm=arm,
+                                                 elastic_threshold=threshold, seed=args.seed),
+                             proposer=proposer, tuner=tuner)
+
+    def eagle():
+        return EagleProposer(drafter, max_batch=bs, max_len=max_len + 64)
+
+    variants = {"AR": lambda: engine()}
+    for arm in STATIC_ARMS:
+        variants[f"EAGLE static {arm}"] = lambda arm=arm: engine(arm=arm, proposer=eagle())
+    variants["n-gram + BEG-MAB"] = lambda: engine(proposer=NgramProposer(), tuner=BegMab(TunerConfig.default(seed=args.seed)))
+    variants["EAGLE + BEG-MAB"] = lambda: engine(proposer=eagle(), tuner=BegMab(TunerConfig.default(seed=args.seed)))
+    variants["EAGLE + BEG-MAB, SD always on"] = lambda: engine(
+        proposer=eagle(), tuner=BegMab(TunerConfig.default(seed=args.seed)), threshold=bs)
+    rows, ref = {}, None
+    for name, make in variants.items():
+        eng = make()
+        res = eng.generate(prompts, params, groups)
+        if ref is None:
+            ref = res.outputs
+        elif res.outputs != ref:
+            raise AssertionError(f"{name}: output differs from AR - speculative decoding was not lossless")
+        al = res.accept_lengths
+        rows[name] = {"seconds": res.seconds, "tokens": res.tokens, "tokens_per_s": res.tokens / res.seconds,
+                      "sd_steps": sum(s.sd for s in res.steps), "steps": len(res.steps),
+                      "mean_accept_length": sum(al) / len(al) if al else None}
+        log.info("%s: %.1fs", name, res.seconds)
+    ar = rows["AR"]["tokens_per_s"]
+    for r in rows.values():
+        r["speedup_vs_ar"] = r["tokens_per_s"] / ar
+    best_static = max((k for k in rows if k.startswith("EAGLE static")), key=lambda k: rows[k]["tokens_per_s"])
+
+    by_batch = {}
+    chain = Arm(5, 1, 5)
+    for b in (1, 8, 32) if not quick else (1, 4):
+        ps = [prompts[(i * n_samples) % len(prompts)] for i in range(b)]
+        pa = [SamplingParams(max_new_tokens=32 if quick else 128)] * b
+        times = {}
+        for name, kw in (("AR", {}), ("SD", {"arm": chain})):
+            eng = RolloutEngine(model, EngineConfig(max_batch=b, max_len=max_len, elastic_threshold=b, **kw),
+                                proposer=EagleProposer(drafter, max_batch=b, max_len=max_len + 64) if kw else None)
+            t0 = time.perf_counter()
+            res = eng.generate(ps, pa)
+            times[name] = (time.perf_counter() - t0, res)
+        by_batch[b] = {"ar_s": times["AR"][0], "sd_s": times["SD"][0], "speedup": times["AR"][0] / times["SD"][0],
+                       "mean_accept_length": sum(times["SD"][1].accept_lengths) / len(times["SD"][1].accept_lengths),
+                       "lossless": times["SD"][1].outputs == times["AR"][1].outputs}
+    lines = [f"rollout bench: {bs} requests ({n_prompts} prompts x {n_samples}), response lengths "
+             f"{min(p.max_new_tokens for p in params)}..{max(p.max_new_tokens for p in params)} (lognormal), "
+             f"greedy, target {target_dir.name}; every variant reproduced the AR tokens exactly"]
+    for k, r in rows.items():
+        al = f"AL {r['mean_accept_length']:.2f}" if r["mean_accept_length"] else "        "
+        lines.append(f"  {k:34s} {r['tokens_per_s']:7.0f} tok/s  {r['speedup_vs_ar']:5.2f}x AR  {al}  "
+                     f"SD steps {r['sd_steps']}/{r['steps']}")
+    mab = rows["EAGLE + BEG-MAB"]["tokens_per_s"]
+    lines.append(f"  EAGLE+BEG-MAB vs best static ({best_static}): {mab / rows[best_static]['tokens_per_s']:.2f}x, "
+                 f"vs default static {STATIC_ARMS[-1]}: {mab / rows[f'EAGLE static {STATIC_ARMS[-1]}']['tokens_per_s']:.2f}x, "
+                 f"vs SD always on: {mab / rows['EAGLE + BEG-MAB, SD always on']['tokens_per_s']:.2f}x, vs AR: {mab / ar:.2f}x")
+    for b, r in by_batch.items():
+        lines.append(f"  batch {b:2d}: SD {chain} vs AR {r['speedup']:.2f}x (AL {r['mean_accept_length']:.2f}, "
+                     f"lossless {r['lossless']})")
+    return {"bench": "rollout", "quick": quick, "requests": bs, "variants": rows, "best_static": best_static,
+            "by_batch": by_batch, "target": str(target_dir), "drafter": str(drafter_dir),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+            "summary": lines}

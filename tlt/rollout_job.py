@@ -1,0 +1,131 @@
+"""``tlt rollout`` and ``tlt report``: a GRPO-style rollout from a prompt file, and its plot.
+
+Owns assembling the engine for a user (target, optional drafter or the n-gram fallback, BEG-MAB
+tuner or a fixed strategy), writing the responses (JSONL) and the per-rollout record (JSON), and
+rendering a record as a PNG.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from drafter.eagle import Drafter, read_config
+from rollout.eagle_proposer import EagleProposer
+from rollout.engine import EngineConfig, RolloutEngine
+from rollout.generate import SamplingParams
+from rollout.ngram import NgramProposer
+from rollout.record import rollout_record
+from rollout.strategy import Arm
+from rollout.target import TargetModel
+from rollout.tuner import BegMab, TunerConfig
+from tlt.data import load_prompts
+from tlt.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutJob:
+    target: Path
+    data: Path
+    drafter: Path | None = None  # None: the n-gram drafter
+    n: int = 1  # samples per prompt (a GRPO group)
+    max_prompts: int = 0
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    arm: Arm | None = None  # fixed strategy; None = BEG-MAB
+    no_sd: bool = False
+    elastic_threshold: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"--n must be >= 1, got {self.n}")
+
+
+def build_engine(job: RolloutJob, model: TargetModel, batch: int, max_len: int
+                 ) -> tuple[RolloutEngine, BegMab | None]:
+    cfg = EngineConfig(max_batch=batch, max_len=max_len, elastic_threshold=job.elastic_threshold,
+                       arm=job.arm, seed=job.seed)
+    if job.no_sd:
+        return RolloutEngine(model, cfg), None
+    if job.drafter is not None:
+        read_config(job.drafter).check_target(model.config)
+        drafter = Drafter.load(job.drafter, model.embed_weight, model.lm_head.weight)
+        proposer = EagleProposer(drafter, max_batch=batch, max_len=max_len + 512)
+    else:
+        proposer = NgramProposer()
+    tuner = None if job.arm is not None else BegMab(TunerConfig.default(seed=job.seed))
+    return RolloutEngine(model, cfg, proposer=proposer, tuner=tuner), tuner
+
+
+def run_rollout(job: RolloutJob, out: Path | None, record_path: Path | None) -> dict:
+    model = TargetModel.from_pretrained(job.target)
+    tok = TextTokenizer.from_pretrained(job.target)
+    records = load_prompts(job.data)[: job.max_prompts or None]
+    prompts, groups = [], []
+    for g, rec in enumerate(records):
+        ids = tok.encode(rec.text) if rec.text is not None else tok.chat_prompt(rec.chat())
+        prompts += [ids] * job.n
+        groups += [g] * job.n
+    stops = model.config.eos_ids or ((tok.eos_id,) if tok.eos_id is not None else ())
+    params = SamplingParams(temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
+                            max_new_tokens=job.max_new_tokens, stop_ids=stops)
+    max_len = max(len(p) for p in prompts) + job.max_new_tokens + 1
+    engine, tuner = build_engine(job, model, len(prompts), max_len)
+    torch.manual_seed(job.seed)
+    result = engine.generate(prompts, params, groups)
+    record = rollout_record(result, tuner_stats=tuner.stats() if tuner else None,
+                            meta={"target": str(job.target), "drafter": str(job.drafter) if job.drafter else
+                                  ("none" if job.no_sd else "ngram"), "n": job.n})
+    for path in (out, record_path):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    if out is not None:
+        out.write_text("".join(json.dumps({"group": g, "prompt": p, "response": o, "text": tok.decode(o)}) + "\n"
+                               for g, p, o in zip(groups, prompts, result.outputs)))
+    if record_path is not None:
+        record_path.write_text(json.dumps(record, indent=2))
+    return record
+
+
+def plot_record(record: dict, png: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("tlt report needs matplotlib: pip install 'tlt[report]'") from None
+    tl = record.get("timeline")
+    if not tl:
+        raise ValueError("the record has no timeline (is it a `tlt rollout --record` file?)")
+    fig, axes = plt.subplots(3, 1, figsize=(9, 9))
+    t = [s["t"] for s in tl]
+    axes[0].step(t, [s["batch"] for s in tl], where="post", label="running requests")
+    sd_t = [s["t"] for s in tl if s["sd"]]
+    axes[0].scatter(sd_t, [0] * len(sd_t), marker="|", color="tab:red", label="SD on")
+    axes[0].set(xlabel="seconds", ylabel="batch", title="running batch and SD timeline")
+    axes[0].legend()
+    hist = record["accept_length_hist"]
+    axes[1].bar([int(k) for k in hist], list(hist.values()))
+    axes[1].set(xlabel="tokens committed per SD step", ylabel="count",
+                title=f"accept length (mean {record['mean_accept_length'] or 0:.2f})")
+    arms = record["arms"]
+    names = sorted(arms)
+    axes[2].bar(names, [arms[a]["steps"] for a in names])
+    for i, a in enumerate(names):
+        axes[2].annotate(f"{arms[a]['goodput_tok_s']:.0f} tok/s", (i, arms[a]["steps"]), ha="center",
+                         va="bottom", fontsize=8)
+    axes[2].set(ylabel="steps", title="strategy use (label: goodput)")
+    axes[2].tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
