@@ -18,6 +18,7 @@ def test_demo_quick_end_to_end(tmp_path, monkeypatch, capsys):
     assert "held-out top-1" in out and "exports" in out
     summary = json.loads((work / "summary.json").read_text())
     assert summary["trained"]["top1"] > summary["untrained"]["top1"]
+    assert summary["rollout_identical"] and summary["rollout_accept_length"] > 1
     for fmt, arch in (("sglang", "LlamaForCausalLMEagle"), ("vllm", "EagleLlamaForCausalLM")):
         cfg = json.loads((work / f"export-{fmt}" / "config.json").read_text())
         assert cfg["architectures"] == [arch]
