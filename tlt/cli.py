@@ -99,6 +99,12 @@ def _cmd_report(a: argparse.Namespace) -> None:
     print(f"wrote {a.out}")
 
 
+def _cmd_coordinator(a: argparse.Namespace) -> None:
+    from coordinator.broker import serve_args
+
+    serve_args(a)
+
+
 def _cmd_bench(a: argparse.Namespace) -> None:
     from tlt import bench
 
@@ -196,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("record")
     s.add_argument("--out", default="rollout.png")
     s.set_defaults(fn=_cmd_report)
+
+    from coordinator.broker import DESCRIPTION, add_arguments
+
+    s = sub.add_parser("coordinator", help="run the ZeroMQ worker coordinator standalone",
+                       description=DESCRIPTION)
+    add_arguments(s)
+    s.set_defaults(fn=_cmd_coordinator)
 
     s = sub.add_parser("bench", help="benchmarks that print side-by-side ratios and write JSON")
     from tlt.bench import BENCHES

@@ -12,7 +12,8 @@ import importlib
 from typing import Callable
 
 # name -> module under tlt.bench (imported lazily: some need optional packages)
-BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs": "graphs"}
+BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs": "graphs",
+           "coordinator": "coordinator"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:

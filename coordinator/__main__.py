@@ -1,0 +1,7 @@
+"""``python -m coordinator --bind tcp://127.0.0.1:5555``: run the coordinator standalone."""
+
+import sys
+
+from coordinator.broker import main
+
+sys.exit(main())
