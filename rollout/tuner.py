@@ -73,6 +73,16 @@ def _default_buckets() -> tuple[Bucket, ...]:
             (16, (v16, v8, v8_chain, off)), (32, (v8, v8_chain, v4, off)))
 
 
+def compute_bound_buckets() -> tuple[Bucket, ...]:
+    # On a CPU every verified token costs about as much as a decoded one (no memory-bound regime),
+    # so only short chains can pay, and only while very few requests run (``tlt bench rollout``:
+    # a d5k1v5 chain is 1.2x AR at batch 1 and slower than AR at batch 8). ``off`` everywhere.
+    off = Arm.off()
+    return ((1, (Arm(5, 1, 5), Arm(3, 1, 3), Arm(4, 2, 6), off)),
+            (4, (Arm(3, 1, 3), Arm(2, 1, 2), off)),
+            (32, (Arm(2, 1, 2), off)))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TunerConfig:
     # ((max_batch_size, (arm, ...)), ...), sorted by max_batch_size; a batch larger than the last
@@ -119,6 +129,13 @@ class TunerConfig:
             raise ValueError(f"TunerConfig.median_of_goodput={self.median_of_goodput!r} must be a bool")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"TunerConfig.seed={self.seed!r} must be an int")
+
+    @classmethod
+    def for_device(cls, device_type: str, **overrides: Any) -> TunerConfig:
+        """The default for GPUs (memory-bound small batches); small chains on ``"cpu"``."""
+        if device_type == "cpu":
+            overrides.setdefault("buckets", compute_bound_buckets())
+        return cls(**overrides)
 
     @classmethod
     def default(cls, **overrides: Any) -> TunerConfig:

@@ -62,7 +62,8 @@ def build_engine(job: RolloutJob, model: TargetModel, batch: int, max_len: int
         proposer = EagleProposer(drafter, max_batch=batch, max_len=max_len + 512)
     else:
         proposer = NgramProposer()
-    tuner = None if job.arm is not None else BegMab(TunerConfig.default(seed=job.seed))
+    tuner = None if job.arm is not None else BegMab(
+        TunerConfig.for_device(model.embed_weight.device.type, seed=job.seed))
     return RolloutEngine(model, cfg, proposer=proposer, tuner=tuner), tuner
 
 
