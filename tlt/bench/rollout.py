@@ -14,6 +14,7 @@ import logging
 import math
 import platform
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -95,18 +96,24 @@ def run(args: argparse.Namespace) -> dict:
     variants["EAGLE + BEG-MAB"] = lambda: engine(proposer=eagle(), tuner=mab())
     variants["EAGLE + BEG-MAB, SD always on"] = lambda: engine(proposer=eagle(), tuner=mab(), threshold=bs)
     rows, ref = {}, None
-    for name, make in variants.items():
-        eng = make()
-        res = eng.generate(prompts, params, groups)
-        if ref is None:
-            ref = res.outputs
-        elif res.outputs != ref:
-            raise AssertionError(f"{name}: output differs from AR - speculative decoding was not lossless")
-        al = res.accept_lengths
-        rows[name] = {"seconds": res.seconds, "tokens": res.tokens, "tokens_per_s": res.tokens / res.seconds,
-                      "sd_steps": sum(s.sd for s in res.steps), "steps": len(res.steps),
-                      "mean_accept_length": sum(al) / len(al) if al else None}
-        log.info("%s: %.1fs", name, res.seconds)
+    repeats = 1 if quick else 3
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for rep in range(repeats):  # interleaved, alternating order: drift hits every variant alike
+        for name in (list(variants) if rep % 2 == 0 else list(reversed(variants))):
+            res = variants[name]().generate(prompts, params, groups)
+            if ref is None:
+                ref = res.outputs
+            elif res.outputs != ref:
+                raise AssertionError(f"{name}: output differs from AR - speculative decoding was not lossless")
+            times[name].append(res.seconds)
+            al = res.accept_lengths
+            rows[name] = {"tokens": res.tokens, "sd_steps": sum(s.sd for s in res.steps),
+                          "steps": len(res.steps), "mean_accept_length": sum(al) / len(al) if al else None}
+            log.info("%s: %.1fs", name, res.seconds)
+    for name, r in rows.items():
+        r["seconds_all"] = times[name]
+        r["seconds"] = statistics.median(times[name])
+        r["tokens_per_s"] = r["tokens"] / r["seconds"]
     ar = rows["AR"]["tokens_per_s"]
     for r in rows.values():
         r["speedup_vs_ar"] = r["tokens_per_s"] / ar
@@ -117,17 +124,21 @@ def run(args: argparse.Namespace) -> dict:
     for b in (1, 8, 32) if not quick else (1, 4):
         ps = [prompts[(i * n_samples) % len(prompts)] for i in range(b)]
         pa = [SamplingParams(max_new_tokens=32 if quick else 128)] * b
-        times = {}
-        for name, kw in (("AR", {}), ("SD", {"arm": chain})):
-            eng = RolloutEngine(model, EngineConfig(max_batch=b, max_len=max_len, elastic_threshold=b, **kw),
-                                proposer=EagleProposer(drafter, max_batch=b, max_len=max_len + 64) if kw else None)
-            t0 = time.perf_counter()
-            res = eng.generate(ps, pa)
-            times[name] = (time.perf_counter() - t0, res)
-        by_batch[b] = {"ar_s": times["AR"][0], "sd_s": times["SD"][0], "speedup": times["AR"][0] / times["SD"][0],
-                       "mean_accept_length": sum(times["SD"][1].accept_lengths) / len(times["SD"][1].accept_lengths),
-                       "lossless": times["SD"][1].outputs == times["AR"][1].outputs}
-    lines = [f"rollout bench: {bs} requests ({n_prompts} prompts x {n_samples}), response lengths "
+        times: dict[str, list[float]] = {"AR": [], "SD": []}
+        outs = {}
+        for rep in range(repeats):
+            for name in (("AR", "SD") if rep % 2 == 0 else ("SD", "AR")):
+                kw = {"arm": chain} if name == "SD" else {}
+                eng = RolloutEngine(model, EngineConfig(max_batch=b, max_len=max_len, elastic_threshold=b, **kw),
+                                    proposer=EagleProposer(drafter, max_batch=b, max_len=max_len + 64) if kw else None)
+                t0 = time.perf_counter()
+                outs[name] = eng.generate(ps, pa)
+                times[name].append(time.perf_counter() - t0)
+        ar_s, sd_s = statistics.median(times["AR"]), statistics.median(times["SD"])
+        by_batch[b] = {"ar_s": ar_s, "sd_s": sd_s, "speedup": ar_s / sd_s,
+                       "mean_accept_length": sum(outs["SD"].accept_lengths) / len(outs["SD"].accept_lengths),
+                       "lossless": outs["SD"].outputs == outs["AR"].outputs}
+    lines = [f"rollout bench ({repeats} interleaved repeats, medians): {bs} requests ({n_prompts} prompts x {n_samples}), response lengths "
              f"{min(p.max_new_tokens for p in params)}..{max(p.max_new_tokens for p in params)} (lognormal), "
              f"greedy, target {target_dir.name}; every variant reproduced the AR tokens exactly"]
     for k, r in rows.items():
@@ -142,7 +153,7 @@ def run(args: argparse.Namespace) -> dict:
     for b, r in by_batch.items():
         lines.append(f"  batch {b:2d}: SD {chain} vs AR {r['speedup']:.2f}x (AL {r['mean_accept_length']:.2f}, "
                      f"lossless {r['lossless']})")
-    return {"bench": "rollout", "quick": quick, "requests": bs, "variants": rows, "best_static": best_static,
+    return {"bench": "rollout", "quick": quick, "requests": bs, "repeats": repeats, "variants": rows, "best_static": best_static,
             "by_batch": by_batch, "target": str(target_dir), "drafter": str(drafter_dir),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
             "summary": lines}
