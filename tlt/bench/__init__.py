@@ -13,7 +13,7 @@ from typing import Callable
 
 # name -> module under tlt.bench (imported lazily: some need optional packages)
 BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs": "graphs",
-           "coordinator": "coordinator"}
+           "coordinator": "coordinator", "checkpoint": "checkpoint", "preempt": "preempt"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:

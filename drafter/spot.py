@@ -1,0 +1,343 @@
+"""Spot trainer: preemptible FSDP2 drafter training on the ranks the coordinator lent to a session.
+
+Owns one training session on one rank: forming the session's process group (membership and port
+change from session to session), building the drafter on the target's frozen embedding / LM head
+(shared by reference, replicated, never sharded or saved), sharding the drafter's trainable
+modules with FSDP2, resuming from the latest selective checkpoint (written by any world size),
+the packed TTT training loop, preemption between micro-steps, and the final checkpoint.
+
+Agreement: every micro-step starts with one tiny all-reduce (MAX) of ``[stop, no_data]`` so all
+ranks stop at the same boundary even when the preemption request reaches them at different
+times (a rank leaving alone would hang the others in the next FSDP collective).
+
+Loss: the global TTT loss of the union of all ranks' samples. Per step ``j`` the summed losses
+and valid-position counts are all-reduced, and each rank back-propagates
+``sum_j decay**j * loss_sum_j(rank) * world / count_j(global)``; FSDP averages gradients over
+ranks, so the update equals one process training on all samples (up to float summation order).
+
+Data: ``next_batch(world_size * token_budget)`` must return the same list on every rank (e.g. a
+seeded draw from the shared DataBuffer); rank ``r`` trains on a token-balanced shard of it. A
+list that leaves some rank without samples ends the session (``no_data``) on every rank.
+
+Work lost to a kill: at most one checkpoint ``interval`` plus the steps run while that
+interval's save was still being written (commits happen in the writer thread, see checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from drafter.checkpoint import AsyncCheckpointer, TrainState, latest, load
+from drafter.eagle import WEIGHTS_NAME, Drafter, DrafterConfig
+from drafter.packing import FeatureSample, pack
+from drafter.ttt import TTTConfig, ttt_forward
+
+log = logging.getLogger(__name__)
+
+STOP_REASONS = ("preempted", "max_steps", "no_data")
+NextBatch = Callable[[int], Sequence[FeatureSample]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SessionSpec:
+    """This rank's place in one training session (from the coordinator's PROMOTE message)."""
+
+    rank: int
+    world_size: int
+    master_addr: str = "127.0.0.1"
+    master_port: int
+    session_id: str
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size}: a session needs at least 1 rank")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank={self.rank} must be in 0..{self.world_size - 1} (world_size)")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port={self.master_port} must be in 1..65535")
+        if not self.master_addr or not self.session_id:
+            raise ValueError("master_addr and session_id must be non-empty")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpotConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0  # 0 disables clipping
+    token_budget: int = 4096  # tokens per rank per micro-step
+    micro_steps: int = 1  # micro-steps (gradient accumulation) per optimizer step
+    interval: int = 50  # optimizer steps between async checkpoints
+    keep_last: int = 2  # complete checkpoints kept on disk
+    # Snapshot copy overlapping the next forward/backward (AsyncCheckpointer.overlap_staging).
+    # None = on CUDA only: on a CPU-only host the copy competes with the compute threads and
+    # costs more than copying inside save() (measured by `tlt bench checkpoint`).
+    overlap_staging: bool | None = None
+    max_steps: int | None = None  # total optimizer steps over all sessions; None = until stopped
+    ttt: TTTConfig = TTTConfig()
+    seed: int = 0  # drafter init when there is neither a checkpoint nor init_from
+    mixed_precision: bool = True  # CUDA only: bf16 compute, fp32 master weights and reduction
+    timeout_s: float = 120.0  # process-group collective timeout
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(f"weight_decay={self.weight_decay} and grad_clip={self.grad_clip} "
+                             "must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas={self.betas} must be two numbers in [0, 1)")
+        for name in ("token_budget", "micro_steps", "interval", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ValueError(f"max_steps={self.max_steps} must be >= 0 or None (until stopped)")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SessionResult:
+    session_id: str
+    rank: int
+    world_size: int
+    start_step: int  # resumed from this step (0 when there was no checkpoint)
+    end_step: int
+    losses: tuple[float, ...]  # global loss per optimizer step of this session
+    stop_reason: str  # one of STOP_REASONS
+    preempt_latency_s: float | None  # this rank's flag set -> loop exited (None: not preempted here)
+    stop_latency_s: float | None  # this rank's flag set -> final checkpoint durable, group gone
+    checkpoint_step: int | None  # newest complete checkpoint when the session ended
+    check_interval_s: tuple[float, ...]  # between consecutive stop checks: the preemption granularity
+    checkpoint_stall_s: tuple[float, ...]  # loop time blocked in each checkpoint save
+
+    @property
+    def steps(self) -> int:
+        return self.end_step - self.start_step
+
+
+class PreemptFlag:
+    """Thread-safe stop request that remembers when it was first raised (``time.monotonic``)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.set_at: float | None = None
+
+    def set(self) -> None:
+        if not self._event.is_set():
+            self.set_at = time.monotonic()
+            self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    __call__ = is_set
+
+
+def shard_samples(samples: Sequence[FeatureSample], rank: int, world_size: int) -> list[FeatureSample]:
+    """Token-balanced deterministic shard: longest first onto the least-loaded rank."""
+    load_ = [0] * world_size
+    mine: list[int] = []
+    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i])):
+        r = min(range(world_size), key=lambda r: (load_[r], r))
+        load_[r] += len(samples[i])
+        if r == rank:
+            mine.append(i)
+    return [samples[i] for i in sorted(mine)]
+
+
+class SpotTrainer:
+    """One rank of one training session; ``run`` forms the group, trains, checkpoints, leaves."""
+
+    def __init__(self, *, spec: SessionSpec, config: SpotConfig, drafter_config: DrafterConfig,
+                 embed_weight: torch.Tensor, head_weight: torch.Tensor, checkpoint_root: str | Path,
+                 init_from: str | Path | None = None) -> None:
+        self.spec, self.cfg, self.drafter_config = spec, config, drafter_config
+        self.embed_weight, self.head_weight = embed_weight, head_weight
+        self.root = Path(checkpoint_root)
+        self.init_from = Path(init_from) if init_from is not None else None
+        self.device = embed_weight.device
+        self.drafter: Drafter | None = None  # built by run(); kept for inspection afterwards
+
+    # ------------------------------------------------------------------ session lifecycle
+    def _init_group(self) -> dist.ProcessGroup:
+        if dist.is_initialized():
+            raise RuntimeError("a process group is already initialized in this process; the "
+                               "previous session must end (destroy_process_group) first")
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(self.device)
+        s = self.spec
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl" if cuda else "gloo",
+            init_method=f"tcp://{s.master_addr}:{s.master_port}", rank=s.rank,
+            world_size=s.world_size, timeout=datetime.timedelta(seconds=self.cfg.timeout_s),
+            device_id=self.device if cuda else None)
+        return dist.new_group(backend="gloo")  # DCP's writer thread gets a group of its own
+
+    def _build(self) -> tuple[Drafter, torch.optim.Optimizer]:
+        torch.manual_seed(self.cfg.seed)  # identical full init on every rank before sharding
+        d = Drafter(self.drafter_config, self.embed_weight, self.head_weight)
+        if self.init_from is not None and latest(self.root) is None:
+            missing, unexpected = d.load_state_dict(load_file(str(self.init_from / WEIGHTS_NAME)),
+                                                    strict=False)
+            if missing or unexpected:
+                raise ValueError(f"init_from={self.init_from}: weights do not match the drafter "
+                                 f"config (missing {missing[:4]}, unexpected {unexpected[:4]})")
+        d = d.to(self.device)
+        cuda = self.device.type == "cuda"
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if cuda and self.cfg.mixed_precision else MixedPrecisionPolicy())
+        mesh = init_device_mesh(self.device.type, (self.spec.world_size,))
+        # One FSDP unit per trainable module: each is entered through its own forward, so the
+        # TTT loop's repeated calls (and EAGLE-3's logits() outside forward) re-unshard as needed.
+        for name in ("fc", "norm", "lm_head"):
+            if hasattr(d, name):
+                fully_shard(getattr(d, name), mesh=mesh, mp_policy=mp)
+        for layer in d.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(d, mesh=mesh, mp_policy=mp)
+        params = list(d.parameters())
+        if d.embed_weight is not self.embed_weight or d.target_head_weight is not self.head_weight \
+                or any(p is self.embed_weight or p is self.head_weight for p in params):
+            raise RuntimeError("the target's embedding / LM head must stay shared by reference and "
+                               "out of the drafter's parameters")
+        opt = torch.optim.AdamW(params, lr=self.cfg.lr, betas=self.cfg.betas,
+                                weight_decay=self.cfg.weight_decay)
+        return d, opt
+
+    def _overlap_staging(self) -> bool:
+        if self.cfg.overlap_staging is None:
+            return self.device.type == "cuda"
+        return self.cfg.overlap_staging
+
+    def run(self, next_batch: NextBatch, should_stop: Callable[[], bool]) -> SessionResult:
+        """Train until ``should_stop()`` (on any rank), ``max_steps`` or no data; then checkpoint.
+
+        ``should_stop`` is polled before every micro-step; a :class:`PreemptFlag` also lets the
+        latency from its ``set()`` be measured.
+        """
+        ckpt_pg = self._init_group()
+        try:
+            d, opt = self._build()
+            self.drafter = d
+            state = TrainState(d, opt, frozen=(self.embed_weight, self.head_weight),
+                               progress={"world_size": self.spec.world_size, "samples": 0})
+            ckpt = AsyncCheckpointer(self.root, keep_last=self.cfg.keep_last, process_group=ckpt_pg,
+                                     overlap_staging=self._overlap_staging())
+            try:
+                start = load(self.root, {"train": state}, process_group=ckpt_pg) or 0
+                state.progress["world_size"] = self.spec.world_size  # who writes the next one
+                for g in opt.param_groups:  # the config, not the checkpoint, sets the lr
+                    g["lr"] = self.cfg.lr
+                if start:
+                    log.info("session %s rank %d: resumed from step %d", self.spec.session_id,
+                             self.spec.rank, start)
+                return self._loop(d, opt, state, ckpt, start, next_batch, should_stop)
+            finally:
+                ckpt.close()
+        finally:
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ training loop
+    def _micro_step(self, d: Drafter, samples: list[FeatureSample], ttt: TTTConfig) -> float:
+        """Forward + backward of this rank's shard; returns the global loss of the micro-step."""
+        batch = pack(samples)
+        if self.device.type != "cpu":
+            batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(self.device)
+                                                  for f in dataclasses.fields(batch)
+                                                  if isinstance(getattr(batch, f.name), torch.Tensor)})
+        st = ttt_forward(d, batch, ttt)
+        n = len(st.count)
+        sums = torch.tensor(st.count + [float(s.detach()) for s in st.loss_sum], dtype=torch.float64)
+        dist.all_reduce(sums)  # [steps counts ; steps loss sums], over all ranks
+        counts, loss_sums = sums[:n].tolist(), sums[n:].tolist()
+        ttt = ttt.for_method(d.config.method)
+        world, scale = self.spec.world_size, 1.0 / self.cfg.micro_steps
+        loss = st.loss_sum[0].new_zeros(())
+        global_loss = 0.0
+        for j, (s, c, gs) in enumerate(zip(st.loss_sum, counts, loss_sums)):
+            if c:
+                loss = loss + (ttt.decay ** j) * s * (world * scale / c)
+                global_loss += (ttt.decay ** j) * gs / c
+        loss.backward()
+        return global_loss * scale
+
+    def _loop(self, d, opt, state: TrainState, ckpt: AsyncCheckpointer, start: int,
+              next_batch: NextBatch, should_stop: Callable[[], bool]) -> SessionResult:
+        cfg, spec = self.cfg, self.spec
+        step, losses, gaps = start, [], []
+        reason, exited, last_check = None, None, None
+        d.train()
+        while reason is None:
+            if cfg.max_steps is not None and step >= cfg.max_steps:
+                reason = "max_steps"
+                break
+            step_loss = 0.0
+            for _ in range(cfg.micro_steps):
+                now = time.monotonic()
+                if last_check is not None:  # one micro-step (+ optimizer step, + save) ago
+                    gaps.append(now - last_check)
+                last_check = now
+                stop = bool(should_stop())
+                samples = [] if stop else list(next_batch(spec.world_size * cfg.token_budget))
+                mine = shard_samples(samples, spec.rank, spec.world_size)
+                flags = torch.tensor([float(stop), float(not stop and not mine)])
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+                if flags[0] or flags[1]:
+                    reason = "preempted" if flags[0] else "no_data"
+                    exited = time.monotonic()
+                    break
+                step_loss += self._micro_step(d, mine, cfg.ttt)
+                state.progress["samples"] += len(samples)
+            if reason is not None:
+                opt.zero_grad(set_to_none=True)  # an unfinished step is dropped, never applied
+                break
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(list(d.parameters()), cfg.grad_clip)
+            ckpt.wait_staged()  # the step below mutates what an in-flight snapshot may still copy
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            losses.append(step_loss)
+            if step % cfg.interval == 0:
+                state.step = step
+                ckpt.save(step, {"train": state})
+        exited = exited or time.monotonic()
+        ckpt.wait()
+        if step != start and ckpt.last_committed != step:
+            state.step = step
+            ckpt.save(step, {"train": state})
+            ckpt.wait()
+        dist.barrier()  # every rank's shards and the coordinator's commit are done
+        durable = time.monotonic()
+        set_at = getattr(should_stop, "set_at", None) if reason == "preempted" else None
+        return SessionResult(
+            session_id=spec.session_id, rank=spec.rank, world_size=spec.world_size,
+            start_step=start, end_step=step, losses=tuple(losses), stop_reason=reason,
+            preempt_latency_s=None if set_at is None else exited - set_at,
+            stop_latency_s=None if set_at is None else durable - set_at,
+            checkpoint_step=latest(self.root),  # after the barrier: committed everywhere
+            check_interval_s=tuple(gaps), checkpoint_stall_s=tuple(ckpt.stats.stall_s))
+
+
+def run_session(*, spec: SessionSpec, config: SpotConfig, drafter_config: DrafterConfig,
+                embed_weight: torch.Tensor, head_weight: torch.Tensor, checkpoint_root: str | Path,
+                next_batch: NextBatch, should_stop: Callable[[], bool],
+                init_from: str | Path | None = None) -> SessionResult:
+    """Convenience: build a :class:`SpotTrainer` for this rank and run one session."""
+    return SpotTrainer(spec=spec, config=config, drafter_config=drafter_config,
+                       embed_weight=embed_weight, head_weight=head_weight,
+                       checkpoint_root=checkpoint_root, init_from=init_from).run(next_batch, should_stop)

@@ -1,0 +1,271 @@
+"""Spot trainer: 2-rank FSDP2/gloo equals one process (EAGLE and EAGLE-3, with gradient
+accumulation), resume on another membership, preemption within one micro-step, and a SIGKILL
+loses at most one checkpoint interval.
+
+Real processes (spawn), gloo on 127.0.0.1, a tiny drafter; each test stays well under 40 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import random
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from drafter.checkpoint import TrainState, complete_steps, latest, load, step_dir
+from drafter.eagle import Drafter, DrafterConfig
+from drafter.packing import pack
+from drafter.spot import (
+    PreemptFlag,
+    SessionSpec,
+    SpotConfig,
+    SpotTrainer,
+    run_session,
+    shard_samples,
+)
+from drafter.ttt import TTTConfig, ttt_forward
+from tests.drafter.test_packing import make_samples, tiny_target_cfg
+
+TTT = TTTConfig(steps=2)
+
+
+def _cfg(**kw) -> SpotConfig:
+    return SpotConfig(**{"lr": 1e-2, "token_budget": 256, "interval": 2, "ttt": TTT, "seed": 3, **kw})
+
+
+def _target(method: str = "eagle"):
+    g = torch.Generator().manual_seed(11)
+    tcfg = tiny_target_cfg()
+    embed = torch.randn(tcfg.vocab_size, tcfg.hidden_size, generator=g)
+    head = torch.randn(tcfg.vocab_size, tcfg.hidden_size, generator=g) * 0.3
+    return DrafterConfig.for_target(tcfg, method, draft_vocab_size=40), embed, head
+
+
+class _Stream:
+    """Call-indexed data, identical on every rank: call ``i`` always returns the same samples."""
+
+    def __init__(self, start: int = 0, n: int = 6, hook=None, aux: bool = False) -> None:
+        self.i, self.n, self.hook, self.aux = start, n, hook, aux
+
+    def __call__(self, token_budget: int):
+        if self.hook:
+            self.hook(self.i)
+        out = make_samples(self.n, seed=1000 + self.i, aux=self.aux)
+        self.i += 1
+        return out
+
+
+def _reference(micro: list[int], cfg: SpotConfig, method: str = "eagle"):
+    """One process, no FSDP, each micro-batch in one packed row: the ground truth.
+
+    ``micro[k]`` micro-batches (gradient accumulation, mean) make optimizer step ``k``.
+    """
+    dcfg, embed, head = _target(method)
+    torch.manual_seed(cfg.seed)
+    d = Drafter(dcfg, embed, head)
+    opt = torch.optim.AdamW(d.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    ttt = cfg.ttt.for_method(method)
+    stream, losses, weights = _Stream(aux=method == "eagle3"), [], []
+    for m in micro:
+        total = 0.0
+        for _ in range(m):
+            loss = ttt_forward(d, pack(stream(0)), ttt).loss(ttt) / m
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(list(d.parameters()), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+        weights.append({k: v.clone() for k, v in d.state_dict().items()})
+    return losses, weights
+
+
+def _checkpoint_weights(root, step: int, method: str = "eagle") -> dict:
+    dcfg, embed, head = _target(method)
+    d = Drafter(dcfg, embed, head)
+    st = TrainState(d, torch.optim.AdamW(d.parameters()))
+    assert load(root, {"train": st}, step=step) == step and st.step == step
+    return d.state_dict()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, nprocs: int, *args, timeout: float = 90) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=fn, args=(r, *args)) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * nprocs
+
+
+def _session(rank, world, port, sid, root, cfg, stream, stop=lambda: False, target=None,
+             method="eagle"):
+    dcfg, embed, head = target or _target(method)
+    spec = SessionSpec(rank=rank, world_size=world, master_port=port, session_id=sid)
+    return run_session(spec=spec, config=cfg, drafter_config=dcfg, embed_weight=embed,
+                       head_weight=head, checkpoint_root=root, next_batch=stream, should_stop=stop)
+
+
+# ---------------------------------------------------------------- workers (spawned processes)
+def _two_then_one(rank, ports, root, out, method):
+    torch.set_num_threads(1)
+    aux = method == "eagle3"
+    # Session 1: 2 ranks, 2 micro-steps per step, overlapped snapshots (the CUDA default) forced
+    # on: a missing wait_staged() would let the optimizer step race the copy.
+    cfg1 = _cfg(max_steps=4, micro_steps=2, overlap_staging=True)
+    r1 = _session(rank, 2, ports[0], "s1", root, cfg1, _Stream(aux=aux), method=method)
+    torch.save(r1, f"{out}/s1-{rank}.pt")
+    if rank == 0:  # this process stays; the next session has other members and another port
+        stream = _Stream(start=2 * r1.end_step, aux=aux)
+        r2 = _session(0, 1, ports[1], "s2", root, _cfg(max_steps=6), stream, method=method)
+        torch.save(r2, f"{out}/s2-0.pt")
+
+
+def _preempted(rank, port, root, out, seed):
+    torch.set_num_threads(1)
+    flag = PreemptFlag()
+    rng = random.Random(seed)
+
+    def hook(i):  # rank 0 only: the request lands at a random moment inside micro-step 3
+        if rank == 0 and i == 3:
+            threading.Timer(rng.uniform(0.0, 0.05), flag.set).start()
+
+    target = _target()
+    before = (target[1].clone(), target[2].clone())
+    r = _session(rank, 2, port, "p", root, _cfg(token_budget=2048, interval=100), _Stream(n=24, hook=hook),
+                 stop=flag, target=target)
+    assert torch.equal(target[1], before[0]) and torch.equal(target[2], before[1])  # never written
+    torch.save(r, f"{out}/p-{rank}.pt")
+
+
+def _killed(rank, port, root, kill_at):
+    torch.set_num_threads(1)
+
+    def hook(i):
+        if i == kill_at:  # kill_at steps are done; give the background commit time, then die
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _session(rank, 1, port, "k", root, _cfg(interval=2), _Stream(hook=hook))
+    os._exit(3)  # unreachable: the session trains until killed
+
+
+# ---------------------------------------------------------------- tests
+def test_configs_validate():
+    with pytest.raises(ValueError, match="rank"):
+        SessionSpec(rank=2, world_size=2, master_port=1234, session_id="x")
+    with pytest.raises(ValueError, match="master_port"):
+        SessionSpec(rank=0, world_size=1, master_port=0, session_id="x")
+    with pytest.raises(ValueError, match="interval"):
+        SpotConfig(interval=0)
+    with pytest.raises(ValueError, match="lr"):
+        SpotConfig(lr=0)
+    with pytest.raises(ValueError, match="max_steps"):
+        SpotConfig(max_steps=-1)
+
+
+def test_shards_are_disjoint_balanced_and_cover_the_batch():
+    samples = make_samples(9)
+    shards = [shard_samples(samples, r, 2) for r in range(2)]
+    ids = sorted(id(s) for sh in shards for s in sh)
+    assert ids == sorted(id(s) for s in samples)
+    loads = [sum(len(s) for s in sh) for sh in shards]
+    assert abs(loads[0] - loads[1]) <= max(len(s) for s in samples)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_two_ranks_equal_one_process_and_resume_on_other_membership(tmp_path, method):
+    root, out = tmp_path / "ckpt", tmp_path
+    _spawn(_two_then_one, 2, (_free_port(), _free_port()), str(root), str(out), method)
+    ref_losses, ref_w = _reference([2, 2, 2, 2, 1, 1], _cfg(), method)
+    s1 = [torch.load(out / f"s1-{r}.pt", weights_only=False) for r in range(2)]
+    s2 = torch.load(out / "s2-0.pt", weights_only=False)
+    assert s1[0].losses == s1[1].losses and s1[0].stop_reason == "max_steps"
+    assert (s1[0].start_step, s1[0].end_step, s1[0].checkpoint_step) == (0, 4, 4)
+    torch.testing.assert_close(list(s1[0].losses), ref_losses[:4], rtol=1e-5, atol=1e-6)
+    # Session 2: one rank, resumed from the 2-rank checkpoint; its first loss only matches if
+    # weights *and* optimizer state came back exactly.
+    assert (s2.start_step, s2.end_step, s2.world_size, s2.checkpoint_step) == (4, 6, 1, 6)
+    torch.testing.assert_close(list(s2.losses), ref_losses[4:6], rtol=1e-5, atol=1e-6)
+    assert complete_steps(root) == [4, 6]  # keep_last=2
+    for step in (4, 6):
+        got = _checkpoint_weights(root, step, method)
+        for k, v in ref_w[step - 1].items():  # Adam amplifies summation-order noise a little
+            torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, k=k, step=step: f"step {step} {k}: {m}")
+
+
+def test_preemption_stops_both_ranks_within_one_micro_step(tmp_path):
+    _spawn(_preempted, 2, _free_port(), str(tmp_path / "ckpt"), str(tmp_path), 7)
+    r0, r1 = (torch.load(tmp_path / f"p-{r}.pt", weights_only=False) for r in range(2))
+    assert r0.stop_reason == r1.stop_reason == "preempted"
+    assert r0.end_step == r1.end_step >= 4  # the flag fell during or after the 4th step
+    assert r1.preempt_latency_s is None  # rank 1's own flag was never set; it followed rank 0
+    bound = max(r0.check_interval_s) + 0.25  # one micro-step + the stop all-reduce (loaded CI box)
+    assert 0 <= r0.preempt_latency_s <= bound, (r0.preempt_latency_s, r0.check_interval_s)
+    assert r0.stop_latency_s >= r0.preempt_latency_s
+    assert r0.checkpoint_step == r0.end_step == latest(tmp_path / "ckpt")  # final checkpoint durable
+
+
+def test_sigkill_loses_at_most_one_interval(tmp_path):
+    root = tmp_path / "ckpt"
+    _spawn_killed = multiprocessing.get_context("spawn").Process(
+        target=_killed, args=(0, _free_port(), str(root), 7))
+    _spawn_killed.start()
+    _spawn_killed.join(90)
+    assert _spawn_killed.exitcode == -signal.SIGKILL
+    # 7 steps done, interval 2: step 6 was committed by the writer thread (the loop never waited).
+    assert latest(root) == 6 and 7 - latest(root) <= _cfg().interval
+    _, ref_w = _reference([1] * 6, _cfg())
+    got = _checkpoint_weights(root, 6)
+    for k, v in ref_w[5].items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_session_refuses_a_live_process_group(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    dcfg, embed, head = _target()
+    t = SpotTrainer(spec=SessionSpec(rank=0, world_size=1, master_port=1, session_id="x"),
+                    config=_cfg(), drafter_config=dcfg, embed_weight=embed, head_weight=head,
+                    checkpoint_root=tmp_path)
+    with pytest.raises(RuntimeError, match="already initialized"):
+        t.run(_Stream(), lambda: False)
+
+
+@pytest.mark.parametrize("field", ["betas"])
+def test_frozen_configs(field):
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(_cfg(), field, (0.5, 0.5))
+
+
+def test_in_process_sessions_stop_on_no_data_and_reform_the_group(tmp_path):
+    class _Dries(_Stream):  # the buffer runs dry after 3 batches
+        def __call__(self, token_budget):
+            return super().__call__(token_budget) if self.i < 3 else []
+
+    r1 = _session(0, 1, _free_port(), "a", tmp_path, _cfg(interval=100), _Dries())
+    assert (r1.stop_reason, r1.end_step, r1.checkpoint_step) == ("no_data", 3, 3)
+    assert r1.preempt_latency_s is None and len(r1.checkpoint_stall_s) == 1  # the final save only
+    # Same process, next session (new group, new port): nothing left to do, nothing rewritten.
+    before = (step_dir(tmp_path, 3) / ".metadata").stat().st_mtime_ns
+    r2 = _session(0, 1, _free_port(), "b", tmp_path, _cfg(max_steps=3), _Stream())
+    assert (r2.stop_reason, r2.start_step, r2.end_step, r2.checkpoint_step) == ("max_steps", 3, 3, 3)
+    assert (step_dir(tmp_path, 3) / ".metadata").stat().st_mtime_ns == before
