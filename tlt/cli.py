@@ -219,10 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=_cmd_bench)
 
-    s = sub.add_parser("demo", help="end to end on CPU: make target, warm up, export",
+    s = sub.add_parser("demo", help="end to end on CPU: make target, warm up, export, speculative rollout",
                        description="Build and train the tiny target, roll it out on its own "
                        "arithmetic prompts, warm up an EAGLE drafter on those rollouts, export it "
-                       "for SGLang and vLLM, and print what happened. No network, no GPU.")
+                       "for SGLang and vLLM, run a GRPO-style rollout plain and speculative (greedy: "
+                       "outputs must be identical), and print what happened. No network, no GPU.")
     s.add_argument("--workdir", default="runs/demo")
     s.add_argument("--quick", action="store_true", help="tiny sizes, for tests (~1 min)")
     s.set_defaults(fn=_cmd_demo)
