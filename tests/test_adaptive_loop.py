@@ -16,7 +16,6 @@ import socket
 import threading
 import time
 
-import pytest
 import torch
 
 from coordinator import Coordinator, CoordinatorConfig, PolicyConfig, WorkerClient, WorkerConfig

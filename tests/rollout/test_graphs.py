@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
+from rollout.graph_pool import CudaGraphPool
 from rollout.graphs import (
     DEFAULT_BUCKETS,
     QWEN25_32B,
-    CudaGraphPool,
     DraftGraphKey,
     GraphPlanConfig,
     GraphSet,

@@ -17,9 +17,9 @@ import time
 import torch
 
 from rollout.engine import EngineConfig
+from rollout.graph_pool import CudaGraphPool
 from rollout.graphs import (
     QWEN25_32B,
-    CudaGraphPool,
     GraphPlan,
     GraphPlanConfig,
     ModelDims,

@@ -1,0 +1,169 @@
+"""Capture and replay of the planned CUDA graphs (CUDA only).
+
+Owns :class:`CudaGraphPool`: warm-up on a side stream, capture into one shared graph-memory pool
+per policy, replay with inputs copied into the static buffers, and the measured memory of each
+graph. It is model-agnostic: the engine hands it a factory ``make_step(key) -> (static_inputs, fn)``
+for the keys :func:`rollout.graphs.plan_graphs` lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from rollout.graphs import POLICIES, GraphKey
+
+log = logging.getLogger(__name__)
+
+StepFn = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+MakeStep = Callable[[GraphKey], tuple[dict[str, torch.Tensor], StepFn]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GraphMemory:
+    """Measured cost of one capture (bytes)."""
+
+    key: str
+    policy: str
+    tokens: int
+    input_bytes: int  # static input buffers made by make_step (exact nbytes)
+    output_bytes: int  # memory_allocated delta across capture: live static outputs
+    pool_bytes: int  # memory_reserved delta across capture: growth of the policy's graph pool
+    device_bytes: int  # mem_get_info delta across capture: pool growth + the graph executable
+
+
+@dataclasses.dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+    memory: GraphMemory
+
+
+class CudaGraphPool:
+    """Captures ``torch.cuda.CUDAGraph`` s for graph keys and replays them.
+
+    One graph-memory pool (``torch.cuda.graph_pool_handle()``) per policy is shared by that
+    policy's graphs; keys are captured largest first so smaller graphs reuse the pool's blocks.
+    So graphs of one pool must not be replayed concurrently (one stream), and the static outputs
+    ``replay`` returns are valid only until the next replay of *any* graph of that pool (a later
+    graph's outputs may sit in an earlier graph's freed workspace): consume or clone them first.
+
+    Needs CUDA: constructing it without a device raises RuntimeError (check
+    ``CudaGraphPool.available()`` and run the step functions eagerly on CPU). Step functions must
+    be capturable: no host syncs (``.item()``, ``int(tensor)``, dynamic-NTK RoPE), no allocation
+    of new inputs, fixed shapes.
+    """
+
+    def __init__(self, make_step: MakeStep, *, device: torch.device | str | None = None,
+                 warmup_iters: int = 3) -> None:
+        if not self.available():
+            raise RuntimeError("CudaGraphPool needs a CUDA device and torch.cuda.is_available() is "
+                               "False: check CudaGraphPool.available() and run steps eagerly on CPU")
+        if warmup_iters < 1:
+            raise ValueError(f"warmup_iters={warmup_iters}: at least 1 warm-up run is needed "
+                             "before capture (cuBLAS handles, lazy init)")
+        self.device = torch.device(device if device is not None else "cuda")
+        self._make_step = make_step
+        self.warmup_iters = warmup_iters
+        self._pools: dict[str, tuple] = {}
+        self._graphs: dict[tuple[str, GraphKey], _Captured] = {}
+        self._side = torch.cuda.Stream(device=self.device)  # one warm-up stream: one cuBLAS workspace
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available()
+
+    def capture(self, keys: Iterable[GraphKey], *, policy: str = "bucketed") -> list[GraphMemory]:
+        """Capture every key not yet captured under ``policy`` (largest first); their costs."""
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r}: use one of {POLICIES}")
+        with torch.cuda.device(self.device):
+            pool = self._pools.setdefault(policy, torch.cuda.graph_pool_handle())
+            todo = sorted(set(keys), key=lambda k: (-k.tokens, str(k)))
+            out = [self._capture_one(policy, k, pool) for k in todo if (policy, k) not in self._graphs]
+        log.info("captured %d %s graphs: pool +%.1f MB", len(out), policy,
+                 sum(m.pool_bytes for m in out) / 1e6)
+        return out
+
+    def _capture_one(self, policy: str, key: GraphKey, pool: tuple) -> GraphMemory:
+        inputs, fn = self._make_step(key)
+        for name, t in inputs.items():
+            if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+                raise ValueError(f"{key}: static input {name!r} must be a CUDA tensor, got "
+                                 f"{type(t).__name__} on {getattr(t, 'device', None)}")
+        # Warm-up on a side stream, as the PyTorch CUDA-graph docs prescribe.
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(self._side):
+            for _ in range(self.warmup_iters):
+                fn(inputs)
+        torch.cuda.current_stream().wait_stream(self._side)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # so the reserved delta below is the graph pool's growth only
+        free0, alloc0, res0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
+            outputs = fn(inputs)
+        torch.cuda.synchronize()
+        if not isinstance(outputs, Mapping) or not all(isinstance(v, torch.Tensor) for v in outputs.values()):
+            raise TypeError(f"{key}: the step function must return a dict of tensors, got "
+                            f"{type(outputs).__name__}")
+        mem = GraphMemory(key=str(key), policy=policy, tokens=key.tokens,
+                          input_bytes=sum(t.numel() * t.element_size() for t in inputs.values()),
+                          output_bytes=torch.cuda.memory_allocated() - alloc0,
+                          pool_bytes=torch.cuda.memory_reserved() - res0,
+                          device_bytes=free0 - torch.cuda.mem_get_info()[0])
+        self._graphs[(policy, key)] = _Captured(graph, inputs, dict(outputs), mem)
+        log.debug("captured %s (%s): pool +%d B, outputs %d B", key, policy, mem.pool_bytes, mem.output_bytes)
+        return mem
+
+    def _find(self, key: GraphKey, policy: str | None) -> _Captured | None:
+        return next((self._graphs[(p, key)] for p in ((policy,) if policy else POLICIES)
+                     if (p, key) in self._graphs), None)
+
+    def has(self, key: GraphKey, policy: str | None = None) -> bool:
+        return self._find(key, policy) is not None
+
+    def replay(self, key: GraphKey, *, policy: str | None = None, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copy ``inputs`` into the static buffers (same shapes), replay, return static outputs
+        (see the class note on their lifetime); ``policy=None``: bucketed if captured, else naive."""
+        cap = self._find(key, policy)
+        if cap is None:
+            raise KeyError(f"{key} was not captured{f' under {policy}' if policy else ''}; "
+                           "capture it first (or pad the batch to a captured size)")
+        for name, value in inputs.items():
+            dst = cap.inputs.get(name)
+            if dst is None:
+                raise KeyError(f"{key}: no static input {name!r}; inputs are {sorted(cap.inputs)}")
+            if dst.shape != value.shape:
+                raise ValueError(f"{key}: input {name!r} has shape {tuple(value.shape)}, the graph was "
+                                 f"captured with {tuple(dst.shape)}; pad to the captured shape")
+            dst.copy_(value, non_blocking=True)
+        cap.graph.replay()
+        return cap.outputs
+
+    def memory_report(self) -> dict:
+        """Measured totals per captured policy, and naive/bucketed when both were captured."""
+        report: dict = {}
+        for policy in POLICIES:
+            mems = [c.memory for (p, _), c in self._graphs.items() if p == policy]
+            if mems:
+                report[policy] = {"graphs": len(mems), **{f: sum(getattr(m, f) for m in mems) for f in
+                                  ("input_bytes", "output_bytes", "pool_bytes", "device_bytes")}}
+        if "naive" in report and "bucketed" in report:
+            for f in ("pool_bytes", "device_bytes"):
+                den = report["bucketed"][f]
+                report[f"ratio_{f}"] = report["naive"][f] / den if den else float("inf")
+        return report
+
+    def close(self) -> None:
+        """Drop every graph and its buffers, and return the cached memory to the device."""
+        for cap in self._graphs.values():
+            cap.graph.reset()
+        self._graphs.clear()
+        self._pools.clear()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
