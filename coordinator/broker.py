@@ -105,7 +105,7 @@ class Coordinator:
         self._ctx: zmq.Context | None = None  # created by start()
         self._inproc = f"inproc://tlt-coordinator-{secrets.token_hex(6)}"
         self._wake_addr = self._inproc + "-wake"
-        self._policy = Policy(self.cfg.policy)
+        self._policy = Policy(self.cfg.policy, first_epoch=int(time.time() * 1000))  # see Policy
         self._peers: dict[bytes, _Peer] = {}
         self._ident: dict[str, bytes] = {}
         self._dropped: collections.OrderedDict[bytes, None] = collections.OrderedDict()
@@ -269,7 +269,7 @@ class Coordinator:
                 except zmq.Again:
                     break
                 self._handle(frames)
-            with self._policy_lock:  # leaders hear of new members once per batch
+            with self._policy_lock:  # members hear of membership changes once per batch
                 d = self._policy.session_updates()
             self._apply(d, time.monotonic())
         now = time.monotonic()

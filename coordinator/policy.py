@@ -8,14 +8,17 @@ measurable apart from the transport.
 
 Rules
 - Rollout gating: IDLE reports for a step whose rollout is already done (``step <= done_step``) are
-  never promoted; they wait for the worker's next-step reports.
+  never promoted; they wait for the worker's next-step reports. STEP_BEGIN of step ``s`` implies
+  the rollouts of all steps before ``s`` are done (a restarted coordinator learns it that way).
 - Threshold: when IDLE (promotable) + TRAINING (in live sessions) >= ``idle_threshold``, every
   promotable IDLE worker is promoted, oldest idle first. So the first crossing promotes the whole
   idle pool at once, and each later idle worker is promoted as soon as it reports.
 - Sessions are per data-parallel group: the first promoted worker of a group with no live session
-  leads a new one; later ones join it (PROMOTE to the joiner at once; SESSION with the new member
-  list to the leader from ``session_updates()``, which the broker calls once per batch of input so a
-  burst of joins costs the leader one message). At most one live (not stopping) session per group.
+  leads a new one; later ones join it (PROMOTE to the joiner at once). At most one live (not
+  stopping) session per group. ``session_updates()``, which the broker calls once per batch of
+  input, sends SESSION (a new epoch and the member list) to every member of each session that was
+  formed or changed since the last call: a burst of promotions costs one SESSION per member, and a
+  trainer with fixed process-group membership forms its group from SESSION, never from PROMOTE.
 - Rollout done: every TRAINING worker gets STOP with a deadline; the driver's barrier completes when
   all have acked (STOPPED) or the deadline passes. A worker that misses its STOP deadline is LOST.
 - Lost or departing leader: the session is ended (STOP to its members, reason ``leader_lost``).
@@ -118,6 +121,7 @@ class _Session:
     leader: str
     leader_address: str
     members: list[str]                # leader first
+    epoch: int = 0                    # of the last SESSION sent (0: none yet)
     stopping: bool = False
 
 
@@ -134,7 +138,10 @@ class _Barrier:
 
 
 class Policy:
-    def __init__(self, cfg: PolicyConfig):
+    """``first_epoch``: the epoch of the first SESSION (the broker starts from the wall clock in ms,
+    so a restarted coordinator does not repeat the epochs, and rendezvous ports, of its last life)."""
+
+    def __init__(self, cfg: PolicyConfig, first_epoch: int = 1):
         self.cfg = cfg
         self.workers: dict[str, WorkerRecord] = {}
         self.sessions: dict[int, _Session] = {}
@@ -143,8 +150,9 @@ class Policy:
         self.current_step = -1
         self.done_step = -1                        # highest step whose rollout is done
         self._next_session = 1
+        self._next_epoch = first_epoch
         self._out = Decisions()
-        self._leader_updates: set[int] = set()
+        self._changed: set[int] = set()            # sessions whose members changed since the last SESSION
 
     # ---- inputs ---------------------------------------------------------------------------------
 
@@ -210,6 +218,7 @@ class Policy:
 
     def step_begin(self, step: int, now: float) -> Decisions:
         self.current_step = max(self.current_step, step)
+        self.done_step = max(self.done_step, step - 1)
         self._event("step_begin", "", now, step=step)
         return self._flush()
 
@@ -244,12 +253,16 @@ class Policy:
         return self._flush()
 
     def session_updates(self) -> Decisions:
-        """SESSION (current members) to the leader of every live session whose membership changed."""
-        for sid in sorted(self._leader_updates):
+        """SESSION (new epoch, current members) to every member of each live session that was
+        formed or whose membership changed since the last call."""
+        for sid in sorted(self._changed):
             s = self.sessions.get(sid)
             if s is not None and not s.stopping:
-                self._send(s.leader, Session(session=s.id, members=tuple(s.members)))
-        self._leader_updates.clear()
+                s.epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
+                msg = Session(session=s.id, epoch=s.epoch, members=tuple(s.members))
+                for wid in s.members:
+                    self._send(wid, msg)
+        self._changed.clear()
         return self._flush()
 
     def next_deadline(self) -> float | None:
@@ -285,8 +298,8 @@ class Policy:
             else:
                 s = self.sessions[sid]
                 s.members.append(w.worker_id)
-                self._leader_updates.add(s.id)
                 role = Role.MEMBER
+            self._changed.add(s.id)
             w.state = transition(w.state, TRAINING, Cause.PROMOTE)
             w.session, w.accepted, w.since = s.id, False, now
             self._send(w.worker_id, Promote(session=s.id, step=s.step, dp_group=s.dp_group, role=role,
@@ -327,11 +340,11 @@ class Policy:
             if self._live.get(s.dp_group) == s.id:
                 del self._live[s.dp_group]
             del self.sessions[s.id]
-            self._leader_updates.discard(s.id)
+            self._changed.discard(s.id)
         elif w.worker_id == s.leader and not s.stopping:
             self._stop_session(s, "leader_lost", now)
         elif not s.stopping:
-            self._leader_updates.add(s.id)
+            self._changed.add(s.id)
 
     def _lose(self, w: WorkerRecord, reason: str, now: float) -> None:
         transition(w.state, LOST, Cause.LOST)

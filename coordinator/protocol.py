@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Union
 import msgpack
 
 MAGIC = b"TLTC"
-VERSION = 1
+VERSION = 2                         # 2: SESSION carries an epoch and goes to every member
 HEADER = MAGIC + bytes([VERSION])
 PREFIX_BYTES = len(HEADER) + 1      # header + command byte
 MAX_BODY_BYTES = 64 * 1024          # our limit; larger bodies are a ProtocolError ("oversized")
@@ -280,11 +280,16 @@ class Promote(_Payload):
 
 @dataclass(frozen=True, kw_only=True)
 class Session(_Payload):
-    """Membership of ``session`` changed (sent to its leader)."""
+    """The membership of ``session`` from now on (sent to every member when it forms or changes).
+
+    ``epoch`` is unique across all sessions of one coordinator and grows with every change, so a
+    trainer forms one process group per epoch (its rendezvous port can be derived from it) and
+    re-forms when a newer epoch arrives (a member joined or was lost)."""
 
     COMMAND: ClassVar[Command] = Command.SESSION
     session: int
-    members: tuple[str, ...]
+    epoch: int
+    members: tuple[str, ...]  # leader first, then members in join order
 
 
 @dataclass(frozen=True, kw_only=True)

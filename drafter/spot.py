@@ -42,6 +42,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from drafter.checkpoint import AsyncCheckpointer, TrainState, latest, load
 from drafter.eagle import WEIGHTS_NAME, Drafter, DrafterConfig
 from drafter.packing import FeatureSample, pack
+from drafter.rendezvous import RendezvousAborted, rendezvous
 from drafter.ttt import TTTConfig, ttt_forward
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class SpotConfig:
     seed: int = 0  # drafter init when there is neither a checkpoint nor init_from
     mixed_precision: bool = True  # CUDA only: bf16 compute, fp32 master weights and reduction
     timeout_s: float = 120.0  # process-group collective timeout
+    rendezvous_timeout_s: float = 30.0  # all ranks must meet within this (a STOP aborts it sooner)
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -104,8 +106,9 @@ class SpotConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_steps is not None and self.max_steps < 0:
             raise ValueError(f"max_steps={self.max_steps} must be >= 0 or None (until stopped)")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s={self.timeout_s} must be > 0")
+        if self.timeout_s <= 0 or self.rendezvous_timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s} and rendezvous_timeout_s="
+                             f"{self.rendezvous_timeout_s} must be > 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,7 +175,7 @@ class SpotTrainer:
         self.drafter: Drafter | None = None  # built by run(); kept for inspection afterwards
 
     # ------------------------------------------------------------------ session lifecycle
-    def _init_group(self) -> dist.ProcessGroup:
+    def _init_group(self, should_stop: Callable[[], bool]) -> dist.ProcessGroup:
         if dist.is_initialized():
             raise RuntimeError("a process group is already initialized in this process; the "
                                "previous session must end (destroy_process_group) first")
@@ -180,9 +183,11 @@ class SpotTrainer:
         if cuda:
             torch.cuda.set_device(self.device)
         s = self.spec
+        store = rendezvous(s.master_addr, s.master_port, s.rank, s.world_size, session_id=s.session_id,
+                           timeout_s=self.cfg.rendezvous_timeout_s, store_timeout_s=self.cfg.timeout_s,
+                           should_stop=should_stop)
         dist.init_process_group(
-            "cpu:gloo,cuda:nccl" if cuda else "gloo",
-            init_method=f"tcp://{s.master_addr}:{s.master_port}", rank=s.rank,
+            "cpu:gloo,cuda:nccl" if cuda else "gloo", store=store, rank=s.rank,
             world_size=s.world_size, timeout=datetime.timedelta(seconds=self.cfg.timeout_s),
             device_id=self.device if cuda else None)
         return dist.new_group(backend="gloo")  # DCP's writer thread gets a group of its own
@@ -226,10 +231,22 @@ class SpotTrainer:
     def run(self, next_batch: NextBatch, should_stop: Callable[[], bool]) -> SessionResult:
         """Train until ``should_stop()`` (on any rank), ``max_steps`` or no data; then checkpoint.
 
-        ``should_stop`` is polled before every micro-step; a :class:`PreemptFlag` also lets the
-        latency from its ``set()`` be measured.
+        ``should_stop`` is polled during the rendezvous and before every micro-step; a
+        :class:`PreemptFlag` also lets the latency from its ``set()`` be measured. A session stopped
+        before all ranks met returns at once (``preempted``, no steps) with nothing to save.
         """
-        ckpt_pg = self._init_group()
+        try:
+            ckpt_pg = self._init_group(should_stop)
+        except RendezvousAborted as e:
+            log.info("session %s rank %d: %s", self.spec.session_id, self.spec.rank, e)
+            at, now = latest(self.root) or 0, time.monotonic()
+            set_at = getattr(should_stop, "set_at", None)
+            lat = None if set_at is None else now - set_at
+            return SessionResult(session_id=self.spec.session_id, rank=self.spec.rank,
+                                 world_size=self.spec.world_size, start_step=at, end_step=at,
+                                 losses=(), stop_reason="preempted", preempt_latency_s=lat,
+                                 stop_latency_s=lat, checkpoint_step=latest(self.root),
+                                 check_interval_s=(), checkpoint_stall_s=())
         try:
             d, opt = self._build()
             self.drafter = d

@@ -61,6 +61,10 @@ def promotes(d):
     return {wid: m for wid, m in d.sends if isinstance(m, Promote)}
 
 
+def sessions(d):
+    return {wid: m for wid, m in d.sends if isinstance(m, Session)}
+
+
 def stops(d):
     return {wid: m for wid, m in d.sends if isinstance(m, Stop)}
 
@@ -87,8 +91,9 @@ def test_threshold_promotes_the_idle_pool_at_once():
     assert got["w0"].role is got["w1"].role is Role.MEMBER
     assert got["w1"].members == ("w2", "w0", "w1") and got["w0"].leader == "w2"
     assert got["w0"].leader_address == "addr-w2"
-    leader_updates = [m for wid, m in d.sends if isinstance(m, Session)]
-    assert len(leader_updates) == 1 and leader_updates[0].members == ("w2", "w0", "w1")
+    upd = sessions(d)  # one SESSION per member, from the batch's session_updates()
+    assert set(upd) == {"w0", "w1", "w2"} and len({(m.epoch, m.members) for m in upd.values()}) == 1
+    assert upd["w0"].members == ("w2", "w0", "w1") and upd["w0"].epoch >= 1
     assert all(w.state(x) is T for x in ("w0", "w1", "w2")) and w.state("w3") is B
 
 
@@ -200,17 +205,35 @@ def test_lost_leader_ends_session_and_members_regroup_under_a_new_leader():
 
 
 def test_session_updates_are_coalesced():
-    """Several joins between two session_updates() calls cost the leader one SESSION message."""
+    """Several joins between two session_updates() calls cost each member one SESSION message,
+    with a new epoch; nothing is sent when nothing changed."""
     w = World(idle_threshold=1)
     for wid in "abcd":
         w.register(wid)
-    w.accept(w.report("a", I))
+    d = w.report("a", I)
+    w.accept(d)
+    first = sessions(d)
+    assert list(first) == ["a"] and first["a"].members == ("a",)
     for wid in "bcd":
         w.seq[wid] += 1
         w.p.report(wid, State(state=I, step=0, seq=w.seq[wid]), w.tick())
     d = w.p.session_updates()
-    assert [(wid, m.members) for wid, m in d.sends] == [("a", ("a", "b", "c", "d"))]
+    assert [(wid, m.members) for wid, m in d.sends] == [(x, ("a", "b", "c", "d")) for x in "abcd"]
+    assert {m.epoch for _, m in d.sends} == {first["a"].epoch + 1}
     assert w.p.session_updates().sends == []
+
+
+def test_epochs_are_unique_across_sessions():
+    """Every SESSION of every group gets a new, larger epoch (trainers derive rendezvous ports)."""
+    w = World(idle_threshold=1)
+    for k in range(4):
+        w.register(f"w{k}", group=k % 2)
+    epochs = []
+    for wid in ("w0", "w1", "w2", "w3"):  # two groups, a session each, then a joiner each
+        d = w.report(wid, I)
+        w.accept(d)
+        epochs += sorted({m.epoch for m in sessions(d).values()})
+    assert epochs == sorted(set(epochs)) and len(epochs) == 4
 
 
 def test_lost_member_updates_leader():
@@ -220,8 +243,10 @@ def test_lost_member_updates_leader():
     w.report("a", I)
     w.accept(w.report("b", I))
     w.accept(w.report("c", I))
+    w.p.session_updates()
     d = _merge(w.p.lose("c", "heartbeat", w.tick()), w.p.session_updates())
-    assert [(wid, m.members) for wid, m in d.sends if isinstance(m, Session)] == [("a", ("a", "b"))]
+    assert [(wid, m.members) for wid, m in d.sends if isinstance(m, Session)] == [
+        ("a", ("a", "b")), ("b", ("a", "b"))]
     assert stops(d) == {}
 
 
@@ -293,3 +318,15 @@ def test_max_workers_refused():
     with pytest.raises(ProtocolError, match="refused"):
         w.register("c")
     w.register("a")  # re-registering a known id is always allowed
+
+
+def test_step_begin_closes_earlier_rollouts():
+    """A restarted coordinator knows nothing of step 0; STEP_BEGIN 1 tells it step 0's rollout is
+    over, so workers re-registering as IDLE in step 0 are not promoted into a finished rollout."""
+    w = World(idle_threshold=2)
+    w.p.step_begin(1, w.tick())
+    for wid in "ab":
+        w.register(wid, state=I, step=0)
+    assert w.state("a") is I and w.state("b") is I
+    w.report("a", I, step=1)
+    assert set(promotes(w.report("b", I, step=1))) == {"a", "b"}

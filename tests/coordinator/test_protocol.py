@@ -20,7 +20,7 @@ SAMPLES = [
     P.Welcome(coordinator_id="c", heartbeat_ms=50),
     P.Promote(session=7, step=1, dp_group=0, role=P.Role.MEMBER, leader="w0", leader_address="tcp://h:2",
               members=("w0", "w1"), seq=2),
-    P.Session(session=7, members=("w0", "w1", "w2")),
+    P.Session(session=7, epoch=3, members=("w0", "w1", "w2")),
     P.Stop(session=7, step=1, reason="rollout_done", deadline_ms=1000),
     P.StepBegin(step=2, req=1),
     P.RolloutDone(step=2, req=2, deadline_ms=500),
@@ -114,7 +114,7 @@ def test_missing_field_and_field_rules():
 
 
 def test_encode_refuses_oversized():
-    msg = P.Session(session=1, members=tuple("w" * 200 + str(i) for i in range(400)))
+    msg = P.Session(session=1, epoch=1, members=tuple("w" * 200 + str(i) for i in range(400)))
     with pytest.raises(ProtocolError) as e:
         P.encode(msg)
     assert e.value.kind == "oversized"

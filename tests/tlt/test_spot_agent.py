@@ -1,0 +1,101 @@
+"""SpotAgent: endpoint derivation, config errors, and one worker's whole cycle against a real
+embedded coordinator (PROMOTE -> SESSION -> FSDP2/gloo world of 1 -> STOP -> checkpoint -> ack).
+Multi-rank formations, late joiners and regrouping after a kill are in tests/test_adaptive_loop.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import pytest
+
+from coordinator import Coordinator, CoordinatorConfig, PolicyConfig, WorkerConfig
+from coordinator.protocol import Promote, Role, Stop
+from drafter.checkpoint import latest
+from drafter.spot import SpotTrainer
+from tlt.simloop import SimConfig, free_port, rollout_samples, target
+from tlt.spot_agent import AgentConfig, SpotAgent, rendezvous_endpoint
+
+HB = 0.05
+
+
+def test_rendezvous_endpoint():
+    assert rendezvous_endpoint("tcp://10.0.0.3:29500", 5, 256) == ("10.0.0.3", 29505)
+    assert rendezvous_endpoint("node-1:29500", 300, 256) == ("node-1", 29544)
+    for bad in ("tcp://10.0.0.3", "29500", "tcp://:29500"):
+        with pytest.raises(ValueError, match="trainer address"):
+            rendezvous_endpoint(bad, 0, 16)
+    with pytest.raises(ValueError, match="port_span"):
+        rendezvous_endpoint("tcp://h:65500", 0, 256)
+
+
+def test_agent_config_errors_name_the_field():
+    for kw, field in [({"port_span": 0}, "port_span"), ({"formation_wait_s": 0}, "formation_wait_s"),
+                      ({"busy_timeout_s": -1}, "busy_timeout_s")]:
+        with pytest.raises(ValueError, match=field):
+            AgentConfig(**kw)
+    with pytest.raises(ValueError, match="trainer address"):
+        SpotAgent(WorkerConfig(address="tcp://127.0.0.1:1", worker_id="w", trainer_address="nope"),
+                  make_trainer=None, batches=None)
+
+
+def _agent(addr, root, **agent_kw):
+    dcfg, embed, head = target()
+    samples = rollout_samples(0, 16)
+    spot = SimConfig(durations=((0,), (0,))).spot
+
+    def make_trainer(spec):
+        return SpotTrainer(spec=spec, config=dataclasses.replace(spot, interval=2),
+                           drafter_config=dcfg, embed_weight=embed, head_weight=head, checkpoint_root=root)
+
+    def batches(f):
+        calls = itertools.count()
+        return lambda budget: samples[next(calls) % 4::4]
+
+    return SpotAgent(WorkerConfig(address=addr, worker_id="w0", trainer_address=f"tcp://127.0.0.1:{free_port(16)}",
+                                  heartbeat_interval_s=HB, liveness=40),
+                     make_trainer=make_trainer, batches=batches, config=AgentConfig(port_span=16, **agent_kw))
+
+
+def test_one_worker_cycle_against_a_real_coordinator(tmp_path):
+    coord = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval_s=HB, liveness=40,
+                                          policy=PolicyConfig(idle_threshold=1, stop_timeout_s=20))).start()
+    try:
+        with _agent(coord.endpoint, tmp_path) as agent:
+            agent.start()
+            assert agent.client.wait_connected(10)
+            assert coord.step_begin(0)
+            agent.idle(0)
+            end = time.monotonic() + 60
+            while (latest(tmp_path) or 0) < 2 and time.monotonic() < end:
+                time.sleep(0.05)
+            assert agent.training and latest(tmp_path) >= 2
+            out = coord.rollout_done(0)
+            assert out.clean and out.stopped == ("w0",), out
+            assert not agent.training
+            [rec] = agent.records
+            res = rec.result
+            assert rec.formation.members == ("w0",) and rec.formation.rank == 0
+            assert res.stop_reason == "preempted" and res.checkpoint_step == res.end_step > 2
+            assert res.preempt_latency_s is not None and res.preempt_latency_s < 5
+            assert coord.snapshot()["w0"][0].value == "BUSY"  # acked BUSY after rollout_done
+    finally:
+        coord.stop()
+
+
+def test_stop_before_any_session_message_acks_without_forming(tmp_path):
+    """A STOP that overtakes the SESSION (or a coordinator lost right after PROMOTE) must still be
+    acked at once, with nothing formed. Driven through the agent's command entry point."""
+    agent = _agent("tcp://127.0.0.1:1", tmp_path, formation_wait_s=30)
+    acks = []
+    agent.client.report = lambda state, step=None, ok=True: acks.append((state, step, ok))
+    p = Promote(session=4, step=0, dp_group=0, role=Role.LEADER, leader="w0",
+                leader_address="tcp://127.0.0.1:29500", members=("w0",), seq=1)
+    agent._on_command(p)
+    assert agent.training
+    t = time.monotonic()
+    agent._on_command(Stop(session=4, step=0, reason="leader_lost", deadline_ms=1000))
+    agent._thread.join(5)
+    assert time.monotonic() - t < 1.0 and not agent.training
+    assert acks == [("IDLE", 0, True)] and agent.records == []

@@ -1,0 +1,235 @@
+"""Spot agent: the training side of one rollout worker, driven by the coordinator.
+
+Owns the wiring between a :class:`coordinator.WorkerClient` and the FSDP2 spot trainer, so a
+rollout replica only says ``idle(step)`` when its requests drained and ``busy(step)`` when the next
+rollout begins. Everything between is the agent's:
+
+- PROMOTE puts the worker in a session; the trainer's process group is formed from SESSION
+  messages only (every member gets each one, with the member list and a coordinator-wide epoch),
+  never from PROMOTE, whose list may still grow in the same batch.
+- One process group per epoch: rank = position in the member list, rendezvous at the leader's host
+  on port ``base + epoch % port_span`` (a fresh port per formation; re-using the last one right away
+  can hang the next rendezvous).
+- A newer epoch while training (a late idle worker joined, or a member was lost) preempts the
+  running group at the next micro-step boundary on every rank; it checkpoints, and the new group
+  resumes from that checkpoint. So a joiner trains from its first formation, not the next session.
+- A formation that fails (a rank died mid-collective, a rendezvous timed out) is retried when a
+  newer epoch arrives within ``regroup_wait_s`` (the coordinator sends one when it declares the
+  dead member lost); otherwise the worker leaves the session, reporting the failure.
+- STOP (rollout done, leader lost, coordinator lost) preempts, the final checkpoint is written,
+  then the agent acks: BUSY after ``rollout_done`` (the GPU goes back to the RL step), IDLE after
+  ``leader_lost`` / ``coordinator_lost`` (still idle in this rollout: the coordinator regroups it).
+  Leaving on its own (``max_steps``, ``no_data``, failure) acks BUSY: nothing to train until the
+  next rollout, so the coordinator does not promote it straight back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+
+from coordinator import WorkerClient, WorkerConfig
+from coordinator.protocol import Promote, Session, Stop
+from drafter.spot import NextBatch, PreemptFlag, SessionResult, SessionSpec, SpotTrainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    port_span: int = 256         # rendezvous ports used: leader's base port + 0..port_span-1
+    formation_wait_s: float = 10.0  # after PROMOTE or a failure: wait this long for a SESSION epoch
+    busy_timeout_s: float = 60.0    # busy(): wait at most this for a running session to stop
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port_span <= 4096:
+            raise ValueError(f"port_span={self.port_span}: use 1..4096 ports")
+        if self.formation_wait_s <= 0 or self.busy_timeout_s <= 0:
+            raise ValueError(f"formation_wait_s={self.formation_wait_s} and busy_timeout_s="
+                             f"{self.busy_timeout_s} must be > 0 seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class Formation:
+    """One process group of one session, as this worker joins it."""
+
+    session: int
+    epoch: int
+    members: tuple[str, ...]
+    rank: int
+    master_addr: str
+    master_port: int
+    rl_step: int  # the RL step this worker was idle in
+
+
+@dataclasses.dataclass(frozen=True)
+class FormationRecord:
+    formation: Formation
+    result: SessionResult | None  # None when it failed
+    error: str = ""
+
+
+MakeTrainer = Callable[[SessionSpec], SpotTrainer]
+
+
+def rendezvous_endpoint(leader_address: str, epoch: int, port_span: int) -> tuple[str, int]:
+    """``tcp://host:port`` (or ``host:port``) of the leader -> (host, port for this epoch)."""
+    addr = leader_address.split("://", 1)[-1]
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"trainer address {leader_address!r}: use tcp://HOST:PORT (the base port of "
+                         "the leader's rendezvous ports)")
+    base = int(port)
+    if not 0 < base or base + port_span > 65536:
+        raise ValueError(f"trainer address {leader_address!r}: base port {base} + port_span "
+                         f"{port_span} must stay within 1..65535")
+    return host, base + epoch % port_span
+
+
+class SpotAgent:
+    """``make_trainer(spec)`` builds this rank's trainer for a formation; ``batches(formation)``
+    returns its ``next_batch`` (the same draws on every rank of the formation)."""
+
+    def __init__(self, worker: WorkerConfig, *, make_trainer: MakeTrainer,
+                 batches: Callable[[Formation], NextBatch], config: AgentConfig = AgentConfig(),
+                 on_record: Callable[[FormationRecord], None] | None = None) -> None:
+        if worker.trainer_address:
+            rendezvous_endpoint(worker.trainer_address, 0, config.port_span)  # validate early
+        self.cfg, self.worker_id = config, worker.worker_id
+        self._make_trainer, self._batches, self._on_record = make_trainer, batches, on_record
+        self.client = WorkerClient(worker, on_command=self._on_command)
+        self.records: list[FormationRecord] = []
+        self._cond = threading.Condition()
+        self._promote: Promote | None = None
+        self._latest: Session | None = None
+        self._stop: str | None = None     # reason of the STOP (or busy()) ending this session
+        self._flag: PreemptFlag | None = None  # preempts the running formation
+        self._formed_epoch = 0
+        self._thread: threading.Thread | None = None
+        self._step = 0
+
+    # ---- rollout side ---------------------------------------------------------------------------
+    def start(self, step: int = 0) -> SpotAgent:
+        self._step = step
+        self.client.start("BUSY", step)
+        return self
+
+    def idle(self, step: int) -> None:
+        """This worker's rollout requests for ``step`` drained: its accelerator may train."""
+        self._step = step
+        self.client.report("IDLE", step)
+
+    def busy(self, step: int) -> bool:
+        """Rollout of ``step`` begins: stop training (checkpointed) if any, then report BUSY.
+        Returns False if a session did not stop within ``busy_timeout_s`` (it is left running)."""
+        with self._cond:
+            thread = self._thread
+            if thread is not None and thread.is_alive():
+                self._stop = self._stop or "busy"
+                if self._flag is not None:
+                    self._flag.set()
+                self._cond.notify_all()
+        if thread is not None:
+            thread.join(self.cfg.busy_timeout_s)
+            if thread.is_alive():
+                log.error("worker %s: training did not stop within %.0fs", self.worker_id,
+                          self.cfg.busy_timeout_s)
+                return False
+        self._step = step
+        self.client.report("BUSY", step)
+        return True
+
+    @property
+    def training(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    def close(self) -> None:
+        self.busy(self._step)
+        self.client.close()
+
+    def __enter__(self) -> SpotAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- coordinator side (client thread: signal and return) ------------------------------------
+    def _on_command(self, cmd: Promote | Session | Stop) -> None:
+        with self._cond:
+            if isinstance(cmd, Promote):
+                self._promote, self._latest, self._stop, self._flag = cmd, None, None, None
+                self._formed_epoch = 0
+                self._thread = threading.Thread(target=self._run, args=(cmd, self._step), daemon=True,
+                                                name=f"tlt-spot-{self.worker_id}-s{cmd.session}")
+                self._thread.start()
+            elif self._promote is None or cmd.session != self._promote.session:
+                return
+            elif isinstance(cmd, Session):
+                if self._latest is None or cmd.epoch > self._latest.epoch:
+                    self._latest = cmd
+                    if self._flag is not None and cmd.epoch > self._formed_epoch:
+                        self._flag.set()  # regroup at the next micro-step boundary
+            else:
+                self._stop = self._stop or cmd.reason
+                if self._flag is not None:
+                    self._flag.set()
+            self._cond.notify_all()
+
+    # ---- session thread -------------------------------------------------------------------------
+    def _next_formation(self, p: Promote, rl_step: int) -> Formation | None:
+        """Block until a newer epoch (-> its formation) or a stop / timeout (-> None)."""
+        with self._cond:
+            newer = lambda: self._latest is not None and self._latest.epoch > self._formed_epoch  # noqa: E731
+            self._cond.wait_for(lambda: self._stop is not None or newer(), self.cfg.formation_wait_s)
+            if self._stop is not None or not newer():
+                return None
+            s = self._latest
+            if self.worker_id not in s.members:
+                log.warning("worker %s: not a member of session %d epoch %d %s", self.worker_id,
+                            s.session, s.epoch, s.members)
+                return None
+            self._formed_epoch, self._flag = s.epoch, PreemptFlag()
+        host, port = rendezvous_endpoint(p.leader_address, s.epoch, self.cfg.port_span)
+        return Formation(s.session, s.epoch, s.members, s.members.index(self.worker_id), host, port,
+                         rl_step)
+
+    def _run(self, p: Promote, rl_step: int) -> None:
+        ok, voluntary = True, False
+        try:
+            while (f := self._next_formation(p, rl_step)) is not None:
+                spec = SessionSpec(rank=f.rank, world_size=len(f.members), master_addr=f.master_addr,
+                                   master_port=f.master_port, session_id=f"s{f.session}e{f.epoch}")
+                try:
+                    res = self._make_trainer(spec).run(self._batches(f), self._flag)
+                except Exception as e:  # noqa: BLE001 - a failed group may be re-formed
+                    log.warning("worker %s: session %d epoch %d (rank %d of %d) failed: %r",
+                                self.worker_id, f.session, f.epoch, f.rank, len(f.members), e)
+                    self._record(FormationRecord(f, None, repr(e)))
+                    ok = False
+                    continue
+                ok = True
+                self._record(FormationRecord(f, res))
+                if res.stop_reason != "preempted":  # max_steps / no_data: nothing left to train
+                    voluntary = True
+                    break
+        except Exception:  # a bug here must still ack, or the coordinator waits for the deadline
+            log.exception("worker %s: session thread failed", self.worker_id)
+            ok = False
+        with self._cond:
+            reason = self._stop
+            self._flag = None
+        idle = reason in ("leader_lost", "coordinator_lost") and ok and not voluntary
+        self.client.report("IDLE" if idle else "BUSY", rl_step, ok=ok)
+        log.info("worker %s: left session %d (%s), acked %s", self.worker_id, p.session,
+                 reason or ("done" if voluntary else "failed"), "IDLE" if idle else "BUSY")
+
+    def _record(self, rec: FormationRecord) -> None:
+        self.records.append(rec)
+        if self._on_record is not None:
+            try:
+                self._on_record(rec)
+            except Exception:
+                log.exception("worker %s: on_record failed", self.worker_id)
