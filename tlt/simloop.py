@@ -31,7 +31,13 @@ from typing import Any
 
 import torch
 
-from coordinator import Coordinator, CoordinatorConfig, DriverClient, PolicyConfig, WorkerConfig
+from coordinator import (
+    Coordinator,
+    CoordinatorConfig,
+    DriverClient,
+    PolicyConfig,
+    WorkerConfig,
+)
 from coordinator.driver import RolloutOutcome
 from drafter.buffer import BufferConfig, DataBuffer
 from drafter.eagle import DrafterConfig

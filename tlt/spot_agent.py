@@ -182,7 +182,7 @@ class SpotAgent:
     def _next_formation(self, p: Promote, rl_step: int) -> Formation | None:
         """Block until a newer epoch (-> its formation) or a stop / timeout (-> None)."""
         with self._cond:
-            newer = lambda: self._latest is not None and self._latest.epoch > self._formed_epoch  # noqa: E731
+            newer = lambda: self._latest is not None and self._latest.epoch > self._formed_epoch
             self._cond.wait_for(lambda: self._stop is not None or newer(), self.cfg.formation_wait_s)
             if self._stop is not None or not newer():
                 return None
