@@ -11,7 +11,8 @@ own process can only do better. Each round is one RL step:
 
 Measured:
 - latency: from a worker's ``report(IDLE)`` call to its PROMOTE arriving in its ``on_command``
-  callback, for every report that itself triggered a promotion (the first threshold-1 reports of a
+  callback (and to the first SESSION naming it, which is what a trainer forms its group from),
+  for every report that itself triggered a promotion (the first threshold-1 reports of a
   round trigger nothing and are not counted). "paced": reports ~0.2-2 ms apart, a long tail far
   denser than real rollouts (seconds apart); the goal is judged on it. "burst": all 64 within ~1 ms,
   a stress case: its latency is queueing (64 reports, 64 acceptances, 64 PROMOTEs handled one after
@@ -43,7 +44,7 @@ from coordinator import (
     WorkerClient,
     WorkerConfig,
 )
-from coordinator.protocol import Promote, Stop
+from coordinator.protocol import Promote, Session, Stop
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class _Fleet:
         self.ctx = zmq.Context(io_threads=2)
         self.cv = threading.Condition()
         self.promoted: dict[str, tuple[int, float]] = {}
+        self.sessioned: dict[str, tuple[int, float]] = {}  # first SESSION of the current step
+        self.step = -1
         self.clients: dict[str, WorkerClient] = {}
         for k in range(N_WORKERS):
             wid = f"w{k:02d}"
@@ -86,6 +89,11 @@ class _Fleet:
                 with self.cv:
                     self.promoted[wid] = (cmd.step, t)
                     self.cv.notify_all()
+            elif isinstance(cmd, Session):
+                with self.cv:
+                    if self.sessioned.get(wid, (-1,))[0] != self.step:
+                        self.sessioned[wid] = (self.step, t)
+                        self.cv.notify_all()
             elif isinstance(cmd, Stop):
                 self.clients[wid].report("BUSY", cmd.step + 1)
         return on_command
@@ -98,7 +106,8 @@ class _Fleet:
 
     def wait_promoted(self, step: int, timeout_s: float) -> bool:
         with self.cv:
-            return self.cv.wait_for(lambda: sum(s == step for s, _ in self.promoted.values()) == N_WORKERS,
+            return self.cv.wait_for(lambda: sum(s == step for s, _ in self.promoted.values()) == N_WORKERS
+                                    and sum(s == step for s, _ in self.sessioned.values()) == N_WORKERS,
                                     timeout_s)
 
     def close(self) -> None:
@@ -176,6 +185,7 @@ class _Embedded:
 def _round(coord, fleet: _Fleet, step: int, rng: random.Random, paced: bool) -> dict:
     if not coord.step_begin(step):
         raise RuntimeError("coordinator did not answer step_begin")
+    fleet.step = step
     order = list(fleet.clients)
     rng.shuffle(order)
     sent: dict[str, float] = {}
@@ -188,10 +198,12 @@ def _round(coord, fleet: _Fleet, step: int, rng: random.Random, paced: bool) -> 
     with fleet.cv:
         lat = [fleet.promoted[wid][1] - sent[wid] for wid in order[THRESHOLD - 1:]
                if fleet.promoted.get(wid, (-1,))[0] == step]
+        lat_session = [fleet.sessioned[wid][1] - sent[wid] for wid in order[THRESHOLD - 1:]
+                       if fleet.sessioned.get(wid, (-1,))[0] == step]
     t0 = time.perf_counter()
     out = coord.rollout_done(step, timeout_s=5.0)
     done_s = time.perf_counter() - t0
-    return {"latency": lat, "complete": ok, "rollout_done_s": done_s, "stop_ack_s": out.elapsed_s,
+    return {"latency": lat, "latency_session": lat_session, "complete": ok, "rollout_done_s": done_s, "stop_ack_s": out.elapsed_s,
             "stopped": len(out.stopped), "lost": len(out.lost) + len(out.timed_out)}
 
 
@@ -202,6 +214,7 @@ def _play(where: str, rounds: dict[str, int], rng: random.Random, budget_s: floa
                             policy=PolicyConfig(idle_threshold=THRESHOLD, stop_timeout_s=3.0))
     t_start = time.monotonic()
     lat: dict[str, list[float]] = {k: [] for k in rounds}
+    lat_session: dict[str, list[float]] = {k: [] for k in rounds}
     done_s: list[float] = []
     lost = incomplete = played = 0
     coord = _Remote(cfg) if where == "process" else _Embedded(cfg)
@@ -218,6 +231,7 @@ def _play(where: str, rounds: dict[str, int], rng: random.Random, budget_s: floa
                 break
             r = _round(coord, fleet, step, rng, paced=(mode == "paced"))
             lat[mode] += r["latency"]
+            lat_session[mode] += r["latency_session"]
             done_s.append(r["rollout_done_s"])
             lost += r["lost"]
             incomplete += not r["complete"]
@@ -228,6 +242,7 @@ def _play(where: str, rounds: dict[str, int], rng: random.Random, budget_s: floa
     all_lat = _stats_ms([x for v in lat.values() for x in v])
     return {"coordinator": where, "dp_groups": dp_groups, "heartbeat_s": hb, "rounds_played": played,
             "latency_ms": {**{k: _stats_ms(v) for k, v in lat.items()}, "all": all_lat},
+            "session_latency_ms": {k: _stats_ms(v) for k, v in lat_session.items()},
             "decision_ms": {k: _stats_ms(v) for k, v in decide.items()},
             "rollout_done_ms": _stats_ms(done_s), "lost_workers": lost, "incomplete_rounds": incomplete,
             "seconds": time.monotonic() - t_start}
@@ -267,6 +282,7 @@ def run(args: argparse.Namespace) -> dict:
                      else " coordinator embedded (thread of the workers' process)")
         lines += [_line(f"report->PROMOTE {k}", v) for k, v in r["latency_ms"].items() if k != "all"]
         lines.append(_line("report->PROMOTE all", r["latency_ms"]["all"]))
+        lines += [_line(f"report->SESSION {k}", v) for k, v in r["session_latency_ms"].items()]
         lines.append(_line("decide (promote)", r["decision_ms"].get("promote", {})))
         lines.append(_line("rollout_done (64 acks)", r["rollout_done_ms"]))
         lines.append(f"  rounds {r['rounds_played']}, lost workers {r['lost_workers']}, "
