@@ -157,3 +157,61 @@ def test_coordinator_killed_then_restarted(tmp_path):
     assert step1, loop.records(1)
     first = next(iter(step1.values()))[0]["result"]
     assert first["start_step"] == res[0]["end_step"] < first["end_step"], first
+
+
+def test_stalled_training_rank_is_dropped_then_rejoins(tmp_path):
+    """SIGSTOP of a training rank for longer than the liveness window: the coordinator declares it
+    lost and gives the survivor a new epoch; the survivor leaves the stalled group (at the next
+    boundary, or when its collective times out) and trains alone from the latest checkpoint. When the
+    stalled worker wakes it learns it was dropped, stops, acks, re-registers, and is promoted back
+    into the running session. Nothing hangs and rollout_done is clean."""
+    import os
+    import signal
+
+    base = SimConfig(durations=((0.3,), (0.6,), (60.0,)), stop_timeout_s=15.0)
+    cfg = dataclasses.replace(base, spot=dataclasses.replace(base.spot, interval=2, timeout_s=6.0))
+    root = tmp_path / "ckpt"
+    events: list = []
+    with SimLoop(cfg, root, on_event=events.append) as loop:
+        assert loop.begin(0)
+        end = time.monotonic() + 60
+        while latest(root) is None and time.monotonic() < end:
+            time.sleep(0.05)
+        before = latest(root)
+        assert before is not None
+        pid = loop.procs[1].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            end = time.monotonic() + 15
+            while not any(e.kind == "lost" and e.worker_id == "w1" for e in events) and time.monotonic() < end:
+                time.sleep(0.05)
+            assert any(e.kind == "lost" and e.worker_id == "w1" for e in events), "stalled rank not dropped"
+            time.sleep(1.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # the survivor trains alone (a 1-rank formation) and the woken worker comes back into the session
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not (
+                any(e.kind == "registered" and e.worker_id == "w1" for e in events[events.index(
+                    next(e for e in events if e.kind == "lost" and e.worker_id == "w1")):])
+                and (latest(root) or 0) >= before + 4):
+            time.sleep(0.1)
+        t = time.monotonic()
+        out = loop.rollout_done(0)
+        assert out.clean and "w0" in out.stopped, out
+        assert time.monotonic() - t < 15
+    recs = sorted(loop.records(0), key=lambda r: (r["formation"]["epoch"], r["formation"]["rank"]))
+    first_epoch = recs[0]["formation"]["epoch"]
+    assert recs[0]["formation"]["members"] == ("w0", "w1")
+    later = [r for r in recs if r["formation"]["epoch"] > first_epoch and r["result"] is not None]
+    # the survivor trained on after the stall (alone, or with w1 once it was promoted back)
+    assert any(r["result"]["end_step"] > r["result"]["start_step"] >= before for r in later), recs
+    # the stalled rank reported its interrupted group (result or error): it never hung
+    assert any(r["formation"]["members"][r["formation"]["rank"]] == "w1"
+               and r["formation"]["epoch"] == first_epoch for r in recs), recs
+    rejoined = [r for r in later if "w1" in r["formation"]["members"]]
+    print("stalled rank: formations", [(r["formation"]["members"], r["formation"]["rank"],
+                                        None if r["result"] is None else (r["result"]["start_step"], r["result"]["end_step"]),
+                                        r["error"][:60]) for r in recs])
+    assert rejoined, recs  # promoted back into the running session after it woke
+    assert latest(root) >= before + 4

@@ -161,7 +161,11 @@ def _worker(i: int, cfg: SimConfig, coord_addr: str, port: int, root: str, ctl, 
             out.put(("busy", wid, step, agent.busy(step)))
             for s in rollout_samples(step, cfg.samples_per_step):
                 buf.add(s, step)
-            time.sleep(max(0.0, t0 + cfg.durations[i][step] - time.monotonic()))
+            try:  # the rollout runs; an "exit" ends it early
+                if ctl.get(timeout=max(0.0, t0 + cfg.durations[i][step] - time.monotonic()))[0] == "exit":
+                    break
+            except queue.Empty:
+                pass
             if long_tail:
                 out.put(("complete", wid, step))  # the last request finished: rollout is done
             else:
