@@ -121,7 +121,6 @@ class _Session:
     leader: str
     leader_address: str
     members: list[str]                # leader first
-    epoch: int = 0                    # of the last SESSION sent (0: none yet)
     stopping: bool = False
 
 
@@ -258,8 +257,8 @@ class Policy:
         for sid in sorted(self._changed):
             s = self.sessions.get(sid)
             if s is not None and not s.stopping:
-                s.epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
-                msg = Session(session=s.id, epoch=s.epoch, members=tuple(s.members))
+                msg = Session(session=s.id, epoch=self._next_epoch, members=tuple(s.members))
+                self._next_epoch += 1
                 for wid in s.members:
                     self._send(wid, msg)
         self._changed.clear()

@@ -239,13 +239,12 @@ class SpotTrainer:
             ckpt_pg = self._init_group(should_stop)
         except RendezvousAborted as e:
             log.info("session %s rank %d: %s", self.spec.session_id, self.spec.rank, e)
-            at, now = latest(self.root) or 0, time.monotonic()
-            set_at = getattr(should_stop, "set_at", None)
-            lat = None if set_at is None else now - set_at
+            ck, set_at = latest(self.root), getattr(should_stop, "set_at", None)
+            lat = None if set_at is None else time.monotonic() - set_at
             return SessionResult(session_id=self.spec.session_id, rank=self.spec.rank,
-                                 world_size=self.spec.world_size, start_step=at, end_step=at,
+                                 world_size=self.spec.world_size, start_step=ck or 0, end_step=ck or 0,
                                  losses=(), stop_reason="preempted", preempt_latency_s=lat,
-                                 stop_latency_s=lat, checkpoint_step=latest(self.root),
+                                 stop_latency_s=lat, checkpoint_step=ck,
                                  check_interval_s=(), checkpoint_stall_s=())
         try:
             d, opt = self._build()

@@ -83,3 +83,23 @@ def test_stale_store_of_another_session_is_never_a_go():
     ts[0].join(10)
     assert isinstance(out[1], TimeoutError), out
     del stale
+
+
+def test_spot_trainer_stopped_before_its_peers_arrive_returns_at_once(tmp_path):
+    """A spot session whose other rank never comes: a preemption during the rendezvous ends it with
+    no steps and nothing written, within a second, instead of after the rendezvous timeout."""
+    from drafter.spot import PreemptFlag, SessionSpec, SpotConfig, SpotTrainer
+
+    from .test_spot import _target
+
+    dcfg, embed, head = _target()
+    flag = PreemptFlag()
+    threading.Timer(0.5, flag.set).start()
+    t = time.monotonic()
+    res = SpotTrainer(spec=SessionSpec(rank=0, world_size=2, master_port=_port(), session_id="s1e9"),
+                      config=SpotConfig(rendezvous_timeout_s=60), drafter_config=dcfg, embed_weight=embed,
+                      head_weight=head, checkpoint_root=tmp_path).run(lambda budget: [], flag)
+    assert time.monotonic() - t < 3.0
+    assert res.stop_reason == "preempted" and res.steps == 0 and res.checkpoint_step is None
+    assert res.preempt_latency_s is not None and res.preempt_latency_s < 2.0
+    assert not any(tmp_path.iterdir())
