@@ -8,8 +8,10 @@ rollout begins. Everything between is the agent's:
   messages only (every member gets each one, with the member list and a coordinator-wide epoch),
   never from PROMOTE, whose list may still grow in the same batch.
 - One process group per epoch: rank = position in the member list, rendezvous at the leader's host
-  on port ``base + epoch % port_span`` (a fresh port per formation; re-using the last one right away
-  can hang the next rendezvous).
+  on port ``base + epoch % port_span`` (a fresh port per formation: torch keeps the last session's
+  store, and its port, alive until the next one). Pick the base port (the worker's
+  ``trainer_address``) below the kernel's ephemeral range (``ip_local_port_range``, usually from
+  32768), as torch's 29500 is, so no outgoing connection can occupy a rendezvous port.
 - A newer epoch while training (a late idle worker joined, or a member was lost) preempts the
   running group at the next micro-step boundary on every rank; it checkpoints, and the new group
   resumes from that checkpoint. So a joiner trains from its first formation, not the next session.
