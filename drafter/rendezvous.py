@@ -15,7 +15,8 @@ Keys live under the session id, so a rank that reaches a stale store left on the
 earlier session never reads that session's ``go``; it times out instead. (torch's caches keep the
 last finished FSDP2 session's process group, hence its store and port, alive in rank 0's process
 until the next session replaces them; threads and fds stay flat across sessions. So use a fresh
-port per formation, as ``tlt.spot_agent`` does.)
+port per formation, as ``tlt.spot_agent`` does; rank 0 also keeps the last store it hosted and
+reuses it when a later session lands on the same port.)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _ARRIVED, _SEEN, _DECISION = "arrived", "seen_abort", "decision"  # under "tlt/<
 _GO, _ABORT = b"go", b"abort"
 _POLL_S = 0.02
 _CONNECT_TRY_S = 1.0  # one connection attempt of a non-zero rank (then should_stop is checked)
+_HOSTED: dict[tuple[str, int], dist.TCPStore] = {}  # the last store this process hosted
 
 
 class RendezvousAborted(Exception):
@@ -52,30 +54,31 @@ def rendezvous(host: str, port: int, rank: int, world_size: int, *, session_id: 
     deadline = time.monotonic() + timeout_s
     tcp = _connect(host, port, rank, world_size, deadline, should_stop)
     store = dist.PrefixStore(f"tlt/{session_id}/", tcp)
+    stopped = timed_out = False
     try:
         decision = b""
         if store.add(_ARRIVED, 1) == world_size:
             decision = store.compare_set(_DECISION, "", _GO)
         while decision not in (_GO, _ABORT):
-            if should_stop():
+            stopped = bool(should_stop())
+            timed_out = not stopped and time.monotonic() > deadline
+            if stopped or timed_out:  # settle it for every rank; a "go" written first still wins
                 decision = store.compare_set(_DECISION, "", _ABORT)
                 break
-            if time.monotonic() > deadline:
-                n = store.add(_ARRIVED, 0)
-                raise TimeoutError(f"rendezvous at {host}:{port}: {n} of {world_size} ranks arrived "
-                                   f"within {timeout_s:.0f}s")
             time.sleep(_POLL_S)
             if store.check([_DECISION]):
                 decision = store.get(_DECISION)
-    except TimeoutError:
-        raise
     except (RuntimeError, OSError) as e:  # the host (rank 0) left: it aborted, or it died
         if should_stop():
             raise RendezvousAborted(f"rendezvous at {host}:{port} ended by its host") from e
         raise RuntimeError(f"rendezvous at {host}:{port} failed: {e}") from e
     if decision == _ABORT:
-        _acknowledge_abort(store, rank)
-        raise RendezvousAborted(f"session stopped during the rendezvous at {host}:{port}")
+        arrived = _acknowledge_abort(store, rank)
+        if timed_out:
+            raise TimeoutError(f"rendezvous at {host}:{port}: {arrived} of {world_size} ranks arrived "
+                               f"within {timeout_s:.0f}s")
+        raise RendezvousAborted(f"session stopped during the rendezvous at {host}:{port}"
+                                + ("" if stopped else " (by another rank)"))
     tcp.set_timeout(datetime.timedelta(seconds=store_timeout_s))
     return store
 
@@ -83,12 +86,18 @@ def rendezvous(host: str, port: int, rank: int, world_size: int, *, session_id: 
 def _connect(host: str, port: int, rank: int, world_size: int, deadline: float,
              should_stop: Callable[[], bool]) -> dist.TCPStore:
     if rank == 0:
+        hosted = _HOSTED.get((host, port))
+        if hosted is not None:  # still ours (torch may keep it alive): reuse, keys are per session
+            return hosted
         try:
-            return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
-                                 timeout=datetime.timedelta(seconds=_CONNECT_TRY_S))
+            hosted = dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=_CONNECT_TRY_S))
         except (RuntimeError, OSError) as e:
             raise RuntimeError(f"rank 0 cannot host the rendezvous store at {host}:{port}: {e} "
                                "(port taken? pick another base port)") from e
+        _HOSTED.clear()
+        _HOSTED[(host, port)] = hosted
+        return hosted
     while True:
         if should_stop():
             raise RendezvousAborted(f"session stopped before rank 0 at {host}:{port} was reached")
@@ -103,14 +112,16 @@ def _connect(host: str, port: int, rank: int, world_size: int, deadline: float,
                              timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())))
 
 
-def _acknowledge_abort(store: dist.Store, rank: int, wait_s: float = 1.0) -> None:
+def _acknowledge_abort(store: dist.Store, rank: int, wait_s: float = 1.0) -> int:
     """Count this rank as having read ``abort``; rank 0 (the store's host) then waits, bounded,
-    until every rank that arrived has read it, so nobody sees the store vanish instead."""
+    until every rank that arrived has read it, so nobody sees the store vanish instead.
+    Returns how many ranks had arrived (-1 if the store is gone)."""
     try:
         seen = store.add(_SEEN, 1)
         end = time.monotonic() + wait_s
         while rank == 0 and seen < store.add(_ARRIVED, 0) and time.monotonic() < end:
             time.sleep(_POLL_S)
             seen = store.add(_SEEN, 0)
+        return store.add(_ARRIVED, 0)
     except (RuntimeError, OSError):
-        pass  # the host is gone already: the others abort on their own
+        return -1  # the host is gone already: the others abort on their own

@@ -190,7 +190,11 @@ class SpotTrainer:
             "cpu:gloo,cuda:nccl" if cuda else "gloo", store=store, rank=s.rank,
             world_size=s.world_size, timeout=datetime.timedelta(seconds=self.cfg.timeout_s),
             device_id=self.device if cuda else None)
-        return dist.new_group(backend="gloo")  # DCP's writer thread gets a group of its own
+        try:
+            return dist.new_group(backend="gloo")  # DCP's writer thread gets a group of its own
+        except BaseException:  # a peer died in between: leave no group behind for the next session
+            dist.destroy_process_group()
+            raise
 
     def _build(self) -> tuple[Drafter, torch.optim.Optimizer]:
         torch.manual_seed(self.cfg.seed)  # identical full init on every rank before sharding

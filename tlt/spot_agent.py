@@ -23,10 +23,15 @@ rollout begins. Everything between is the agent's:
   ``leader_lost`` / ``coordinator_lost`` (still idle in this rollout: the coordinator regroups it).
   Leaving on its own (``max_steps``, ``no_data``, failure) acks BUSY: nothing to train until the
   next rollout, so the coordinator does not promote it straight back.
+- ``busy()`` wins every race: a session it interrupts acks BUSY whatever stopped it first, and a
+  PROMOTE that arrives after ``busy()`` (decided on the earlier IDLE) starts nothing; the queued
+  BUSY report declines it. Each PROMOTE gets its own state, so a late thread of an earlier
+  session can never touch the next one.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -76,6 +81,19 @@ class FormationRecord:
 MakeTrainer = Callable[[SessionSpec], SpotTrainer]
 
 
+@dataclasses.dataclass(eq=False)
+class _SessionState:
+    """One accepted PROMOTE's state, shared by the client thread and that session's thread only."""
+
+    promote: Promote
+    rl_step: int
+    latest: Session | None = None      # newest SESSION (epoch, members)
+    stop: str | None = None            # why the session ends: STOP reason, or "busy"
+    flag: PreemptFlag | None = None    # preempts the running formation
+    formed_epoch: int = 0
+    thread: threading.Thread | None = None
+
+
 def rendezvous_endpoint(leader_address: str, epoch: int, port_span: int) -> tuple[str, int]:
     """``tcp://host:port`` (or ``host:port``) of the leader -> (host, port for this epoch)."""
     addr = leader_address.split("://", 1)[-1]
@@ -102,14 +120,10 @@ class SpotAgent:
         self.cfg, self.worker_id = config, worker.worker_id
         self._make_trainer, self._batches, self._on_record = make_trainer, batches, on_record
         self.client = WorkerClient(worker, on_command=self._on_command)
-        self.records: list[FormationRecord] = []
+        self.records: collections.deque[FormationRecord] = collections.deque(maxlen=1024)
         self._cond = threading.Condition()
-        self._promote: Promote | None = None
-        self._latest: Session | None = None
-        self._stop: str | None = None     # reason of the STOP (or busy()) ending this session
-        self._flag: PreemptFlag | None = None  # preempts the running formation
-        self._formed_epoch = 0
-        self._thread: threading.Thread | None = None
+        self._cur: _SessionState | None = None  # the session of the last accepted PROMOTE
+        self._idle = False                      # between idle() and busy(): may take a PROMOTE
         self._step = 0
 
     # ---- rollout side ---------------------------------------------------------------------------
@@ -119,23 +133,31 @@ class SpotAgent:
         return self
 
     def idle(self, step: int) -> None:
-        """This worker's rollout requests for ``step`` drained: its accelerator may train."""
-        self._step = step
+        """This worker's rollout requests for ``step`` drained: its accelerator may train.
+        Ignored (logged) while an earlier session is still running: it acks when it ends."""
+        with self._cond:
+            if self._running():
+                log.warning("worker %s: idle(%d) while session %d still runs; not reported",
+                            self.worker_id, step, self._cur.promote.session)
+                return
+            self._step, self._idle = step, True
         self.client.report("IDLE", step)
 
     def busy(self, step: int) -> bool:
         """Rollout of ``step`` begins: stop training (checkpointed) if any, then report BUSY.
-        Returns False if a session did not stop within ``busy_timeout_s`` (it is left running)."""
+        Returns False if a session did not stop within ``busy_timeout_s``: it is left running and
+        acks BUSY itself when it ends (nothing is reported now)."""
         with self._cond:
-            thread = self._thread
-            if thread is not None and thread.is_alive():
-                self._stop = self._stop or "busy"
-                if self._flag is not None:
-                    self._flag.set()
+            self._idle = False  # a PROMOTE racing this call is refused (the BUSY below declines it)
+            cur = self._cur if self._running() else None
+            if cur is not None:
+                cur.stop = "busy"  # ack BUSY: the rollout has begun, whatever stopped it first
+                if cur.flag is not None:
+                    cur.flag.set()
                 self._cond.notify_all()
-        if thread is not None:
-            thread.join(self.cfg.busy_timeout_s)
-            if thread.is_alive():
+        if cur is not None:
+            cur.thread.join(self.cfg.busy_timeout_s)
+            if cur.thread.is_alive():
                 log.error("worker %s: training did not stop within %.0fs", self.worker_id,
                           self.cfg.busy_timeout_s)
                 return False
@@ -145,8 +167,8 @@ class SpotAgent:
 
     @property
     def training(self) -> bool:
-        t = self._thread
-        return t is not None and t.is_alive()
+        with self._cond:
+            return self._running()
 
     def close(self) -> None:
         self.busy(self._step)
@@ -158,54 +180,63 @@ class SpotAgent:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _running(self) -> bool:
+        return self._cur is not None and self._cur.thread is not None and self._cur.thread.is_alive()
+
     # ---- coordinator side (client thread: signal and return) ------------------------------------
     def _on_command(self, cmd: Promote | Session | Stop) -> None:
         with self._cond:
             if isinstance(cmd, Promote):
-                self._promote, self._latest, self._stop, self._flag = cmd, None, None, None
-                self._formed_epoch = 0
-                self._thread = threading.Thread(target=self._run, args=(cmd, self._step), daemon=True,
-                                                name=f"tlt-spot-{self.worker_id}-s{cmd.session}")
-                self._thread.start()
-            elif self._promote is None or cmd.session != self._promote.session:
+                if not self._idle:
+                    log.info("worker %s: PROMOTE to session %d after busy(): declined", self.worker_id,
+                             cmd.session)
+                    return
+                cur = self._cur = _SessionState(cmd, self._step)
+                cur.thread = threading.Thread(target=self._run, args=(cur,), daemon=True,
+                                              name=f"tlt-spot-{self.worker_id}-s{cmd.session}")
+                cur.thread.start()
                 return
-            elif isinstance(cmd, Session):
-                if self._latest is None or cmd.epoch > self._latest.epoch:
-                    self._latest = cmd
-                    if self._flag is not None and cmd.epoch > self._formed_epoch:
-                        self._flag.set()  # regroup at the next micro-step boundary
+            cur = self._cur
+            if cur is None or cmd.session != cur.promote.session:
+                return
+            if isinstance(cmd, Session):
+                if cur.latest is None or cmd.epoch > cur.latest.epoch:
+                    cur.latest = cmd
+                    if cur.flag is not None and cmd.epoch > cur.formed_epoch:
+                        cur.flag.set()  # regroup at the next micro-step boundary
             else:
-                self._stop = self._stop or cmd.reason
-                if self._flag is not None:
-                    self._flag.set()
+                cur.stop = cur.stop or cmd.reason
+                if cur.flag is not None:
+                    cur.flag.set()
             self._cond.notify_all()
 
     # ---- session thread -------------------------------------------------------------------------
-    def _next_formation(self, p: Promote, rl_step: int) -> Formation | None:
+    def _next_formation(self, cur: _SessionState) -> Formation | None:
         """Block until a newer epoch (-> its formation) or a stop / timeout (-> None)."""
         with self._cond:
-            newer = lambda: self._latest is not None and self._latest.epoch > self._formed_epoch
-            self._cond.wait_for(lambda: self._stop is not None or newer(), self.cfg.formation_wait_s)
-            if self._stop is not None or not newer():
+            newer = lambda: cur.latest is not None and cur.latest.epoch > cur.formed_epoch
+            self._cond.wait_for(lambda: cur.stop is not None or newer(), self.cfg.formation_wait_s)
+            if cur.stop is not None or not newer():
                 return None
-            s = self._latest
+            s = cur.latest
             if self.worker_id not in s.members:
                 log.warning("worker %s: not a member of session %d epoch %d %s", self.worker_id,
                             s.session, s.epoch, s.members)
                 return None
-            self._formed_epoch, self._flag = s.epoch, PreemptFlag()
-        host, port = rendezvous_endpoint(p.leader_address, s.epoch, self.cfg.port_span)
+            cur.formed_epoch, cur.flag = s.epoch, PreemptFlag()
+        host, port = rendezvous_endpoint(cur.promote.leader_address, s.epoch, self.cfg.port_span)
         return Formation(s.session, s.epoch, s.members, s.members.index(self.worker_id), host, port,
-                         rl_step)
+                         cur.rl_step)
 
-    def _run(self, p: Promote, rl_step: int) -> None:
-        ok, voluntary = True, False
+    def _run(self, cur: _SessionState) -> None:
+        ok, voluntary, formed = True, False, False
         try:
-            while (f := self._next_formation(p, rl_step)) is not None:
+            while (f := self._next_formation(cur)) is not None:
+                formed = True
                 spec = SessionSpec(rank=f.rank, world_size=len(f.members), master_addr=f.master_addr,
                                    master_port=f.master_port, session_id=f"s{f.session}e{f.epoch}")
                 try:
-                    res = self._make_trainer(spec).run(self._batches(f), self._flag)
+                    res = self._make_trainer(spec).run(self._batches(f), cur.flag)
                 except Exception as e:  # noqa: BLE001 - a failed group may be re-formed
                     log.warning("worker %s: session %d epoch %d (rank %d of %d) failed: %r",
                                 self.worker_id, f.session, f.epoch, f.rank, len(f.members), e)
@@ -221,11 +252,13 @@ class SpotAgent:
             log.exception("worker %s: session thread failed", self.worker_id)
             ok = False
         with self._cond:
-            reason = self._stop
-            self._flag = None
+            reason = cur.stop
+            cur.flag = None
+        if reason is None and not voluntary and not formed:
+            ok = False  # no SESSION came within formation_wait_s: report it
         idle = reason in ("leader_lost", "coordinator_lost") and ok and not voluntary
-        self.client.report("IDLE" if idle else "BUSY", rl_step, ok=ok)
-        log.info("worker %s: left session %d (%s), acked %s", self.worker_id, p.session,
+        self.client.report("IDLE" if idle else "BUSY", cur.rl_step, ok=ok)
+        log.info("worker %s: left session %d (%s), acked %s", self.worker_id, cur.promote.session,
                  reason or ("done" if voluntary else "failed"), "IDLE" if idle else "BUSY")
 
     def _record(self, rec: FormationRecord) -> None:

@@ -103,3 +103,39 @@ def test_spot_trainer_stopped_before_its_peers_arrive_returns_at_once(tmp_path):
     assert res.stop_reason == "preempted" and res.steps == 0 and res.checkpoint_step is None
     assert res.preempt_latency_s is not None and res.preempt_latency_s < 2.0
     assert not any(tmp_path.iterdir())
+
+
+def test_a_rank_that_times_out_aborts_it_for_everyone():
+    """Rank 1 gives up (its deadline is shorter); rank 0, still within its own, must not wait for a
+    'go' that can no longer come, nor could a late arrival build a group rank 1 has left."""
+    port = _port()
+    out: dict[int, object] = {}
+
+    def go(rank: int, timeout_s: float) -> None:
+        try:
+            out[rank] = rendezvous("127.0.0.1", port, rank, 3, session_id="s", timeout_s=timeout_s,
+                                   store_timeout_s=30, should_stop=lambda: False)
+        except Exception as e:  # noqa: BLE001
+            out[rank] = e
+
+    ts = [threading.Thread(target=go, args=a, daemon=True) for a in ((0, 20.0), (1, 0.5))]
+    t = time.monotonic()
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join(15)
+    assert isinstance(out[1], TimeoutError) and "2 of 3" in str(out[1]), out
+    assert isinstance(out[0], RendezvousAborted) and "another rank" in str(out[0]), out
+    assert time.monotonic() - t < 5
+
+
+def test_rank_0_reuses_the_store_it_hosts_on_the_same_port():
+    """A later session landing on the port of this process's last store (which torch may keep
+    alive) reuses it instead of failing to bind; the sessions' keys do not mix."""
+    port = _port()
+    first = rendezvous("127.0.0.1", port, 0, 1, session_id="a", timeout_s=5, store_timeout_s=5,
+                       should_stop=lambda: False)
+    second = rendezvous("127.0.0.1", port, 0, 1, session_id="b", timeout_s=5, store_timeout_s=5,
+                        should_stop=lambda: False)
+    first.set("k", "a")
+    assert not second.check(["k"])

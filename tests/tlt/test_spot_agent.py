@@ -84,18 +84,52 @@ def test_one_worker_cycle_against_a_real_coordinator(tmp_path):
         coord.stop()
 
 
+def _spied(tmp_path, **kw):
+    agent = _agent("tcp://127.0.0.1:1", tmp_path, **kw)
+    reports = []
+    agent.client.report = lambda state, step=None, ok=True: reports.append((state, step, ok))
+    return agent, reports
+
+
+def _promote(session=4):
+    return Promote(session=session, step=0, dp_group=0, role=Role.LEADER, leader="w0",
+                   leader_address="tcp://127.0.0.1:29500", members=("w0",), seq=1)
+
+
 def test_stop_before_any_session_message_acks_without_forming(tmp_path):
     """A STOP that overtakes the SESSION (or a coordinator lost right after PROMOTE) must still be
     acked at once, with nothing formed. Driven through the agent's command entry point."""
-    agent = _agent("tcp://127.0.0.1:1", tmp_path, formation_wait_s=30)
-    acks = []
-    agent.client.report = lambda state, step=None, ok=True: acks.append((state, step, ok))
-    p = Promote(session=4, step=0, dp_group=0, role=Role.LEADER, leader="w0",
-                leader_address="tcp://127.0.0.1:29500", members=("w0",), seq=1)
-    agent._on_command(p)
+    agent, reports = _spied(tmp_path, formation_wait_s=30)
+    agent.idle(0)
+    agent._on_command(_promote())
     assert agent.training
     t = time.monotonic()
     agent._on_command(Stop(session=4, step=0, reason="leader_lost", deadline_ms=1000))
-    agent._thread.join(5)
+    agent._cur.thread.join(5)
     assert time.monotonic() - t < 1.0 and not agent.training
-    assert acks == [("IDLE", 0, True)] and agent.records == []
+    assert reports == [("IDLE", 0, True), ("IDLE", 0, True)] and len(agent.records) == 0
+
+
+def test_promote_racing_busy_is_declined_and_busy_overrides_the_ack(tmp_path):
+    """busy() was called (the BUSY report is queued) when a PROMOTE decided on the earlier IDLE
+    arrives: no session thread starts; the queued BUSY tells the coordinator. And a session stopped
+    by leader_lost acks BUSY, not IDLE, once busy() has been called."""
+    agent, reports = _spied(tmp_path, formation_wait_s=30)
+    agent.idle(0)
+    assert agent.busy(1)
+    agent._on_command(_promote(5))
+    assert not agent.training and reports == [("IDLE", 0, True), ("BUSY", 1, True)]
+
+    agent.idle(1)
+    agent._on_command(_promote(6))
+    agent._on_command(Stop(session=6, step=1, reason="leader_lost", deadline_ms=1000))
+    assert agent.busy(2)
+    assert reports[-2:] == [("BUSY", 1, True), ("BUSY", 2, True)], reports
+
+
+def test_no_session_message_in_time_is_reported_as_a_failure(tmp_path):
+    agent, reports = _spied(tmp_path, formation_wait_s=0.2)
+    agent.idle(0)
+    agent._on_command(_promote())
+    agent._cur.thread.join(5)
+    assert reports[-1] == ("BUSY", 0, False)
