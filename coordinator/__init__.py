@@ -5,12 +5,14 @@ else of ours (see DESIGN.md section 2).
     protocol   wire format: versioned header, commands, msgpack payloads, size limits
     states     the worker state machine (allowed transitions)
     policy     promotion / session / stop rules as pure logic
-    broker     Coordinator: the ROUTER poll loop (embeddable thread or ``python -m coordinator``)
+    broker     Coordinator: the ROUTER poll loop (an embeddable thread)
+    cli        standalone options and entry point (``python -m coordinator``, ``tlt coordinator``)
     worker     WorkerClient: DEALER link with heartbeats and capped-backoff reconnect
     driver     DriverClient: ``step_begin`` / ``rollout_done`` for the RL step controller
 """
 
-from coordinator.broker import Coordinator, CoordinatorConfig, main
+from coordinator.broker import Coordinator, CoordinatorConfig
+from coordinator.cli import main
 from coordinator.driver import DriverClient, RolloutOutcome
 from coordinator.policy import Event, PolicyConfig
 from coordinator.protocol import ProtocolError, WorkerState

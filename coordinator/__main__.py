@@ -2,6 +2,6 @@
 
 import sys
 
-from coordinator.broker import main
+from coordinator.cli import main
 
 sys.exit(main())

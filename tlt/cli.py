@@ -100,7 +100,7 @@ def _cmd_report(a: argparse.Namespace) -> None:
 
 
 def _cmd_coordinator(a: argparse.Namespace) -> None:
-    from coordinator.broker import serve_args
+    from coordinator.cli import serve_args
 
     serve_args(a)
 
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="rollout.png")
     s.set_defaults(fn=_cmd_report)
 
-    from coordinator.broker import DESCRIPTION, add_arguments
+    from coordinator.cli import DESCRIPTION, add_arguments
 
     s = sub.add_parser("coordinator", help="run the ZeroMQ worker coordinator standalone",
                        description=DESCRIPTION)

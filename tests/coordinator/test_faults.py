@@ -42,7 +42,7 @@ while time.monotonic() < end:
         continue
     print(type(cmd).__name__, flush=True)
 """
-COORDINATOR = "import sys; from coordinator.broker import main; sys.exit(main(sys.argv[1:]))"
+COORDINATOR = "import sys; from coordinator.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def next_of(w, kind: type, timeout_s: float = 3.0):
