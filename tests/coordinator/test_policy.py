@@ -236,7 +236,7 @@ def test_epochs_are_unique_across_sessions():
     assert epochs == sorted(set(epochs)) and len(epochs) == 4
 
 
-def test_lost_member_updates_leader():
+def test_lost_member_updates_every_member():
     w = World(idle_threshold=2)
     for wid in "abc":
         w.register(wid)
