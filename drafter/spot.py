@@ -16,8 +16,10 @@ and valid-position counts are all-reduced, and each rank back-propagates
 ranks, so the update equals one process training on all samples (up to float summation order).
 
 Data: ``next_batch(world_size * token_budget)`` must return the same list on every rank (e.g. a
-seeded draw from the shared DataBuffer); rank ``r`` trains on a token-balanced shard of it. A
-list that leaves some rank without samples ends the session (``no_data``) on every rank.
+seeded draw from the shared DataBuffer); rank ``r`` trains on a token-balanced shard of it. With
+``local_data`` each rank draws ``token_budget`` tokens from its own buffer instead (the verl
+integration: every replica holds the features of the sequences its worker computed). A list that
+leaves some rank without samples ends the session (``no_data``) on every rank.
 
 Work lost to a kill: at most one checkpoint ``interval`` plus the steps run while that
 interval's save was still being written (commits happen in the writer thread, see checkpoint).
@@ -87,6 +89,9 @@ class SpotConfig:
     # costs more than copying inside save() (measured by `tlt bench checkpoint`).
     overlap_staging: bool | None = None
     max_steps: int | None = None  # total optimizer steps over all sessions; None = until stopped
+    # False: next_batch(world * budget) returns the same list on every rank, which is sharded.
+    # True: next_batch(budget) returns this rank's own samples (e.g. its local DataBuffer).
+    local_data: bool = False
     ttt: TTTConfig = TTTConfig()
     seed: int = 0  # drafter init when there is neither a checkpoint nor init_from
     mixed_precision: bool = True  # CUDA only: bf16 compute, fp32 master weights and reduction
@@ -312,8 +317,9 @@ class SpotTrainer:
                     gaps.append(now - last_check)
                 last_check = now
                 stop = bool(should_stop())
-                samples = [] if stop else list(next_batch(spec.world_size * cfg.token_budget))
-                mine = shard_samples(samples, spec.rank, spec.world_size)
+                want = cfg.token_budget if cfg.local_data else spec.world_size * cfg.token_budget
+                samples = [] if stop else list(next_batch(want))
+                mine = samples if cfg.local_data else shard_samples(samples, spec.rank, spec.world_size)
                 flags = torch.tensor([float(stop), float(not stop and not mine)])
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
                 if flags[0] or flags[1]:

@@ -67,6 +67,9 @@ class RolloutResult:
     steps: list[StepRecord]
     accept_lengths: list[int]  # committed tokens per request per speculative step
     seconds: float
+    # log p(token) per response token under the target's logits / temperature (1 when greedy),
+    # the quantity RL trainers recompute as old log-probs
+    logprobs: list[list[float]] = dataclasses.field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -106,9 +109,10 @@ class RolloutEngine:
         gens = [torch.Generator(device=self.device).manual_seed(self.cfg.seed * 1_000_003 + i) for i in range(n)]
         rows = list(range(n))  # running request id per cache row
         outputs: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
         lengths = [len(p) for p in prompts]  # committed tokens incl. the pending last one
 
-        first, features = self._prefill(prompts, plist, gens)
+        first, first_lp, features = self._prefill(prompts, plist, gens)
         self._pending = dict(enumerate(first))  # last committed token: its KV is not cached yet
         if self.proposer is not None:
             # Prompt position t's feature predicted prompt token t + 1; the last one predicted `first`.
@@ -117,6 +121,7 @@ class RolloutEngine:
         steps: list[StepRecord] = []
         accept_lengths: list[int] = []
         last = [[t] for t in first]
+        last_lp = [[x] for x in first_lp]
         hidden_last = [f[-1:] for f in features] if features else None
         while rows:
             # Commit what the last step produced; retire finished requests.
@@ -125,8 +130,9 @@ class RolloutEngine:
             keep = []
             for k, r in enumerate(rows):
                 p = plist[r]
-                for tok in last[k]:
+                for tok, lp in zip(last[k], last_lp[k]):
                     outputs[r].append(tok)
+                    logprobs[r].append(lp)
                     lengths[r] += 1
                     if tok in p.stop_ids or len(outputs[r]) >= p.max_new_tokens:
                         break
@@ -141,10 +147,10 @@ class RolloutEngine:
             rows = [rows[k] for k in keep]
             if not rows:
                 break
-            last, hidden_last, rec, acc = self._step(rows, lengths, plist, gens)
+            last, last_lp, hidden_last, rec, acc = self._step(rows, lengths, plist, gens)
             steps.append(rec)
             accept_lengths += acc
-        return RolloutResult(outputs, steps, accept_lengths, time.perf_counter() - t_start)
+        return RolloutResult(outputs, steps, accept_lengths, time.perf_counter() - t_start, logprobs)
 
     # ------------------------------------------------------------------ internals
     def _prefill(self, prompts, plist, gens):
@@ -156,13 +162,14 @@ class RolloutEngine:
         pos = torch.arange(t, device=self.device).expand_as(ids)
         mask = to_additive(prefill_mask(lens, t))
         out = self.target(ids, pos, CachedBackend(self.cache, pos, mask), capture=self._capture)
-        first = []
+        first, first_lp = [], []
         for i, p in enumerate(prompts):
             logits = out.logits[i, len(p) - 1: len(p)]
             first.append(verify(logits[None], DraftTree.empty(1, self.device), [plist[i]], [gens[i]]).tokens[0][0])
+            first_lp.append(_logprobs(logits, [first[-1]], plist[i])[0])
         # The pending first token's KV is written by the next step (as its tree root).
         feats = self._features(out)
-        return first, None if feats is None else [feats[i, : len(p)] for i, p in enumerate(prompts)]
+        return first, first_lp, None if feats is None else [feats[i, : len(p)] for i, p in enumerate(prompts)]
 
     @property
     def _capture(self) -> tuple[int, ...]:
@@ -211,6 +218,8 @@ class RolloutEngine:
         feats = self._features(out)
         hidden = None if feats is None else [feats[k, [0] + [1 + j for j in nodes]]
                                              for k, nodes in enumerate(res.nodes)]
+        lps = [_logprobs(out.logits[k, [0] + [1 + j for j in nodes]], res.tokens[k], plist[r])
+               for k, (r, nodes) in enumerate(zip(rows, res.nodes))]
         for k, r in enumerate(rows):
             self._pending[r] = res.tokens[k][-1]
         seconds = time.perf_counter() - t0
@@ -219,7 +228,7 @@ class RolloutEngine:
             self.tuner.record(b, arm, accepted, seconds)
         rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(len(t) for t in res.tokens), seconds)
         acc = [len(t) for t in res.tokens] if rec.sd else []
-        return res.tokens, hidden, rec, acc
+        return res.tokens, lps, hidden, rec, acc
 
     def _compact_rows(self, keep: list[int]) -> None:
         """Cache rows of the kept requests become rows 0..len(keep)-1 (order preserved)."""
@@ -227,3 +236,10 @@ class RolloutEngine:
             if new != old:
                 self.cache.k[:, new] = self.cache.k[:, old]
                 self.cache.v[:, new] = self.cache.v[:, old]
+
+
+def _logprobs(logits: torch.Tensor, tokens: Sequence[int], p: SamplingParams) -> list[float]:
+    """log softmax(logits / T)[token] per committed token; logits: [n, V], row i produced tokens[i]."""
+    t = p.temperature if p.temperature > 0 else 1.0
+    lp = torch.log_softmax(logits.float() / t, -1)
+    return lp[torch.arange(len(tokens), device=lp.device), torch.tensor(list(tokens), device=lp.device)].tolist()

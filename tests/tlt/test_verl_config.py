@@ -1,0 +1,220 @@
+"""The verl ``tlt.*`` config: dataclasses, shipped YAML and Hydra composition agree.
+
+Proves that ``configs/tlt/default.yaml`` documents exactly the :class:`TLTConfig` defaults (same
+keys, same values); that unknown keys, wrong types and out-of-range values fail with a one-line
+ValueError naming the full dotted key and the value; that ``from_verl`` treats an absent ``tlt``
+section as "disabled"; that ``tlt_grpo`` / ``tlt_grpo_cpu`` compose through Hydra on top of verl's
+``ppo_trainer`` defaults with ``tlt.*`` overrides that need no "+"; and that ``check_verl_config``
+rejects a non-tlt rollout backend only while TLT is enabled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+import tlt.configs
+from rollout.strategy import Arm
+from tlt.integrations.verl.config import TLTConfig, from_verl
+
+CONFIG_DIR = os.path.dirname(os.path.abspath(tlt.configs.__file__))
+DEFAULT_YAML = os.path.join(CONFIG_DIR, "tlt", "default.yaml")
+HAS_VERL = importlib.util.find_spec("verl") is not None
+needs_verl = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed: no ppo_trainer defaults")
+
+
+def _load_default() -> dict:
+    with open(DEFAULT_YAML) as f:
+        return yaml.safe_load(f)
+
+
+def _field_keys(cls: type, prefix: str = "") -> set[str]:
+    keys = set()
+    for f in dataclasses.fields(cls):
+        keys.add(prefix + f.name)
+        default = getattr(cls(), f.name)
+        if dataclasses.is_dataclass(default):
+            keys |= _field_keys(type(default), f"{prefix}{f.name}.")
+    return keys
+
+
+def _yaml_keys(data: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for k, v in data.items():
+        keys.add(prefix + k)
+        if isinstance(v, dict):
+            keys |= _yaml_keys(v, f"{prefix}{k}.")
+    return keys
+
+
+def _with(dotted: str, value) -> dict:
+    """{"a": {"b": value}} for "a.b" (the mapping under ``tlt``)."""
+    out: dict = {}
+    node = out
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = value
+    return out
+
+
+# ------------------------------------------------------------------ 1. YAML == dataclass defaults
+def test_default_yaml_equals_dataclass_defaults():
+    data = _load_default()
+    assert TLTConfig.from_mapping(data) == TLTConfig()
+    assert TLTConfig.from_mapping(data).to_dict() == TLTConfig().to_dict()
+
+
+def test_default_yaml_keys_match_dataclass_fields():
+    yaml_keys, field_keys = _yaml_keys(_load_default()), _field_keys(TLTConfig)
+    assert yaml_keys - field_keys == set(), "keys in default.yaml that TLTConfig does not have"
+    assert field_keys - yaml_keys == set(), "TLTConfig fields not documented in default.yaml"
+
+
+# ------------------------------------------------------------------ 2. unknown keys
+@pytest.mark.parametrize("dotted, allowed", [
+    ("foo", ["buffer", "drafter", "enable", "replay_poll_s", "spot"]),
+    ("spot.lrr", ["base_port", "lr", "token_budget", "ttt_steps"]),
+    ("coordinator.heartbeat", ["heartbeat_s", "liveness"]),
+])
+def test_unknown_key_names_full_key_and_allowed(dotted, allowed):
+    with pytest.raises(ValueError) as ei:
+        TLTConfig.from_mapping(_with(dotted, 1))
+    msg = str(ei.value)
+    assert f"tlt.{dotted}" in msg
+    for key in allowed:
+        assert key in msg
+    assert "\n" not in msg
+
+
+# ------------------------------------------------------------------ 3. wrong types, out of range
+@pytest.mark.parametrize("dotted, value", [
+    ("spot.lr", -1),
+    ("spot.lr", "fast"),
+    ("spot.lr", True),
+    ("enable", "yes"),
+    ("speculation.elastic_threshold", -1),
+    ("speculation.elastic_threshold", 1.5),
+    ("speculation.arm", "4,1"),
+    ("speculation.arm", "4,1,9"),          # a depth-4 chain has 4 candidate nodes
+    ("buffer.dtype", "int8"),
+    ("drafter.method", "medusa"),
+    ("replay_poll_s", 0),
+    ("spot.base_port", 80),
+    ("coordinator.heartbeat_s", 120),
+    ("engine.max_batch", 0),
+    ("spot", 3),
+])
+def test_bad_value_names_key_and_value(dotted, value):
+    with pytest.raises(ValueError) as ei:
+        TLTConfig.from_mapping(_with(dotted, value))
+    msg = str(ei.value)
+    assert f"tlt.{dotted}=" in msg
+    assert repr(value) in msg
+    assert "\n" not in msg
+
+
+def test_valid_values_parse():
+    cfg = TLTConfig.from_mapping({"speculation": {"arm": "4,1,4"}, "spot": {"lr": 1, "base_port": 20000}})
+    assert cfg.speculation.parsed_arm() == Arm(4, 1, 4)
+    assert cfg.spot.lr == 1.0 and isinstance(cfg.spot.lr, float)
+    assert cfg.spot.base_port == 20000
+    assert TLTConfig().speculation.parsed_arm() is None
+
+
+# ------------------------------------------------------------------ 4. from_verl
+def test_from_verl_without_tlt_section_disables():
+    cfg = OmegaConf.create({"trainer": {"device": "cpu"}})
+    assert from_verl(cfg).enable is False
+
+
+def test_from_verl_validates_tlt_section():
+    cfg = OmegaConf.create({"tlt": {"spot": {"lr": "${lr}"}, "engine": {"threads": 2}}, "lr": 0.01})
+    tlt = from_verl(cfg)
+    assert tlt.enable is True and tlt.spot.lr == 0.01 and tlt.engine.threads == 2
+    with pytest.raises(ValueError, match=r"tlt\.buffer\.dtype='int8'"):
+        from_verl(OmegaConf.create({"tlt": {"buffer": {"dtype": "int8"}}}))
+    with pytest.raises(ValueError, match=r"tlt\.spot\.lrr"):
+        from_verl(OmegaConf.create({"tlt": {"spot": {"lrr": 1}}}))
+
+
+# ------------------------------------------------------------------ 5. Hydra composition
+def _compose(name: str, overrides: list[str]):
+    import hydra
+
+    with hydra.initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return hydra.compose(config_name=name, overrides=overrides)
+
+
+@needs_verl
+@pytest.mark.parametrize("name", ["tlt_grpo", "tlt_grpo_cpu"])
+def test_hydra_composes_with_verl_defaults(name):
+    cfg = _compose(name, ["tlt.spot.lr=0.001", "tlt.speculation.arm='4,1,4'"])
+    assert cfg.trainer.v1.trainer_mode == "tlt"
+    assert cfg.actor_rollout_ref.rollout.name == "tlt"
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.tlt.spot.lr == 0.001
+    assert "train_batch_size" in cfg.data            # merged from pkg://verl.trainer.config
+    assert "ppo_mini_batch_size" in cfg.actor_rollout_ref.actor
+    if name == "tlt_grpo_cpu":
+        assert cfg.trainer.device == "cpu"
+        assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM == "cpu"
+    else:
+        assert cfg.trainer.device != "cpu"
+    tlt = from_verl(cfg)
+    assert isinstance(tlt, TLTConfig) and tlt.enable
+    assert tlt.spot.lr == 0.001 and tlt.speculation.parsed_arm() == Arm(4, 1, 4)
+    assert dataclasses.replace(tlt, spot=TLTConfig().spot, speculation=TLTConfig().speculation) == TLTConfig()
+
+
+@needs_verl
+def test_hydra_composes_through_config_module():
+    import hydra
+
+    with hydra.initialize_config_module(config_module="tlt.configs", version_base=None):
+        cfg = hydra.compose(config_name="tlt_grpo", overrides=["tlt.enable=false"])
+    assert "train_batch_size" in cfg.data
+    assert from_verl(cfg).enable is False
+
+
+@needs_verl
+def test_hydra_rejects_unknown_tlt_key():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="tlt.nope"):
+        _compose("tlt_grpo", ["tlt.nope=1"])
+
+
+# ------------------------------------------------------------------ 6. check_verl_config
+def _verl_like(rollout: str, enable: bool):
+    return OmegaConf.create({
+        "tlt": {"enable": enable},
+        "actor_rollout_ref": {"rollout": {"name": rollout, "checkpoint_engine": {"backend": "naive"}},
+                              "actor": {"ulysses_sequence_parallel_size": 1}},
+    })
+
+
+def test_check_verl_config_rejects_foreign_rollout():
+    from tlt.integrations.verl.trainer import check_verl_config
+
+    cfg = _verl_like("vllm", enable=True)
+    with pytest.raises(ValueError) as ei:
+        check_verl_config(cfg, from_verl(cfg))
+    msg = str(ei.value)
+    assert "actor_rollout_ref.rollout.name" in msg and "'vllm'" in msg and "\n" not in msg
+    check_verl_config(_verl_like("tlt", enable=True), from_verl(_verl_like("tlt", enable=True)))
+    off = _verl_like("vllm", enable=False)
+    check_verl_config(off, from_verl(off))  # TLT disabled: verl's own rollout is fine
+
+
+@needs_verl
+def test_shipped_config_passes_check_verl_config():
+    from tlt.integrations.verl.trainer import check_verl_config
+
+    cfg = _compose("tlt_grpo", [])
+    check_verl_config(cfg, from_verl(cfg))

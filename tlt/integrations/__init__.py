@@ -1,0 +1,1 @@
+"""Integrations with the RL stacks TLT plugs into (verl, SGLang); each imported only on demand."""

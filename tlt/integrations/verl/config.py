@@ -1,0 +1,206 @@
+"""The ``tlt.*`` section of a verl GRPO config: frozen dataclasses, validated before workers spawn.
+
+Owns every key TLT reads from the verl YAML (defaults in ``configs/tlt/default.yaml``, documented
+in docs/verl.md), the conversion from the YAML mapping, and the one-line errors: an unknown key,
+a wrong type or a value out of range names the full key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from rollout.strategy import Arm
+
+
+def _bad(key: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"tlt config: {key}={value!r} is not allowed; {allowed}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterSection:
+    method: str = "eagle"          # eagle | eagle3
+    init_path: str | None = None   # a `tlt warmup` drafter dir; None: n-gram until spot training
+    train: bool = True             # spot-train on idle replicas (false: the drafter stays frozen)
+
+    def check(self, p: str) -> None:
+        if self.method not in ("eagle", "eagle3"):
+            raise _bad(f"{p}.method", self.method, "use eagle or eagle3")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculationSection:
+    enable: bool = True
+    elastic_threshold: int = 32    # speculate only while a replica runs <= this many requests
+    arm: str | None = None         # fixed strategy "DEPTH,TOPK,TOKENS_TO_VERIFY" ("0,0,0" = off); None: BEG-MAB
+    ngram: bool = True             # model-free drafts from GRPO siblings until a drafter exists
+    max_draft_tokens: int = 64
+
+    def check(self, p: str) -> None:
+        if self.elastic_threshold < 0:
+            raise _bad(f"{p}.elastic_threshold", self.elastic_threshold, "use an int >= 0")
+        if self.max_draft_tokens < 1:
+            raise _bad(f"{p}.max_draft_tokens", self.max_draft_tokens, "use an int >= 1")
+        if self.arm is not None:
+            self.parsed_arm(p)
+
+    def parsed_arm(self, p: str = "tlt.speculation") -> Arm | None:
+        if self.arm is None:
+            return None
+        try:
+            depth, topk, ttv = (int(x) for x in str(self.arm).split(","))
+            arm = Arm(depth, topk, ttv)
+        except ValueError as e:
+            raise _bad(f"{p}.arm", self.arm, f"use DEPTH,TOPK,TOKENS_TO_VERIFY, e.g. 4,1,4 ({e})") from None
+        if arm.tokens_to_verify > self.max_draft_tokens:
+            raise _bad(f"{p}.arm", self.arm, f"tokens to verify must be <= max_draft_tokens="
+                       f"{self.max_draft_tokens}")
+        return arm
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpotSection:
+    lr: float = 3e-4
+    token_budget: int = 2048       # tokens per replica per micro-step
+    interval: int = 10             # optimizer steps between async selective checkpoints
+    min_idle: int = 1              # idle replicas needed before a training session starts
+    base_port: int = 0             # rendezvous ports base + 256 * replica ...; 0 = a free span found at start
+    checkpoint_dir: str | None = None  # default: <trainer.default_local_dir>/tlt_spot
+    ttt_steps: int = 3             # training-time-test unroll steps
+
+    def check(self, p: str) -> None:
+        if not 0 < self.lr < 1:
+            raise _bad(f"{p}.lr", self.lr, "use a float in (0, 1)")
+        for name in ("token_budget", "interval", "min_idle", "ttt_steps"):
+            if getattr(self, name) < 1:
+                raise _bad(f"{p}.{name}", getattr(self, name), "use an int >= 1")
+        if self.base_port and not 1024 <= self.base_port <= 60000:
+            raise _bad(f"{p}.base_port", self.base_port, "use 0 (automatic) or a port in 1024..60000")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BufferSection:
+    max_mb: int = 1024             # host memory for hidden states, per replica
+    dtype: str = "float32"         # float32 | bfloat16 | float16
+    capture: bool = True           # capture hidden states during the old-log-prob forward
+
+    def check(self, p: str) -> None:
+        if self.max_mb < 1:
+            raise _bad(f"{p}.max_mb", self.max_mb, "use an int >= 1 (MiB)")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise _bad(f"{p}.dtype", self.dtype, "use float32, bfloat16 or float16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CoordinatorSection:
+    enable: bool = True
+    heartbeat_s: float = 0.5
+    liveness: int = 6              # missed heartbeats before a peer is lost
+    done_timeout_s: float = 10.0   # rollout end: wait this long for trainers to stop
+
+    def check(self, p: str) -> None:
+        if not 0.01 <= self.heartbeat_s <= 60:
+            raise _bad(f"{p}.heartbeat_s", self.heartbeat_s, "use 0.01..60 seconds")
+        if self.liveness < 2:
+            raise _bad(f"{p}.liveness", self.liveness, "use an int >= 2")
+        if not self.done_timeout_s > 0:
+            raise _bad(f"{p}.done_timeout_s", self.done_timeout_s, "use seconds > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineSection:
+    max_batch: int = 64            # requests one replica decodes together
+    batch_window_ms: float = 20.0  # wait this long for more requests before starting a batch
+    threads: int = 0               # torch threads per replica process; 0 = torch's default
+
+    def check(self, p: str) -> None:
+        if self.max_batch < 1:
+            raise _bad(f"{p}.max_batch", self.max_batch, "use an int >= 1")
+        if not 0 <= self.batch_window_ms <= 10_000:
+            raise _bad(f"{p}.batch_window_ms", self.batch_window_ms, "use 0..10000 ms")
+        if self.threads < 0:
+            raise _bad(f"{p}.threads", self.threads, "use an int >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TLTConfig:
+    enable: bool = True            # false: none of TLT's hooks run (plain sync trainer)
+    drafter: DrafterSection = DrafterSection()
+    speculation: SpeculationSection = SpeculationSection()
+    spot: SpotSection = SpotSection()
+    buffer: BufferSection = BufferSection()
+    coordinator: CoordinatorSection = CoordinatorSection()
+    engine: EngineSection = EngineSection()
+    record_path: str | None = None  # JSON lines, one per RL step; default <default_local_dir>/tlt_steps.jsonl
+    replay_poll_s: float = 0.05    # verl's replay buffer polls every 2.0 s (hard-coded): lowered
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section):
+                section.check(f"tlt.{f.name}")
+        if not 0.001 <= self.replay_poll_s <= 10:
+            raise _bad("tlt.replay_poll_s", self.replay_poll_s, "use 0.001..10 seconds")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None) -> TLTConfig:
+        """Build from the YAML ``tlt`` mapping (plain dict or OmegaConf container)."""
+        return _build(cls, {} if data is None else data, "tlt")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise _bad(prefix, data, "use a mapping of keys")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ValueError(f"tlt config: {prefix}.{key} is not a TLT key; {prefix} has "
+                             f"{', '.join(sorted(fields))}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}.{key}")
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value if value is not None else {}, key)
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _bad(key, value, "use true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _bad(key, value, "use an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _bad(key, value, "use a number")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise _bad(key, value, "use a string")
+    raise AssertionError(f"unhandled config type {tp} for {key}")  # internal: a field type above
+
+
+def from_verl(config: Any) -> TLTConfig:
+    """The ``tlt`` section of a verl DictConfig (absent -> TLT disabled)."""
+    from omegaconf import OmegaConf
+
+    section = OmegaConf.select(config, "tlt", default=None)
+    if section is None:
+        return TLTConfig(enable=False)
+    data = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
+    return TLTConfig.from_mapping(data)

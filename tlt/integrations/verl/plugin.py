@@ -1,0 +1,38 @@
+"""The ``verl.plugins`` entry point: registers TLT with verl in every process that imports verl.
+
+Owns registration, in this order: the CPU platform and its shims (only when
+``VERL_PLATFORM=cpu``), the ``tlt`` rollout backend (replica + worker-side adapter) and the
+``tlt`` trainer mode. verl only DEBUG-logs a plugin that fails to load, so a failure here prints
+its traceback to stderr and is remembered: the ``tlt`` trainer refuses to start with it.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+_failure: str | None = None
+
+
+def register() -> None:
+    from verl.workers.rollout import base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from tlt.integrations.verl import cpu_platform, replica, trainer
+
+    cpu_platform.install()
+    RolloutReplicaRegistry.register("tlt", replica.load_replica)
+    base._ROLLOUT_REGISTRY[("tlt", "async")] = "tlt.integrations.verl.replica.TLTRolloutAdapter"
+    trainer.trainer_class()
+
+
+def raise_if_failed() -> None:
+    if _failure is not None:
+        raise RuntimeError(f"TLT's verl plugin failed to register; the tlt trainer cannot run:\n{_failure}")
+
+
+try:
+    register()
+except Exception:  # noqa: BLE001 - reported loudly, then refused by the trainer
+    _failure = traceback.format_exc()
+    print(f"tlt: registering the verl plugin failed:\n{_failure}", file=sys.stderr, flush=True)

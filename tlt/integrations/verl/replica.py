@@ -1,0 +1,121 @@
+"""verl rollout backend ``tlt``: the replica (driver side) and the weight adapter (worker side).
+
+Owns the two classes verl's registries resolve for ``actor_rollout_ref.rollout.name=tlt``:
+
+- :class:`TLTReplica` (``RolloutReplicaRegistry``): launches one :class:`TLTServer` Ray actor per
+  replica on the node of its workers, hands it the TLT config and the coordinator's address
+  (published by the trainer in :mod:`tlt.integrations.verl.runtime`), and exposes it as verl's
+  token-in/token-out server handle.
+- :class:`TLTRolloutAdapter` (``_ROLLOUT_REGISTRY[("tlt", "async")]``): lives in each actor
+  worker; ``update_weights`` receives the actor's full weights after every update. Every rank
+  drains the generator (it may run collectives); the replica's first rank sends the tensors to
+  its server. Policy weights only: the server copies them into the target, never the drafter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from tlt.integrations.verl import runtime
+from tlt.integrations.verl.server import TLTServer, server_name
+
+log = logging.getLogger(__name__)
+
+
+def _replica_class():
+    from verl.workers.rollout.base import BaseRollout
+    from verl.workers.rollout.replica import RolloutReplica
+
+    class TLTReplica(RolloutReplica):
+        def rollout_worker_use_gpu(self) -> bool:
+            return False
+
+        async def launch_servers(self):
+            rt = runtime.current()
+            node_id = await self.workers[0].__ray_call__.remote(
+                lambda self: ray.get_runtime_context().get_node_id()) if self.workers else None
+            opts = {"name": server_name(self.replica_rank), "max_concurrency": self.max_concurrency,
+                    "num_cpus": 0}
+            if node_id is not None:
+                opts["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                    node_id=node_id, soft=False)
+            env = {k: v for k, v in os.environ.items() if k.startswith(("VERL_", "TLT_"))}
+            opts["runtime_env"] = {"env_vars": env}
+            server = ray.remote(TLTServer).options(**opts).remote(
+                model_path=_model_path(self.model_config), replica_rank=self.replica_rank,
+                tlt=rt.tlt.to_dict(), prompt_length=self.config.prompt_length,
+                response_length=self.config.response_length, coordinator=rt.coordinator_address,
+                node_ip=rt.node_ip, spot_root=rt.spot_root, spot_base_port=rt.spot_base_port, seed=rt.seed)
+            await server.pid.remote()  # constructed: model loaded, agent connected
+            self.servers = [server]
+            self._server_handle = server
+            self._server_address = f"tlt://replica-{self.replica_rank}"
+
+    class TLTRolloutAdapter(BaseRollout):
+        def __init__(self, config, model_config, device_mesh, *args, **kwargs):
+            super().__init__(config, model_config, device_mesh)
+            world = (self.config.tensor_model_parallel_size * self.config.data_parallel_size
+                     * self.config.pipeline_model_parallel_size)
+            rank = int(os.environ.get("RANK", "0"))
+            self.replica_rank, self.is_leader = rank // world, rank % world == 0
+            self._server = None
+            self.sleep_level = 2
+
+        def server(self):
+            if self._server is None:
+                self._server = ray.get_actor(server_name(self.replica_rank))
+            return self._server
+
+        async def resume(self, tags: list[str]):
+            return None
+
+        async def release(self):
+            return None
+
+        async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs):
+            if wire_format != "named_tensors":
+                raise ValueError(f"the tlt rollout takes full named tensors, not wire_format={wire_format!r}: "
+                                 "keep actor_rollout_ref.rollout.checkpoint_engine.backend=naive")
+            state = {}
+            for name, t in weights:  # every rank drains: the generator may all-gather shards
+                if self.is_leader:
+                    state[name] = t.detach().to("cpu", copy=True) if t.device.type != "cpu" else t.detach().clone()
+            if self.is_leader:
+                n = await self.server().update_weights.remote(state)
+                log.debug("replica %d: %d policy tensors updated", self.replica_rank, n)
+
+    return TLTReplica, TLTRolloutAdapter
+
+
+def _model_path(mc) -> str:
+    path = getattr(mc, "local_path", None) or mc.get("path")
+    if not path or not os.path.isdir(path):
+        raise ValueError(f"actor_rollout_ref.model.path={path!r}: the tlt rollout loads a local HF model "
+                         "directory (config.json + safetensors)")
+    return path
+
+
+_CLASSES = None
+
+
+def classes():
+    global _CLASSES
+    if _CLASSES is None:
+        _CLASSES = _replica_class()
+    return _CLASSES
+
+
+def load_replica():
+    return classes()[0]
+
+
+def __getattr__(name: str):  # verl resolves the adapter by import path (module attribute)
+    if name == "TLTRolloutAdapter":
+        return classes()[1]
+    if name == "TLTReplica":
+        return classes()[0]
+    raise AttributeError(name)
+

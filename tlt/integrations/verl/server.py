@@ -1,0 +1,345 @@
+"""One rollout replica of the project's engine behind verl's token-in/token-out server interface.
+
+Owns everything TLT runs per replica, in the replica's own Ray actor process:
+
+- the engine (target model, static KV cache, proposer, BEG-MAB tuner) and the batcher that turns
+  verl's concurrent per-request ``generate`` calls into engine batches (requests that arrive
+  within ``engine.batch_window_ms`` of each other decode together; later ones form the next batch);
+- the proposer choice: the EAGLE drafter once one was loaded (warm-up or spot-trained), before
+  that the n-gram drafter over the GRPO siblings in the batch; swapped only between batches;
+- policy weight updates (target tensors copied in place: the drafter's shared embedding / LM head
+  follow, its own weights are untouched) and drafter updates (``load_drafter``, versioned);
+- the DataBuffer of target hidden states for the sequences this replica's worker computed, and the
+  spot agent: in-flight count 0 -> IDLE to the coordinator, PROMOTE -> FSDP2 spot training on this
+  process, a new request or rollout end -> stop (checkpointed);
+- per-step statistics for the trainer's metrics.
+
+Why here and not in the actor worker: this is the process that idles when its requests drain, it
+serves the drafter it trains (no copy for its own updates), and it has no default process group of
+its own (the worker's belongs to the FSDP actor), so a spot-training group can be formed freely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from drafter.buffer import BufferConfig, DataBuffer
+from drafter.checkpoint import TrainState, latest, load
+from drafter.eagle import Drafter, DrafterConfig
+from drafter.packing import FeatureSample
+from drafter.spot import SpotConfig, SpotTrainer
+from drafter.ttt import TTTConfig
+from rollout.eagle_proposer import EagleProposer
+from rollout.engine import EngineConfig, RolloutEngine
+from rollout.generate import SamplingParams
+from rollout.ngram import NgramProposer
+from rollout.target import TargetModel
+from rollout.tuner import BegMab, TunerConfig
+from tlt.integrations.verl.config import TLTConfig
+
+log = logging.getLogger(__name__)
+PORT_SPAN = 256
+
+
+@dataclasses.dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+
+
+def server_name(replica_rank: int) -> str:
+    return f"tlt_server_{replica_rank}"
+
+
+def load_spot_drafter(root: str | Path, cfg: DrafterConfig, embed: torch.Tensor,
+                      head: torch.Tensor) -> tuple[Drafter, int] | None:
+    """The latest committed spot checkpoint as a serving drafter (no process group needed)."""
+    step = latest(root)
+    if step is None:
+        return None
+    d = Drafter(cfg, embed, head)
+    opt = torch.optim.AdamW(list(d.parameters()))
+    state = TrainState(d, opt, frozen=(embed, head), progress={"world_size": 1, "samples": 0})
+    load(root, {"train": state}, step=step)
+    return d.eval(), step
+
+
+class TLTServer:
+    """The Ray actor of one replica (``ray.remote`` is applied by the replica class)."""
+
+    def __init__(self, *, model_path: str, replica_rank: int, tlt: dict, prompt_length: int,
+                 response_length: int, coordinator: str | None, node_ip: str, spot_root: str,
+                 spot_base_port: int = 0, seed: int = 0) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        self.cfg = TLTConfig.from_mapping(tlt)
+        self.rank, self.spot_root, self.seed = replica_rank, spot_root, seed
+        self.spot_base_port = spot_base_port
+        if self.cfg.engine.threads:
+            torch.set_num_threads(self.cfg.engine.threads)
+        self.model = TargetModel.from_pretrained(model_path)
+        self.max_len = prompt_length + response_length + 1
+        self.response_length = response_length
+        spec = self.cfg.speculation
+        self.engine_cfg = EngineConfig(max_batch=self.cfg.engine.max_batch, max_len=self.max_len,
+                                       max_draft_tokens=spec.max_draft_tokens,
+                                       elastic_threshold=spec.elastic_threshold, arm=spec.parsed_arm(),
+                                       seed=seed * 7919 + replica_rank)
+        self.tuner = None if spec.arm is not None else BegMab(TunerConfig.for_device("cpu", seed=seed))
+        self.drafter_cfg = DrafterConfig.for_target(self.model.config, self.cfg.drafter.method)
+        self.drafter: Drafter | None = None
+        self.drafter_version = 0
+        if self.cfg.drafter.init_path:
+            self.drafter = Drafter.load(self.cfg.drafter.init_path, self.model.embed_weight,
+                                        self.model.lm_head.weight).eval()
+            self.drafter_cfg = self.drafter.config
+        self.buffer = DataBuffer(BufferConfig(dtype=self.cfg.buffer.dtype, max_bytes=self.cfg.buffer.max_mb << 20))
+        self.engine = self._build_engine()
+        self.pending: collections.deque[_Request] = collections.deque()
+        self.inflight = 0
+        self.step = 0
+        self._wake: asyncio.Event | None = None
+        self._lock = threading.Lock()  # held while the engine runs a batch (weights swap between)
+        self._stats = self._empty_stats()
+        self._stats_lock = threading.Lock()
+        train = self.cfg.enable and self.cfg.drafter.train and coordinator and spot_base_port
+        self.agent = self._start_agent(coordinator, node_ip) if train else None
+
+    # ------------------------------------------------------------------ engine assembly
+    def _build_engine(self) -> RolloutEngine:
+        spec = self.cfg.speculation
+        proposer = None
+        on = spec.enable and self.cfg.enable
+        if on and self.drafter is not None:
+            proposer = EagleProposer(self.drafter, max_batch=self.cfg.engine.max_batch,
+                                     max_len=self.max_len + spec.max_draft_tokens + 8)
+        elif on and spec.ngram:
+            proposer = NgramProposer()
+        return RolloutEngine(self.model, self.engine_cfg, proposer=proposer,
+                             tuner=self.tuner if proposer is not None else None)
+
+    @property
+    def proposer_name(self) -> str:
+        p = self.engine.proposer
+        return "none" if p is None else ("eagle" if isinstance(p, EagleProposer) else "ngram")
+
+    def _start_agent(self, coordinator: str, node_ip: str):
+        from coordinator import WorkerConfig
+        from tlt.spot_agent import SpotAgent
+
+        cc = self.cfg.coordinator
+        spot = SpotConfig(lr=self.cfg.spot.lr, token_budget=self.cfg.spot.token_budget,
+                          interval=self.cfg.spot.interval, local_data=True,
+                          ttt=TTTConfig(steps=self.cfg.spot.ttt_steps), seed=self.seed)
+        embed, head = self.model.embed_weight, self.model.lm_head.weight
+        init_from = self.cfg.drafter.init_path
+
+        def make_trainer(s):
+            return SpotTrainer(spec=s, config=spot, drafter_config=self.drafter_cfg, embed_weight=embed,
+                               head_weight=head, checkpoint_root=self.spot_root, init_from=init_from)
+
+        def batches(f):
+            calls = iter(range(1 << 30))
+            return lambda budget: self.buffer.sample_batch(budget, seed=f.epoch * 1_000_003 + next(calls))
+
+        def on_record(rec) -> None:
+            r = rec.result
+            with self._stats_lock:
+                self._stats["sessions"] += 1
+                if r is not None:
+                    self._stats["train_steps"] += r.end_step - r.start_step
+                    self._stats["losses"] += list(r.losses)
+                    if r.preempt_latency_s is not None:
+                        self._stats["preempt_s"].append(r.preempt_latency_s)
+                else:
+                    self._stats["failed_sessions"] += 1
+
+        worker = WorkerConfig(address=coordinator, worker_id=f"replica-{self.rank}",
+                              trainer_address=f"tcp://{node_ip}:{self.spot_base_port + PORT_SPAN * self.rank}",
+                              heartbeat_interval_s=cc.heartbeat_s, liveness=cc.liveness,
+                              reconnect_initial_s=cc.heartbeat_s, reconnect_max_s=8 * cc.heartbeat_s)
+        agent = SpotAgent(worker, make_trainer=make_trainer, batches=batches, on_record=on_record)
+        return agent.start(0)
+
+    def _empty_stats(self) -> dict[str, Any]:
+        return {"committed": 0, "verifies": 0, "accepted": 0, "drafted": 0, "sd_tokens": 0, "tokens": 0,
+                "arms": collections.Counter(), "busy_s": 0.0, "idle_at": None, "idle_s": 0.0,
+                "sessions": 0, "failed_sessions": 0, "train_steps": 0, "losses": [], "preempt_s": [],
+                "batches": 0, "requests": 0, "gen_s": 0.0}
+
+    # ------------------------------------------------------------------ verl server interface
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       image_data=None, video_data=None, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        if image_data or video_data:
+            raise ValueError("the tlt rollout serves text-only models (image/video data given)")
+        params = self._params(prompt_ids, dict(sampling_params))
+        fut = asyncio.get_running_loop().create_future()
+        self._ensure_loop()
+        self.pending.append(_Request(list(prompt_ids), params, fut))
+        self.inflight += 1
+        self._wake.set()
+        tokens, lps, reason = await fut
+        return TokenOutput(token_ids=tokens, log_probs=lps if sampling_params.get("logprobs") else None,
+                           stop_reason=reason, extra_fields={"global_steps": self.step})
+
+    def _params(self, prompt: list[int], sp: dict[str, Any]) -> SamplingParams:
+        max_new = sp.pop("max_new_tokens", None) or sp.pop("max_tokens", None) or self.response_length
+        max_new = max(1, min(int(max_new), self.max_len - 1 - len(prompt)))
+        if sp.get("repetition_penalty", 1.0) not in (1, 1.0, None):
+            raise ValueError("the tlt rollout does not implement repetition_penalty != 1 (lossless "
+                             "speculation verifies against the unmodified target distribution)")
+        top_k = int(sp.get("top_k") or 0)
+        stops = tuple(self.model.config.eos_ids or ()) + tuple(sp.get("stop_token_ids") or ())
+        return SamplingParams(temperature=float(sp.get("temperature", 1.0) or 0.0),
+                              top_p=float(sp.get("top_p", 1.0) or 1.0), top_k=max(0, top_k),
+                              max_new_tokens=max_new, stop_ids=stops)
+
+    def _ensure_loop(self) -> None:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+            asyncio.get_running_loop().create_task(self._batcher())
+
+    async def _batcher(self) -> None:
+        window = self.cfg.engine.batch_window_ms / 1000
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self.pending:
+                continue
+            while True:  # wait until requests stop arriving for one window
+                n = len(self.pending)
+                await asyncio.sleep(window)
+                if len(self.pending) == n or n >= self.cfg.engine.max_batch:
+                    break
+            batch = [self.pending.popleft() for _ in range(min(len(self.pending), self.cfg.engine.max_batch))]
+            try:
+                results = await asyncio.to_thread(self._run_batch, batch)
+                for req, res in zip(batch, results):
+                    req.future.set_result(res)
+            except Exception as e:  # every waiter learns the error; the server keeps serving
+                log.exception("replica %d: batch of %d failed", self.rank, len(batch))
+                for req in batch:
+                    if not req.future.done():
+                        req.future.set_exception(e)
+            finally:
+                self.inflight -= len(batch)
+            if self.pending:
+                self._wake.set()
+            elif self.inflight == 0:
+                self._went_idle()
+
+    def _run_batch(self, batch: list[_Request]):
+        if self.agent is not None:
+            self.agent.busy(self.step)  # stops a training session (checkpointed) before decoding
+        with self._lock:
+            st = self._stats
+            if st["idle_at"] is not None:
+                st["idle_s"] += time.monotonic() - st["idle_at"]
+                st["idle_at"] = None
+            prompts = [r.prompt for r in batch]
+            ids: dict[tuple[int, ...], int] = {}
+            groups = [ids.setdefault(tuple(p), len(ids)) for p in prompts]
+            t0 = time.monotonic()
+            res = self.engine.generate(prompts, [r.params for r in batch], groups)
+            st["gen_s"] += time.monotonic() - t0
+            st["batches"] += 1
+            st["requests"] += len(batch)
+            st["tokens"] += res.tokens
+            for s in res.steps:
+                if s.sd:
+                    st["verifies"] += s.batch
+                    st["committed"] += s.committed
+                    st["accepted"] += s.accepted
+                    st["sd_tokens"] += s.committed
+                    st["arms"][s.arm] += 1
+            out = []
+            for r, toks, lps in zip(batch, res.outputs, res.logprobs):
+                stopped = bool(toks) and toks[-1] in r.params.stop_ids
+                out.append((toks, lps, "completed" if stopped else "length"))
+            return out
+
+    def _went_idle(self) -> None:
+        self._stats["idle_at"] = time.monotonic()
+        if self.agent is not None:
+            self.agent.idle(self.step)
+
+    # ------------------------------------------------------------------ control (driver / workers)
+    def begin_step(self, step: int) -> None:
+        """RL step ``step``'s rollout is about to start: stats restart; training (if any) stops."""
+        if self.agent is not None and self.agent.training:
+            self.agent.busy(step)
+        self.step = step
+        with self._lock:
+            self._stats = self._empty_stats()
+
+    def step_stats(self) -> dict[str, Any]:
+        st = dict(self._stats)
+        if st["idle_at"] is not None:
+            st["idle_s"] += time.monotonic() - st["idle_at"]
+        st["arms"] = dict(st["arms"])
+        st.update(drafter_version=self.drafter_version, proposer=self.proposer_name,
+                  buffer=self.buffer.stats(), replica=self.rank)
+        return st
+
+    def update_weights(self, state: dict[str, torch.Tensor]) -> int:
+        """Policy weights (HF names) copied into the target in place; the drafter is untouched."""
+        with self._lock, torch.no_grad():
+            own = self.model.state_dict()
+            n = 0
+            for name, t in state.items():
+                if name not in own:
+                    if name.endswith("rotary_emb.inv_freq") or (
+                            name == "lm_head.weight" and self.model.config.tie_word_embeddings):
+                        continue
+                    raise ValueError(f"policy weight {name!r} is not a tensor of the rollout target")
+                own[name].copy_(t.to(own[name].dtype))
+                n += 1
+        return n
+
+    def load_drafter(self, version: int) -> int:
+        """Serve the latest spot-trained drafter (draft weights only); returns the version served."""
+        got = load_spot_drafter(self.spot_root, self.drafter_cfg, self.model.embed_weight,
+                                self.model.lm_head.weight)
+        if got is None:
+            return self.drafter_version
+        with self._lock:  # never in the middle of a batch (hence of a verify)
+            self.drafter, _ = got
+            self.drafter_version = version
+            self.engine = self._build_engine()
+        log.info("replica %d: drafter version %d (%s)", self.rank, version, self.proposer_name)
+        return version
+
+    def add_samples(self, step: int, samples: list[tuple]) -> int:
+        for ids, mask, hidden, aux in samples:
+            self.buffer.add(FeatureSample(ids, mask, hidden, aux), step)
+        return len(self.buffer)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # verl's control plane: sleeping frees nothing on CPU; requests are never aborted mid-batch.
+    async def wake_up(self): return None
+    async def sleep(self): return None
+    async def abort_all_requests(self, reject_request: bool = False): return None
+    async def resume_generation(self): return None
+    async def clear_kv_cache(self): return None
+    async def release_kv_cache(self): return None
+    async def resume_kv_cache(self): return None
+    async def start_profile(self, **kwargs): return None
+    async def stop_profile(self): return None
+
+    def shutdown(self) -> None:
+        if self.agent is not None:
+            self.agent.close()

@@ -1,0 +1,267 @@
+"""Trainer mode ``tlt``: verl's sync GRPO trainer with TLT's hooks around the rollout.
+
+Owns :class:`TLTTrainer` (``trainer.v1.trainer_mode=tlt``), derived from verl's sync trainer and
+pinned to its semantics. With ``tlt.enable=false`` none of the hooks below run. Per RL step:
+
+- ``prepare_step`` (rollout begins): the coordinator learns the step; replicas reset their stats;
+- replicas report IDLE when their requests drain, the coordinator promotes them, they spot-train
+  the drafter (:mod:`tlt.integrations.verl.server`);
+- ``on_sample_end`` (rollout ends): ``rollout_done`` preempts training (bounded wait), replica
+  stats are collected; then verl sleeps the replicas;
+- ``_compute_old_log_prob``: the actor workers capture hidden states into the replicas' buffers;
+- ``on_step_end``: verl pushes the policy (target only), then a newer drafter goes to every
+  replica (draft only, versioned); TLT metrics join verl's (``_pending_sync_metrics``);
+- ``_compute_metrics``: one JSON line per step (``tlt report`` plots them).
+
+The coordinator runs as a child process of the trainer (a crash of either is survivable by the
+other): its address, the rendezvous ports and the checkpoint directory reach the replicas through
+:mod:`tlt.integrations.verl.runtime`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+from tlt.integrations.verl import runtime
+from tlt.integrations.verl.config import TLTConfig, from_verl
+from tlt.integrations.verl.server import PORT_SPAN
+
+log = logging.getLogger(__name__)
+
+
+def check_verl_config(config, tlt: TLTConfig) -> None:
+    """verl settings TLT cannot work with, as one-line ValueErrors (before any worker starts)."""
+    if not tlt.enable:
+        return
+    ro = config.actor_rollout_ref.rollout
+    if ro.name != "tlt":
+        raise ValueError(f"actor_rollout_ref.rollout.name={ro.name!r}: TLT's verl mode serves rollouts with "
+                         "its own engine; set actor_rollout_ref.rollout.name=tlt")
+    backend = ro.checkpoint_engine.backend
+    if backend != "naive":
+        raise ValueError(f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend!r}: the tlt rollout "
+                         "takes the colocated (naive) weight sync; set it to naive")
+    sp = config.actor_rollout_ref.get("actor", {}).get("ulysses_sequence_parallel_size", 1) or 1
+    if int(sp) > 1:
+        raise ValueError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}: hidden-state "
+                         "capture needs whole sequences per rank; use 1")
+
+
+def _free_span(span: int) -> int:
+    from tlt.simloop import free_port
+
+    return free_port(span)
+
+
+def trainer_class():
+    from verl.trainer.ppo.v1 import register_trainer
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+    from verl.utils.debug import marked_timer
+
+    from tlt.integrations.verl import plugin
+    from tlt.integrations.verl.worker import worker_class
+
+    @register_trainer("tlt")
+    class TLTTrainer(PPOTrainerSync):
+        def __init__(self, config):
+            plugin.raise_if_failed()
+            self.tlt = from_verl(config)
+            check_verl_config(config, self.tlt)
+            super().__init__(config)
+            self._coord_proc = None
+            self._driver = None
+            self._records = []
+            self._drafter_pushed = 0
+            if not self.tlt.enable:
+                return
+            self.replay_buffer.poll_interval = self.tlt.replay_poll_s
+            self._setup_runtime(config)
+
+        # -------------------------------------------------------------- set-up
+        def _setup_runtime(self, config) -> None:
+            from coordinator import DriverClient
+
+            out = Path(config.trainer.default_local_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            spot_root = self.tlt.spot.checkpoint_dir or str(out / "tlt_spot")
+            self._record_path = Path(self.tlt.record_path or out / "tlt_steps.jsonl")
+            self._record_path.parent.mkdir(parents=True, exist_ok=True)
+            node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            address = None
+            n_replicas = max(1, config.trainer.n_gpus_per_node * config.trainer.nnodes)
+            train = self.tlt.drafter.train and self.tlt.coordinator.enable
+            if train:
+                from tlt.simloop import free_port
+
+                port = free_port()
+                address = f"tcp://{node_ip}:{port}"
+                cc = self.tlt.coordinator
+                log_file = open(out / "tlt_coordinator.log", "ab")
+                self._coord_proc = subprocess.Popen(
+                    [sys.executable, "-m", "coordinator", "--bind", address,
+                     "--heartbeat-ms", str(int(cc.heartbeat_s * 1000)), "--liveness", str(cc.liveness),
+                     "--idle-threshold", str(self.tlt.spot.min_idle),
+                     "--stop-timeout-s", str(cc.done_timeout_s)], stdout=log_file, stderr=log_file)
+                self._driver = DriverClient(address, timeout_s=cc.done_timeout_s)
+            base = (self.tlt.spot.base_port or _free_span(PORT_SPAN * n_replicas)) if train else 0
+            runtime.publish(runtime.Runtime(tlt=self.tlt, coordinator_address=address, node_ip=node_ip,
+                                            spot_root=spot_root, spot_base_port=base,
+                                            seed=int(config.actor_rollout_ref.rollout.get("seed", 0) or 0)))
+            log.info("tlt: coordinator %s, spot checkpoints %s, step records %s", address, spot_root,
+                     self._record_path)
+
+        def _build_replay_buffer(self):
+            self.trainer_mode = "sync"  # a custom mode name would get async semantics in verl
+            return super()._build_replay_buffer()
+
+        def _init_resource_pool_mgr(self):
+            super()._init_resource_pool_mgr()
+            if self.tlt.enable:
+                cls = ray.remote(worker_class())
+                for role in list(self.role_worker_mapping):
+                    self.role_worker_mapping[role] = cls
+
+        def _servers(self) -> list:
+            return [r.servers[0] for r in self.llm_server_manager.get_replicas()]
+
+        # -------------------------------------------------------------- hooks
+        def prepare_step(self):
+            if self.tlt.enable:
+                step = self.global_steps
+                if self._driver is not None and not self._driver.step_begin(step, timeout_s=2.0):
+                    log.warning("tlt: the coordinator did not answer step_begin(%d): rollout goes on "
+                                "without drafter adaptation", step)
+                ray.get([s.begin_step.remote(step) for s in self._servers()])
+                self._t_rollout = time.monotonic()
+            return super().prepare_step()
+
+        def on_sample_end(self):
+            if self.tlt.enable:
+                step = self.global_steps
+                self._rollout_s = time.monotonic() - self._t_rollout
+                with marked_timer("tlt_preempt", self.timing_raw):
+                    self._outcome = (self._driver.rollout_done(step) if self._driver is not None else None)
+                if self._outcome is not None and not self._outcome.reachable:
+                    log.warning("tlt: coordinator unreachable at the end of step %d's rollout: "
+                                "drafter training could not be stopped through it", step)
+                self._stats = ray.get([s.step_stats.remote() for s in self._servers()])
+            return super().on_sample_end()
+
+        def _compute_old_log_prob(self, batch, metrics):
+            if self.tlt.enable and self.tlt.buffer.capture:
+                with marked_timer("tlt_capture_arm", self.timing_raw):
+                    aux = None
+                    if self.tlt.drafter.method == "eagle3":
+                        from drafter.eagle import default_aux_layers
+
+                        aux = list(default_aux_layers(
+                            self.config.actor_rollout_ref.model.get("num_hidden_layers", 0) or
+                            _num_layers(self.config.actor_rollout_ref.model.path)))
+                    self.actor_rollout_wg.tlt_arm_capture(self.global_steps, aux)
+            return super()._compute_old_log_prob(batch, metrics)
+
+        def on_step_end(self):
+            super().on_step_end()  # policy push: target weights only
+            if not self.tlt.enable:
+                return
+            with marked_timer("tlt_drafter_push", self.timing_raw):
+                self._push_drafter()
+            self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}),
+                                          **self._metrics()}
+
+        def _push_drafter(self) -> None:
+            from drafter.checkpoint import latest
+
+            rt = runtime.current()
+            step = latest(rt.spot_root) if rt.spot_root and Path(rt.spot_root).exists() else None
+            if step is None or step == self._drafter_pushed:
+                return
+            version = self._drafter_version = getattr(self, "_drafter_version", 0) + 1
+            ray.get([s.load_drafter.remote(version) for s in self._servers()])
+            self._drafter_pushed = step
+            log.info("tlt: drafter version %d (spot step %d) pushed to %d replicas", version, step,
+                     len(self._servers()))
+
+        def _metrics(self) -> dict:
+            st = self._stats
+            verifies = sum(s["verifies"] for s in st)
+            committed = sum(s["committed"] for s in st)
+            accepted = sum(s["accepted"] for s in st)
+            tokens = sum(s["tokens"] for s in st)
+            losses = [x for s in st for x in s["losses"]]
+            arms: dict[str, int] = {}
+            for s in st:
+                for a, n in s["arms"].items():
+                    arms[a] = arms.get(a, 0) + n
+            n_arms = sum(arms.values()) or 1
+            m = {
+                "rollout/spec_accept_length": committed / verifies if verifies else 0.0,
+                "rollout/spec_accept_rate": accepted / max(1, committed - verifies + accepted) if verifies
+                else 0.0,
+                "tlt/drafter_version": float(getattr(self, "_drafter_version", 0)),
+                "tlt/drafter_loss": statistics.fmean(losses) if losses else float("nan"),
+                "tlt/spot_train_steps": float(sum(s["train_steps"] for s in st)),
+                "tlt/idle_replica_s": float(sum(s["idle_s"] for s in st)),
+                "tlt/sd_token_share": sum(s["sd_tokens"] for s in st) / tokens if tokens else 0.0,
+                "tlt/buffer_samples": float(sum(s["buffer"]["samples"] for s in st)),
+                "tlt/rollout_s": self._rollout_s,
+                "tlt/sessions": float(sum(s["sessions"] for s in st)),
+            }
+            m.update({f"tlt/arm_share/{a}": n / n_arms for a, n in arms.items()})
+            o = self._outcome
+            self._step_extra = {"stopped": list(o.stopped) if o else [], "coordinator_reachable":
+                                bool(o.reachable) if o else False,
+                                "preempt_s": [x for s in st for x in s["preempt_s"]],
+                                "proposers": [s["proposer"] for s in st],
+                                "replica_idle_s": [s["idle_s"] for s in st],
+                                "replica_gen_s": [s["gen_s"] for s in st]}
+            return m
+
+        def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+            out = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+            if self.tlt.enable:
+                rec = {"step": global_steps, **{k: v for k, v in metrics.items()
+                                                if k.startswith(("tlt/", "rollout/spec", "timing_s/",
+                                                                 "critic/score", "critic/rewards",
+                                                                 "response_length/"))},
+                       **getattr(self, "_step_extra", {})}
+                with open(self._record_path, "a") as f:
+                    f.write(json.dumps(rec, default=float) + "\n")
+            return out
+
+        def fit(self, agent_loop_manager):
+            try:
+                return super().fit(agent_loop_manager)
+            finally:
+                self._shutdown()
+
+        def _shutdown(self) -> None:
+            if not self.tlt.enable:
+                return
+            try:
+                ray.get([s.shutdown.remote() for s in self._servers()], timeout=30)
+            except Exception:
+                log.exception("tlt: replica shutdown")
+            if self._driver is not None:
+                self._driver.close()
+            if self._coord_proc is not None:
+                self._coord_proc.terminate()
+                try:
+                    self._coord_proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self._coord_proc.kill()
+
+    return TLTTrainer
+
+
+def _num_layers(path: str) -> int:
+    return int(json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"])
+

@@ -1,0 +1,81 @@
+"""Actor worker subclass: captures target hidden states during the old-log-prob forward only.
+
+Owns :class:`TLTActorRolloutRefWorker` (swapped in for verl's ``ActorRolloutRefWorker`` by the
+TLT trainer). ``tlt_arm_capture(step, aux_layers)`` arms the actor's next ``infer_batch`` (the
+trainer calls it right before the old-log-prob stage, never before the reference model or
+validation); that forward runs with hooks on the actor's HF model and a wrapper that remembers
+each micro-batch, and every sequence this rank computed goes as a drafter sample to the
+DataBuffer of this rank's rollout replica. verl's own methods are not overridden.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import ray
+
+from tlt.integrations.verl.capture import HiddenCapture, micro_batch_samples
+from tlt.integrations.verl.server import server_name
+
+log = logging.getLogger(__name__)
+
+
+def worker_class():
+    from verl.single_controller.base.decorator import Dispatch, register
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def tlt_arm_capture(self, step: int, aux_layers: list[int] | None = None) -> bool:
+            """The next actor ``infer_batch`` (the old-log-prob forward) captures hidden states."""
+            actor = self.actor
+            original = type(actor).infer_batch.__get__(actor)
+
+            def infer_batch(data):
+                del actor.infer_batch  # one call only: the instance attribute shadows the method
+                return self._tlt_capture(original, data, int(step), tuple(aux_layers or ()))
+
+            actor.infer_batch = infer_batch
+            return True
+
+        def _tlt_capture(self, infer, data, step: int, aux_layers: tuple[int, ...]):
+            engine = self.actor.engine
+            cap = HiddenCapture(engine.module, aux_layers)
+            batches = []
+            prepare = engine.prepare_model_inputs
+
+            def remember(micro_batch):
+                batches.append(micro_batch)
+                return prepare(micro_batch)
+
+            engine.prepare_model_inputs = remember
+            try:
+                with cap.active():
+                    out = infer(data)
+            finally:
+                del engine.prepare_model_inputs
+            t0 = time.monotonic()
+            packed = bool(self.config.model.get("use_remove_padding", False))
+            samples = []
+            for k, mb in enumerate(batches):
+                hidden, aux = cap.features(k)
+                samples += micro_batch_samples(mb, hidden, aux, packed)
+            self._tlt_ship(step, samples)
+            log.info("tlt: rank %s captured %d sequences for step %d (%.2fs)", os.environ.get("RANK"),
+                     len(samples), step, time.monotonic() - t0)
+            return out
+
+        def _tlt_ship(self, step: int, samples) -> None:
+            rc = self.config.rollout
+            world = rc.tensor_model_parallel_size * rc.data_parallel_size * rc.pipeline_model_parallel_size
+            replica = int(os.environ.get("RANK", "0")) // world
+            try:
+                server = ray.get_actor(server_name(replica))
+                ray.get(server.add_samples.remote(step, samples))
+            except Exception:  # adaptation is an optimisation: the RL step goes on without it
+                log.exception("tlt: could not hand %d samples to replica %d", len(samples), replica)
+
+    return TLTActorRolloutRefWorker
+
