@@ -72,8 +72,8 @@ class SpotSection:
     ttt_steps: int = 3             # training-time-test unroll steps
 
     def check(self, p: str) -> None:
-        if not 0 < self.lr < 1:
-            raise _bad(f"{p}.lr", self.lr, "use a float in (0, 1)")
+        if not 0 < self.lr <= 1:
+            raise _bad(f"{p}.lr", self.lr, "use a float in (0, 1]")
         for name in ("token_budget", "interval", "min_idle", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise _bad(f"{p}.{name}", getattr(self, name), "use an int >= 1")
