@@ -86,16 +86,18 @@ def _cmd_rollout(a: argparse.Namespace) -> None:
 
 
 def _cmd_report(a: argparse.Namespace) -> None:
-    from tlt.rollout_job import plot_record
+    from tlt.rollout_job import plot_record, plot_steps
 
     record = Path(a.record)
     if not record.is_file():
         raise ValueError(f"record {record} does not exist")
     try:
-        data = json.loads(record.read_text())
+        if record.suffix == ".jsonl":  # a verl run's per-step records (tlt_steps.jsonl)
+            plot_steps([json.loads(x) for x in record.read_text().splitlines() if x.strip()], Path(a.out))
+        else:
+            plot_record(json.loads(record.read_text()), Path(a.out))
     except json.JSONDecodeError as err:
         raise ValueError(f"{record} is not JSON: {err.msg}") from None
-    plot_record(data, Path(a.out))
     print(f"wrote {a.out}")
 
 
@@ -118,7 +120,11 @@ def _cmd_bench(a: argparse.Namespace) -> None:
 def _cmd_demo(a: argparse.Namespace) -> None:
     from tlt.demo import run_demo, summary_lines
 
-    print("\n".join(summary_lines(run_demo(Path(a.workdir), quick=a.quick, progress=not a.quiet))))
+    if not set(a.arms) <= set("ABC") or not a.arms:
+        raise ValueError(f"--arms {a.arms!r}: use letters from ABC (A no speculation, B stale drafter, C full TLT)")
+    out = Path(a.out)
+    print("\n".join(summary_lines(run_demo(out, quick=a.quick, progress=not a.quiet, arms=a.arms))))
+    print(f"wrote {out / 'summary.json'} and {out / 'demo.png'}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=_cmd_rollout)
 
-    s = sub.add_parser("report", help="plot a rollout record as a PNG")
+    s = sub.add_parser("report", help="plot a rollout record (JSON) or a verl run's step records (tlt_steps.jsonl)")
     s.add_argument("record")
     s.add_argument("--out", default="rollout.png")
     s.set_defaults(fn=_cmd_report)
@@ -219,13 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=_cmd_bench)
 
-    s = sub.add_parser("demo", help="end to end on CPU: make target, warm up, export, speculative rollout",
-                       description="Build and train the tiny target, roll it out on its own "
-                       "arithmetic prompts, warm up an EAGLE drafter on those rollouts, export it "
-                       "for SGLang and vLLM, run a GRPO-style rollout plain and speculative (greedy: "
-                       "outputs must be identical), and print what happened. No network, no GPU.")
-    s.add_argument("--workdir", default="runs/demo")
-    s.add_argument("--quick", action="store_true", help="tiny sizes, for tests (~1 min)")
+    s = sub.add_parser("demo", help="the main job: real verl GRPO on CPU, with and without TLT",
+                       description="Build and train the tiny target, warm up an EAGLE drafter on its "
+                       "rollouts, export it for SGLang, then run verl 0.9.1's GRPO loop (2 rollout "
+                       "replicas, FSDP2 on gloo) three times on the same seeds: A) no speculation, "
+                       "B) TLT with the warm-up drafter frozen, C) full TLT with spot training. Writes "
+                       "OUT/summary.json and OUT/demo.png; each arm's verl log is in OUT/arm-X/verl.log. "
+                       "No network, no GPU; about 15 minutes on 2 cores (--quick: a few minutes).")
+    s.add_argument("--out", "--workdir", dest="out", default="runs/demo", help="output directory (replaced)")
+    s.add_argument("--quick", action="store_true", help="tiny sizes and 2 RL steps per arm, for tests")
+    s.add_argument("--arms", default="ABC", help="which arms to run (default ABC)")
     s.set_defaults(fn=_cmd_demo)
     return p
 

@@ -2,8 +2,10 @@
 
 Owns the verl-format prompt files (parquet: ``data_source``, chat ``prompt``, ``reward_model`` with
 the ground truth) built from :mod:`tlt.corpus`, and the rule-based reward verl calls
-(``reward.custom_reward_function.path=<this file>``, ``name=compute_score``): 1 for the right
-``\\boxed{N}`` answer, 0.1 for a well-formed wrong one, 0 otherwise. Nothing here imports verl.
+(``reward.custom_reward_function.path=<this file>``, ``name=compute_score``): 0 without a
+``\\boxed{N}`` answer; otherwise 0.2 + 0.5 x (share of step lines ``a op b = c`` whose arithmetic
+is right) + 0.3 if the answer is right. The dense part lets a tiny policy measurably learn within a
+few GRPO steps (its final answers are almost never right at first). Nothing here imports verl.
 """
 
 from __future__ import annotations
@@ -15,13 +17,21 @@ from tlt.corpus import CorpusConfig, make_corpus
 
 DATA_SOURCE = "tlt/arith"
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
+_STEP = re.compile(r"^(-?\d+) ([+-]) (\d+) = (-?\d+)$")
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
-    found = _BOXED.findall(solution_str or "")
+    text = solution_str or ""
+    found = _BOXED.findall(text)
     if not found:
         return 0.0
-    return 1.0 if found[-1] == str(ground_truth).strip() else 0.1
+    steps = [line.strip() for line in text.splitlines() if " = " in line]  # a malformed step counts wrong
+    right = 0
+    for line in steps:
+        m = _STEP.match(line)
+        right += bool(m) and int(m[1]) + (int(m[3]) if m[2] == "+" else -int(m[3])) == int(m[4])
+    line_acc = right / len(steps) if steps else 0.0
+    return 0.2 + 0.5 * line_acc + 0.3 * (found[-1] == str(ground_truth).strip())
 
 
 def write_parquet(out: Path, n: int, seed: int, corpus: CorpusConfig | None = None) -> Path:

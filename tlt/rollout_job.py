@@ -97,7 +97,7 @@ def run_rollout(job: RolloutJob, out: Path | None, record_path: Path | None) -> 
     return record
 
 
-def plot_record(record: dict, png: Path) -> None:
+def _pyplot():
     try:
         import matplotlib
 
@@ -105,6 +105,37 @@ def plot_record(record: dict, png: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("tlt report needs matplotlib: pip install 'tlt[report]'") from None
+    return plt
+
+
+def plot_steps(records: list[dict], png: Path) -> None:
+    """Per-RL-step records of a verl run (``tlt_steps.jsonl``): accept length, times, idle/train."""
+    if not records or "step" not in records[0]:
+        raise ValueError("not a TLT step record (one JSON object per RL step with a 'step' key)")
+    plt = _pyplot()
+    s = [r["step"] for r in records]
+    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
+    axes[0].plot(s, [r.get("rollout/spec_accept_length", 0) for r in records], marker="o")
+    axes[0].set(ylabel="tokens / verify", title="accept length (drafter version in labels)")
+    for x, r in zip(s, records):
+        axes[0].annotate(f"v{int(r.get('tlt/drafter_version', 0))}", (x, r.get("rollout/spec_accept_length", 0)),
+                         fontsize=8)
+    axes[1].plot(s, [r.get("tlt/rollout_s") for r in records], marker="o", label="rollout")
+    axes[1].plot(s, [r.get("timing_s/step") for r in records], marker="o", label="RL step")
+    axes[1].set(ylabel="seconds", title="rollout and step time")
+    axes[1].legend()
+    axes[2].bar(s, [r.get("tlt/idle_replica_s", 0) for r in records], label="replica idle s (summed)")
+    axes[2].plot(s, [r.get("tlt/spot_train_steps", 0) for r in records], color="tab:red", marker="o",
+                 label="drafter train steps")
+    axes[2].set(xlabel="RL step", title="idle replicas and spot training")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def plot_record(record: dict, png: Path) -> None:
+    plt = _pyplot()
     tl = record.get("timeline")
     if not tl:
         raise ValueError("the record has no timeline (is it a `tlt rollout --record` file?)")

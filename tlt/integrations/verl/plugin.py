@@ -24,6 +24,35 @@ def register() -> None:
     RolloutReplicaRegistry.register("tlt", replica.load_replica)
     base._ROLLOUT_REGISTRY[("tlt", "async")] = "tlt.integrations.verl.replica.TLTRolloutAdapter"
     trainer.trainer_class()
+    _validate_in_driver()
+
+
+def _validate_in_driver() -> None:
+    """Check ``tlt.*`` where verl's entry point validates its own config: in the driver, before
+    Ray starts (``verl.trainer.main_ppo`` imports ``validate_config`` after ``import verl`` ran
+    this plugin, so it picks up the wrapper). A bad value ends the run with one line."""
+    import verl.utils.config as vc
+
+    original = vc.validate_config
+    if getattr(original, "_tlt", False):
+        return
+
+    def validate_config(config, *args, **kwargs):
+        from omegaconf import OmegaConf
+
+        from tlt.integrations.verl.config import from_verl
+        from tlt.integrations.verl.trainer import check_verl_config
+
+        if OmegaConf.select(config, "trainer.v1.trainer_mode", default=None) == "tlt":
+            try:
+                check_verl_config(config, from_verl(config))
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
+        return original(config, *args, **kwargs)
+
+    validate_config._tlt = True
+    vc.validate_config = validate_config
 
 
 def raise_if_failed() -> None:

@@ -111,6 +111,8 @@ class TLTServer:
         self._wake: asyncio.Event | None = None
         self._lock = threading.Lock()  # held while the engine runs a batch (weights swap between)
         self._stats = self._empty_stats()
+        self._probe: list[list[int]] = []
+        self.drift_top1 = None  # top-1 agreement of the last two policies on the last batch's probe
         self._stats_lock = threading.Lock()
         train = self.cfg.enable and self.cfg.drafter.train and coordinator and spot_base_port
         self.agent = self._start_agent(coordinator, node_ip) if train else None
@@ -264,6 +266,7 @@ class TLTServer:
                     st["accepted"] += s.accepted
                     st["sd_tokens"] += s.committed
                     st["arms"][s.arm] += 1
+            self._probe = [r.prompt + toks for r, toks in zip(batch[:4], res.outputs[:4])]
             out = []
             for r, toks, lps in zip(batch, res.outputs, res.logprobs):
                 stopped = bool(toks) and toks[-1] in r.params.stop_ids
@@ -289,13 +292,14 @@ class TLTServer:
         if st["idle_at"] is not None:
             st["idle_s"] += time.monotonic() - st["idle_at"]
         st["arms"] = dict(st["arms"])
-        st.update(drafter_version=self.drafter_version, proposer=self.proposer_name,
+        st.update(drafter_version=self.drafter_version, proposer=self.proposer_name, drift_top1=self.drift_top1,
                   buffer=self.buffer.stats(), replica=self.rank)
         return st
 
     def update_weights(self, state: dict[str, torch.Tensor]) -> int:
         """Policy weights (HF names) copied into the target in place; the drafter is untouched."""
         with self._lock, torch.no_grad():
+            before = self._probe_argmax()
             own = self.model.state_dict()
             n = 0
             for name, t in state.items():
@@ -306,7 +310,21 @@ class TLTServer:
                     raise ValueError(f"policy weight {name!r} is not a tensor of the rollout target")
                 own[name].copy_(t.to(own[name].dtype))
                 n += 1
+            if before is not None:
+                after = self._probe_argmax()
+                self.drift_top1 = float((before[0] == after[0])[before[1]].float().mean())
         return n
+
+    def _probe_argmax(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Greedy next tokens [B, T] of the current target on the probe, and the valid mask."""
+        if not self._probe:
+            return None
+        t = max(len(x) for x in self._probe)
+        ids = torch.zeros(len(self._probe), t, dtype=torch.long)
+        valid = torch.zeros(len(self._probe), t, dtype=torch.bool)
+        for i, x in enumerate(self._probe):
+            ids[i, :len(x)], valid[i, :len(x)] = torch.tensor(x), True
+        return self.model(ids).logits.argmax(-1), valid  # right padding: causal rows stay exact
 
     def load_drafter(self, version: int) -> int:
         """Serve the latest spot-trained drafter (draft weights only); returns the version served."""

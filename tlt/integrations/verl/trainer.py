@@ -110,6 +110,7 @@ def trainer_class():
                      "--heartbeat-ms", str(int(cc.heartbeat_s * 1000)), "--liveness", str(cc.liveness),
                      "--idle-threshold", str(self.tlt.spot.min_idle),
                      "--stop-timeout-s", str(cc.done_timeout_s)], stdout=log_file, stderr=log_file)
+                (out / "tlt_coordinator.pid").write_text(f"{self._coord_proc.pid}\n")
                 self._driver = DriverClient(address, timeout_s=cc.done_timeout_s)
             base = (self.tlt.spot.base_port or _free_span(PORT_SPAN * n_replicas)) if train else 0
             runtime.publish(runtime.Runtime(tlt=self.tlt, coordinator_address=address, node_ip=node_ip,
@@ -215,6 +216,9 @@ def trainer_class():
                 "tlt/rollout_s": self._rollout_s,
                 "tlt/sessions": float(sum(s["sessions"] for s in st)),
             }
+            drift = [s["drift_top1"] for s in st if s["drift_top1"] is not None]
+            if drift:  # 1 - top-1 agreement of the policies before and after the last update
+                m["tlt/target_drift"] = 1.0 - statistics.fmean(drift)
             m.update({f"tlt/arm_share/{a}": n / n_arms for a, n in arms.items()})
             o = self._outcome
             self._step_extra = {"stopped": list(o.stopped) if o else [], "coordinator_reachable":
@@ -231,7 +235,7 @@ def trainer_class():
                 rec = {"step": global_steps, **{k: v for k, v in metrics.items()
                                                 if k.startswith(("tlt/", "rollout/spec", "timing_s/",
                                                                  "critic/score", "critic/rewards",
-                                                                 "response_length/"))},
+                                                                 "response_length/", "training/rollout_probs"))},
                        **getattr(self, "_step_extra", {})}
                 with open(self._record_path, "a") as f:
                     f.write(json.dumps(rec, default=float) + "\n")

@@ -1,0 +1,135 @@
+"""Whole verl 0.9.1 GRPO runs on this CPU (real Ray, TransferQueue, FSDP2 on gloo, our rollout).
+
+- ``tlt demo --quick``: three arms, 2 RL steps each; arm C (full TLT) must show speculation
+  (accept length > 1), a DataBuffer that grew from the old-log-prob capture, a drafter version
+  that advanced, replicas the coordinator promoted and stopped (IDLE -> TRAINING -> BUSY), rollout
+  log-probs equal to the actor's recomputed ones (fp32), and the summary keys.
+- ``tlt.enable=false``: the same trainer mode runs as verl's sync trainer, none of TLT's hooks.
+- a bad ``tlt.*`` value stops the run with one line before Ray or any worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+
+from tlt import demo  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def quick_demo(tmp_path_factory):
+    os.environ.setdefault("TLT_CACHE", str(tmp_path_factory.mktemp("cache")))
+    out = tmp_path_factory.mktemp("demo")
+    summary = demo.run_demo(out, quick=True, progress=False)
+    return out, summary
+
+
+def _records(out, arm):
+    return [json.loads(x) for x in (out / f"arm-{arm}" / "tlt_steps.jsonl").read_text().splitlines()]
+
+
+def test_demo_summary_keys(quick_demo):
+    out, s = quick_demo
+    for key in ("accept_length_ratio_spot_vs_stale", "rollout_time_ratio_ar_over_tlt", "step_time_ratio_ar_over_tlt",
+                "reward_mean_by_arm", "target_drift"):
+        assert key in s, key
+    assert set(s["reward_mean_by_arm"]) == {"A", "B", "C"}
+    assert s["steps"] == demo.QUICK.steps
+    assert json.loads((out / "summary.json").read_text())["steps"] == s["steps"]
+    assert (out / "demo.png").stat().st_size > 10_000
+
+
+def test_full_tlt_arm_adapts(quick_demo):
+    out, _ = quick_demo
+    recs = _records(out, "C")
+    assert [r["step"] for r in recs] == list(range(1, demo.QUICK.steps + 1))
+    assert max(r["rollout/spec_accept_length"] for r in recs) > 1.0
+    assert recs[-1]["tlt/buffer_samples"] > 0  # hidden states captured in the old-log-prob forward
+    assert recs[-1]["tlt/drafter_version"] >= 1  # a spot-trained drafter reached the replicas
+    assert sum(r["tlt/spot_train_steps"] for r in recs) >= 1
+    assert any(r["stopped"] for r in recs), "no replica was promoted to training and stopped"
+    for r in recs:
+        assert r["training/rollout_probs_diff_max"] < 1e-4  # rollout log-probs == actor's, fp32
+        assert r["coordinator_reachable"]
+
+
+def test_arms_differ_only_in_speculation(quick_demo):
+    out, _ = quick_demo
+    a, b = _records(out, "A"), _records(out, "B")
+    assert all(r["tlt/sd_token_share"] == 0 for r in a)  # A: plain decoding
+    assert all(r["tlt/spot_train_steps"] == 0 and r["tlt/drafter_version"] == 0 for r in b)  # B: frozen
+    assert any(r["tlt/sd_token_share"] > 0 for r in b)
+
+
+def _verl(tmp_path, *extra, timeout=600):
+    size = demo.QUICK
+    from tlt.target_factory import ensure_target
+
+    target = ensure_target(size.target, progress=False)
+    train = demo.write_parquet(tmp_path / "train.parquet", size.prompts, 7)
+    overrides = demo.arm_overrides("A", tmp_path, size, target, tmp_path / "none", train, train)
+    overrides = [o for o in overrides if not o.startswith("tlt.")]
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={demo.configs_dir()}",
+           "--config-name=tlt_grpo_cpu", *overrides, "trainer.total_training_steps=1", *extra]
+    env = {**os.environ, "VERL_PLATFORM": "cpu"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+
+
+def test_tlt_disabled_runs_plain_sync_trainer(tmp_path):
+    p = _verl(tmp_path, "tlt.enable=false")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "step:1 " in p.stdout + p.stderr
+    arm = tmp_path / "arm-A"
+    assert not (arm / "tlt_steps.jsonl").exists() and not (arm / "tlt_coordinator.log").exists()
+
+
+def test_bad_tlt_value_fails_before_ray(tmp_path):
+    t0 = time.monotonic()
+    p = _verl(tmp_path, "tlt.spot.lr=-1", timeout=120)
+    assert p.returncode == 2
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: tlt config: tlt.spot.lr=-1.0 is not allowed; use a float in (0, 1]"]
+    assert "ray init kwargs" not in p.stdout  # nothing was started
+    assert time.monotonic() - t0 < 60
+
+
+def test_coordinator_killed_rollout_goes_on(tmp_path):
+    """kill -9 of the coordinator after step 1: later steps run without adaptation, with a warning."""
+    size = demo.QUICK
+    from tlt.target_factory import ensure_target
+
+    target = ensure_target(size.target, progress=False)
+    train = demo.write_parquet(tmp_path / "train.parquet", size.prompts, 7)
+    overrides = demo.arm_overrides("C", tmp_path, size, target, tmp_path / "none", train, train)
+    overrides = [o for o in overrides if not o.startswith(("tlt.drafter.init_path", "trainer.total_training_steps"))]
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={demo.configs_dir()}",
+           "--config-name=tlt_grpo_cpu", *overrides, "trainer.total_training_steps=3",
+           "tlt.coordinator.done_timeout_s=3"]
+    log = tmp_path / "verl.log"
+    arm = tmp_path / "arm-C"
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
+                             env={**os.environ, "VERL_PLATFORM": "cpu"})
+        try:
+            deadline = time.monotonic() + 600
+            while not ((arm / "tlt_steps.jsonl").exists() and (arm / "tlt_steps.jsonl").read_text().strip()):
+                assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(1)
+            os.kill(int((arm / "tlt_coordinator.pid").read_text()), 9)
+            assert p.wait(timeout=600) == 0, log.read_text()[-3000:]
+        finally:
+            if p.poll() is None:
+                p.kill()
+    recs = _records(tmp_path, "C")
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert recs[0]["coordinator_reachable"] and not recs[-1]["coordinator_reachable"]
+    assert "coordinator unreachable" in log.read_text()
