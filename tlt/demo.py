@@ -96,11 +96,16 @@ def run_demo(workdir: Path, *, quick: bool = False, progress: bool = True, arms:
         log.info("4/5 verl GRPO, arm %s (%s): %d steps [%d/%d]", arm, label, size.steps, i + 1, len(arms))
         records[arm] = run_arm(arm, workdir, size, target, workdir / "drafter", train, val, progress)
 
-    log.info("5/5 summary")
+    log.info("5/5 summary (and the measured speedup ceiling of speculation on this CPU)")
     summary = summarize(records, size)
+    from tlt.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_pretrained(target)
+    probe = [tok.chat_prompt([{"role": "user", "content": p.prompt}]) for p in make_corpus(4, CorpusConfig(seed=seed))]
+    summary["speedup_limit"] = speedup_limit(target, workdir / "drafter", probe)
     summary.update(target=str(target), drafter_warmup=warm["trained"], export=export["out_dir"],
                    seconds=time.monotonic() - t0, quick=quick)
-    lengths = response_lengths(workdir / "arm-A" / "generations") if "A" in records else []
+    lengths = response_lengths(workdir / "arm-A" / "generations", target, size.max_response) if "A" in records else []
     if lengths:
         med = statistics.median(lengths)
         p90 = sorted(lengths)[int(0.9 * (len(lengths) - 1))]
@@ -180,15 +185,48 @@ def run_arm(arm: str, workdir: Path, size: DemoSize, target: Path, drafter: Path
     return [json.loads(x) for x in rec.read_text().splitlines()] if rec.is_file() else []
 
 
-def response_lengths(gen_dir: Path) -> list[int]:
-    """Token lengths of the responses verl dumped (``trainer.rollout_data_dir``), all steps."""
-    out = []
-    for f in sorted(gen_dir.glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            row = json.loads(line)
-            if "response_length" in row:
-                out.append(int(row["response_length"]))
+def speedup_limit(target: Path, drafter: Path, prompts: list[list[int]], depth: int = 4,
+                  max_new: int = 96) -> dict:
+    """Measured cost of a plain decode step vs a speculative step (draft ``depth`` + verify) on
+    this machine, at the tail's batch sizes: the speedup ceiling is (tokens per verify) x ratio."""
+    import torch
+
+    from drafter.eagle import Drafter
+    from rollout.eagle_proposer import EagleProposer
+    from rollout.engine import EngineConfig, RolloutEngine
+    from rollout.generate import SamplingParams
+    from rollout.strategy import Arm
+    from rollout.target import TargetModel
+
+    model = TargetModel.from_pretrained(target)
+    d = Drafter.load(drafter, model.embed_weight, model.lm_head.weight).eval()
+    out = {}
+    for b in (1, 4):
+        ps = prompts[:b]
+        max_len = max(map(len, ps)) + max_new + 1
+        params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+        times = {}
+        for name, arm in (("plain", None), ("spec", Arm(depth, 1, depth))):
+            cfg = EngineConfig(max_batch=b, max_len=max_len, max_draft_tokens=16, arm=arm)
+            prop = EagleProposer(d, max_batch=b, max_len=max_len + 32) if arm else None
+            eng = RolloutEngine(model, cfg if arm else EngineConfig(max_batch=b, max_len=max_len), proposer=prop)
+            torch.manual_seed(0)
+            res = eng.generate(ps, params)
+            steps = [s.seconds for s in res.steps if s.batch == b][2:]
+            times[name] = statistics.median(steps) if steps else float("nan")
+        ratio = times["plain"] / times["spec"]
+        out[f"batch{b}"] = {"plain_step_s": times["plain"], "spec_step_s": times["spec"],
+                            "plain_over_spec_step": ratio, "ceiling_all_accepted": (depth + 1) * ratio}
     return out
+
+
+def response_lengths(gen_dir: Path, target: Path, cap: int) -> list[int]:
+    """Token lengths (+ eos) of the responses verl dumped (``trainer.rollout_data_dir``), all steps."""
+    from tlt.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_pretrained(target)
+    return [min(cap, len(tok.encode(json.loads(line)["output"])) + 1)
+            for f in sorted(gen_dir.glob("*.jsonl")) for line in f.read_text().splitlines()]
 
 
 def _mean(xs) -> float | None:
@@ -263,5 +301,10 @@ def summary_lines(s: dict) -> list[str]:
         r = s["response_lengths"]
         lines.append(f"responses    median {r['median']:.0f}, p90 {r['p90']} tokens (p90/median "
                      f"{f(r['p90_over_median'])}), {100 * r['share_at_cap']:.1f}% at the {r['cap']}-token cap")
+    if "speedup_limit" in s:
+        lim = s["speedup_limit"]
+        lines.append("CPU ceiling  plain step / speculative step (depth 4): " + ", ".join(
+            f"batch {k[5:]} {v['plain_over_spec_step']:.2f} (all accepted: {v['ceiling_all_accepted']:.2f}x)"
+            for k, v in lim.items()))
     lines.append(f"done in {s['seconds']:.0f}s")
     return lines

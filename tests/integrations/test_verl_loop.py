@@ -102,8 +102,8 @@ def test_bad_tlt_value_fails_before_ray(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def test_coordinator_killed_rollout_goes_on(tmp_path):
-    """kill -9 of the coordinator after step 1: later steps run without adaptation, with a warning."""
+def _run_and_kill_after_step1(tmp_path, kill, *extra):
+    """A 3-step full-TLT run (n-gram, fresh drafter); ``kill(arm_dir)`` once step 1 is recorded."""
     size = demo.QUICK
     from tlt.target_factory import ensure_target
 
@@ -112,24 +112,45 @@ def test_coordinator_killed_rollout_goes_on(tmp_path):
     overrides = demo.arm_overrides("C", tmp_path, size, target, tmp_path / "none", train, train)
     overrides = [o for o in overrides if not o.startswith(("tlt.drafter.init_path", "trainer.total_training_steps"))]
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={demo.configs_dir()}",
-           "--config-name=tlt_grpo_cpu", *overrides, "trainer.total_training_steps=3",
-           "tlt.coordinator.done_timeout_s=3"]
-    log = tmp_path / "verl.log"
-    arm = tmp_path / "arm-C"
+           "--config-name=tlt_grpo_cpu", *overrides, "trainer.total_training_steps=3", *extra]
+    log, arm = tmp_path / "verl.log", tmp_path / "arm-C"
+    records = arm / "tlt_steps.jsonl"
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
                              env={**os.environ, "VERL_PLATFORM": "cpu"})
         try:
             deadline = time.monotonic() + 600
-            while not ((arm / "tlt_steps.jsonl").exists() and (arm / "tlt_steps.jsonl").read_text().strip()):
+            while not (records.exists() and records.read_text().strip()):
                 assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(1)
-            os.kill(int((arm / "tlt_coordinator.pid").read_text()), 9)
-            assert p.wait(timeout=600) == 0, log.read_text()[-3000:]
+            kill(arm)
+            rc = p.wait(timeout=600)
         finally:
             if p.poll() is None:
                 p.kill()
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
     recs = _records(tmp_path, "C")
     assert [r["step"] for r in recs] == [1, 2, 3]
+    return recs, text
+
+
+def test_coordinator_killed_rollout_goes_on(tmp_path):
+    """kill -9 of the coordinator after step 1: later steps run without adaptation, with a warning."""
+    recs, text = _run_and_kill_after_step1(
+        tmp_path, lambda arm: os.kill(int((arm / "tlt_coordinator.pid").read_text()), 9),
+        "tlt.coordinator.done_timeout_s=3")
     assert recs[0]["coordinator_reachable"] and not recs[-1]["coordinator_reachable"]
-    assert "coordinator unreachable" in log.read_text()
+    assert "coordinator unreachable" in text
+
+
+def test_replica_killed_run_finishes(tmp_path):
+    """kill -9 of a rollout replica between steps: Ray restarts it, it refuses to sample until the
+    next policy push (never stale weights), and the run finishes instead of hanging."""
+    def kill(arm):
+        pids = subprocess.run(["pgrep", "-f", "ray::TLTServer"], capture_output=True, text=True).stdout.split()
+        assert pids, "no replica process found"
+        os.kill(int(pids[0]), 9)
+
+    _, text = _run_and_kill_after_step1(tmp_path, kill)
+    assert "restarted" in text  # the replica came back and said it waits for the policy

@@ -1,4 +1,4 @@
-"""The main job (`tlt demo --quick`), `tlt export` and `tlt bench packing` through the CLI."""
+"""`tlt export` and `tlt bench packing` through the CLI (the main job: tests/integrations/test_verl_loop.py)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,6 @@ import pytest
 from safetensors.torch import load_file
 
 from tlt.cli import main
-
-
-def test_demo_quick_end_to_end(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
-    work = tmp_path / "demo"
-    assert main(["-q", "demo", "--quick", "--workdir", str(work)]) == 0
-    out = capsys.readouterr().out
-    assert "held-out top-1" in out and "exports" in out
-    summary = json.loads((work / "summary.json").read_text())
-    assert summary["trained"]["top1"] > summary["untrained"]["top1"]
-    assert summary["rollout_identical"] and summary["rollout_accept_length"] > 1
-    for fmt, arch in (("sglang", "LlamaForCausalLMEagle"), ("vllm", "EagleLlamaForCausalLM")):
-        cfg = json.loads((work / f"export-{fmt}" / "config.json").read_text())
-        assert cfg["architectures"] == [arch]
-        assert load_file(str(work / f"export-{fmt}" / "model.safetensors"))
 
 
 def test_export_cli_refuses_then_overwrites(tmp_path, trained_target, chat_prompts, capsys):

@@ -37,8 +37,9 @@ def _replica_class():
             rt = runtime.current()
             node_id = await self.workers[0].__ray_call__.remote(
                 lambda self: ray.get_runtime_context().get_node_id()) if self.workers else None
+            # A killed replica restarts (it refuses requests until the next policy push).
             opts = {"name": server_name(self.replica_rank), "max_concurrency": self.max_concurrency,
-                    "num_cpus": 0}
+                    "num_cpus": 0, "max_restarts": -1}
             if node_id is not None:
                 opts["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
                     node_id=node_id, soft=False)

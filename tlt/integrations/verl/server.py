@@ -111,6 +111,13 @@ class TLTServer:
         self._wake: asyncio.Event | None = None
         self._lock = threading.Lock()  # held while the engine runs a batch (weights swap between)
         self._stats = self._empty_stats()
+        # A restarted replica (Ray re-ran this constructor after a crash) holds the initial weights:
+        # it refuses requests until verl pushes the current policy.
+        import ray
+
+        self.stale = ray.get_runtime_context().was_current_actor_reconstructed
+        if self.stale:
+            log.warning("replica %d restarted: serving again after the next policy push", replica_rank)
         self._probe: list[list[int]] = []
         self.drift_top1 = None  # top-1 agreement of the last two policies on the last batch's probe
         self._stats_lock = threading.Lock()
@@ -174,8 +181,8 @@ class TLTServer:
         return agent.start(0)
 
     def _empty_stats(self) -> dict[str, Any]:
-        return {"committed": 0, "verifies": 0, "accepted": 0, "drafted": 0, "sd_tokens": 0, "tokens": 0,
-                "arms": collections.Counter(), "busy_s": 0.0, "idle_at": None, "idle_s": 0.0,
+        return {"committed": 0, "verifies": 0, "accepted": 0, "sd_tokens": 0, "tokens": 0,
+                "arms": collections.Counter(), "idle_at": None, "idle_s": 0.0,
                 "sessions": 0, "failed_sessions": 0, "train_steps": 0, "losses": [], "preempt_s": [],
                 "batches": 0, "requests": 0, "gen_s": 0.0}
 
@@ -186,6 +193,9 @@ class TLTServer:
 
         if image_data or video_data:
             raise ValueError("the tlt rollout serves text-only models (image/video data given)")
+        if self.stale:
+            raise RuntimeError(f"replica {self.rank} restarted and has not received the current policy "
+                               "yet; refusing to sample from stale weights until the next weight push")
         params = self._params(prompt_ids, dict(sampling_params))
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
@@ -310,6 +320,7 @@ class TLTServer:
                     raise ValueError(f"policy weight {name!r} is not a tensor of the rollout target")
                 own[name].copy_(t.to(own[name].dtype))
                 n += 1
+            self.stale = False
             if before is not None:
                 after = self._probe_argmax()
                 self.drift_top1 = float((before[0] == after[0])[before[1]].float().mean())

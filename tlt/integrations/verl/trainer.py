@@ -153,8 +153,17 @@ def trainer_class():
                 if self._outcome is not None and not self._outcome.reachable:
                     log.warning("tlt: coordinator unreachable at the end of step %d's rollout: "
                                 "drafter training could not be stopped through it", step)
-                self._stats = ray.get([s.step_stats.remote() for s in self._servers()])
+                self._stats = self._collect_stats()
             return super().on_sample_end()
+
+        def _collect_stats(self) -> list[dict]:
+            out = []
+            for i, s in enumerate(self._servers()):
+                try:
+                    out.append(ray.get(s.step_stats.remote(), timeout=60))
+                except Exception as e:  # a replica died: its step is lost, the run goes on
+                    log.warning("tlt: replica %d gave no statistics (%r)", i, e)
+            return out
 
         def _compute_old_log_prob(self, batch, metrics):
             if self.tlt.enable and self.tlt.buffer.capture:
