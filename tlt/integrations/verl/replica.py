@@ -37,9 +37,10 @@ def _replica_class():
             rt = runtime.current()
             node_id = await self.workers[0].__ray_call__.remote(
                 lambda self: ray.get_runtime_context().get_node_id()) if self.workers else None
-            # A killed replica restarts (it refuses requests until the next policy push).
+            # A killed replica restarts (it refuses requests until the next policy push); calls that
+            # reach it while it restarts (verl's sleep/wake-up, weight pushes) are retried by Ray.
             opts = {"name": server_name(self.replica_rank), "max_concurrency": self.max_concurrency,
-                    "num_cpus": 0, "max_restarts": -1}
+                    "num_cpus": 0, "max_restarts": -1, "max_task_retries": -1}
             if node_id is not None:
                 opts["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
                     node_id=node_id, soft=False)
