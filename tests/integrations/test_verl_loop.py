@@ -153,4 +153,4 @@ def test_replica_killed_run_finishes(tmp_path):
         os.kill(int(pids[0]), 9)
 
     _, text = _run_and_kill_after_step1(tmp_path, kill)
-    assert "restarted" in text  # the replica came back and said it waits for the policy
+    assert "restarted: serving again after the next policy push" in text  # it came back, waiting for weights
