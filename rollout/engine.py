@@ -39,6 +39,7 @@ class EngineConfig:
     elastic_threshold: int = 32  # speculate only while running requests <= this
     arm: Arm | None = None  # fixed strategy; None = ask the tuner
     seed: int = 0
+    logprobs: bool = False  # also return each response token's log-probability
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -59,6 +60,7 @@ class StepRecord:
     accepted: int  # accepted draft tokens, summed over the batch
     committed: int  # tokens committed, summed over the batch
     seconds: float
+    drafted: int = 0  # draft tokens proposed (valid tree nodes), summed over the batch
 
 
 @dataclasses.dataclass
@@ -68,7 +70,7 @@ class RolloutResult:
     accept_lengths: list[int]  # committed tokens per request per speculative step
     seconds: float
     # log p(token) per response token under the target's logits / temperature (1 when greedy),
-    # the quantity RL trainers recompute as old log-probs
+    # the quantity RL trainers recompute as old log-probs (zeros unless EngineConfig.logprobs)
     logprobs: list[list[float]] = dataclasses.field(default_factory=list)
 
     @property
@@ -90,8 +92,9 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                 groups: Sequence[int] | None = None) -> RolloutResult:
-        """Responses for ``prompts`` (GRPO ``groups``: requests sharing a prompt group id)."""
+                 groups: Sequence[int] | None = None, seeds: Sequence[int] | None = None) -> RolloutResult:
+        """Responses for ``prompts`` (GRPO ``groups``: requests sharing a prompt group id; ``seeds``:
+        one sampling seed per request, default ``cfg.seed * 1_000_003 + index``)."""
         n = len(prompts)
         if n == 0 or n > self.cfg.max_batch:
             raise ValueError(f"need 1..{self.cfg.max_batch} prompts (EngineConfig.max_batch), got {n}")
@@ -106,7 +109,10 @@ class RolloutEngine:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {sp.max_new_tokens} exceed "
                                  f"EngineConfig.max_len={self.cfg.max_len}")
         t_start = time.perf_counter()
-        gens = [torch.Generator(device=self.device).manual_seed(self.cfg.seed * 1_000_003 + i) for i in range(n)]
+        if seeds is not None and len(seeds) != n:
+            raise ValueError("seeds must have one entry per prompt")
+        seeds = list(seeds) if seeds is not None else [self.cfg.seed * 1_000_003 + i for i in range(n)]
+        gens = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
         rows = list(range(n))  # running request id per cache row
         outputs: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
@@ -166,7 +172,10 @@ class RolloutEngine:
         for i, p in enumerate(prompts):
             logits = out.logits[i, len(p) - 1: len(p)]
             first.append(verify(logits[None], DraftTree.empty(1, self.device), [plist[i]], [gens[i]]).tokens[0][0])
-            first_lp.append(_logprobs(logits, [first[-1]], plist[i])[0])
+            if self.cfg.logprobs:
+                first_lp.append(_logprobs(logits, [first[-1]], plist[i])[0])
+            else:
+                first_lp.append(0.0)
         # The pending first token's KV is written by the next step (as its tree root).
         feats = self._features(out)
         return first, first_lp, None if feats is None else [feats[i, : len(p)] for i, p in enumerate(prompts)]
@@ -219,6 +228,7 @@ class RolloutEngine:
         hidden = None if feats is None else [feats[k, [0] + [1 + j for j in nodes]]
                                              for k, nodes in enumerate(res.nodes)]
         lps = [_logprobs(out.logits[k, [0] + [1 + j for j in nodes]], res.tokens[k], plist[r])
+               if self.cfg.logprobs else [0.0] * len(res.tokens[k])
                for k, (r, nodes) in enumerate(zip(rows, res.nodes))]
         for k, r in enumerate(rows):
             self._pending[r] = res.tokens[k][-1]
@@ -226,7 +236,8 @@ class RolloutEngine:
         accepted = sum(len(x) for x in res.nodes)
         if sd and self.tuner is not None and self.cfg.arm is None:
             self.tuner.record(b, arm, accepted, seconds)
-        rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(len(t) for t in res.tokens), seconds)
+        rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(len(t) for t in res.tokens), seconds,
+                         int(tree.valid.sum()) if n else 0)
         acc = [len(t) for t in res.tokens] if rec.sd else []
         return res.tokens, lps, hidden, rec, acc
 

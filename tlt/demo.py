@@ -70,6 +70,9 @@ def run_demo(workdir: Path, *, quick: bool = False, progress: bool = True, arms:
     size = QUICK if quick else DEFAULT
     log.info("1/5 target: %s, %d training steps (cached after the first run)", size.target.family,
              size.target.train_steps)
+    if workdir.exists() and any(workdir.iterdir()) and not (workdir / "summary.json").exists() \
+            and not (workdir / "train.parquet").exists():
+        raise ValueError(f"--out {workdir} is not empty and not an earlier demo's directory; choose a new one")
     target = ensure_target(size.target, progress=progress)
     if workdir.exists():
         shutil.rmtree(workdir)
@@ -112,7 +115,6 @@ def run_demo(workdir: Path, *, quick: bool = False, progress: bool = True, arms:
         summary["response_lengths"] = {"n": len(lengths), "median": med, "p90": p90,
                                        "p90_over_median": p90 / med if med else None, "cap": size.max_response,
                                        "share_at_cap": sum(x >= size.max_response for x in lengths) / len(lengths)}
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     try:
         plot(records, workdir / "demo.png")
         summary["png"] = str(workdir / "demo.png")
@@ -209,7 +211,7 @@ def speedup_limit(target: Path, drafter: Path, prompts: list[list[int]], depth: 
         for name, arm in (("plain", None), ("spec", Arm(depth, 1, depth))):
             cfg = EngineConfig(max_batch=b, max_len=max_len, max_draft_tokens=16, arm=arm)
             prop = EagleProposer(d, max_batch=b, max_len=max_len + 32) if arm else None
-            eng = RolloutEngine(model, cfg if arm else EngineConfig(max_batch=b, max_len=max_len), proposer=prop)
+            eng = RolloutEngine(model, cfg, proposer=prop)
             torch.manual_seed(0)
             res = eng.generate(ps, params)
             steps = [s.seconds for s in res.steps if s.batch == b][2:]

@@ -50,7 +50,7 @@ def _replica_class():
                 model_path=_model_path(self.model_config), replica_rank=self.replica_rank,
                 tlt=rt.tlt.to_dict(), prompt_length=self.config.prompt_length,
                 response_length=self.config.response_length, coordinator=rt.coordinator_address,
-                node_ip=rt.node_ip, spot_root=rt.spot_root, spot_base_port=rt.spot_base_port, seed=rt.seed)
+                spot_root=rt.spot_root, spot_base_port=rt.spot_base_port, seed=rt.seed)
             await server.pid.remote()  # constructed: model loaded, agent connected
             self.servers = [server]
             self._server_handle = server
@@ -86,7 +86,7 @@ def _replica_class():
                 if self.is_leader:
                     state[name] = t.detach().to("cpu", copy=True) if t.device.type != "cpu" else t.detach().clone()
             if self.is_leader:
-                n = await self.server().update_weights.remote(state)
+                n = await self.server().update_weights.remote(state, kwargs.get("global_steps"))
                 log.debug("replica %d: %d policy tensors updated", self.replica_rank, n)
 
     return TLTReplica, TLTRolloutAdapter

@@ -1,7 +1,7 @@
 """What the trainer hands to the replicas it launches, in the trainer's (TaskRunner) process.
 
-Owns one small record: the validated TLT config, the coordinator's address, the node IP the spot
-trainers rendezvous on, the shared spot-checkpoint directory and the seed. verl constructs the
+Owns one small record: the validated TLT config, the coordinator's address, the shared
+spot-checkpoint directory, the rendezvous base port and the seed. verl constructs the
 replica objects itself (``LLMServerManager``) with its own arguments only, so the trainer
 publishes this before it builds them and :class:`TLTReplica` reads it when launching servers.
 """
@@ -17,7 +17,6 @@ from tlt.integrations.verl.config import TLTConfig
 class Runtime:
     tlt: TLTConfig
     coordinator_address: str | None
-    node_ip: str
     spot_root: str
     spot_base_port: int = 0
     seed: int = 0
@@ -33,6 +32,5 @@ def publish(rt: Runtime) -> None:
 
 def current() -> Runtime:
     if _current is None:  # the replica was built by another trainer mode: TLT disabled
-        return Runtime(tlt=TLTConfig(enable=False), coordinator_address=None, node_ip="127.0.0.1",
-                       spot_root="")
+        return Runtime(tlt=TLTConfig(enable=False), coordinator_address=None, spot_root="")
     return _current

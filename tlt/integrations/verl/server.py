@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -55,6 +56,7 @@ PORT_SPAN = 256
 class _Request:
     prompt: list[int]
     params: SamplingParams
+    seed: int  # this replica's request counter: a fresh sampling stream per request
     future: asyncio.Future
 
 
@@ -64,8 +66,9 @@ def server_name(replica_rank: int) -> str:
 
 def load_spot_drafter(root: str | Path, cfg: DrafterConfig, embed: torch.Tensor,
                       head: torch.Tensor) -> tuple[Drafter, int] | None:
-    """The latest committed spot checkpoint as a serving drafter (no process group needed)."""
-    step = latest(root)
+    """The latest committed spot checkpoint as a serving drafter (no process group needed).
+    The checkpoint holds model and optimizer state together; DCP loads only the keys asked for."""
+    step = latest(root) if root and Path(root).exists() else None
     if step is None:
         return None
     d = Drafter(cfg, embed, head)
@@ -75,16 +78,24 @@ def load_spot_drafter(root: str | Path, cfg: DrafterConfig, embed: torch.Tensor,
     return d.eval(), step
 
 
+# Sampling keys verl sends that the engine honours, and keys it may send whose neutral value is
+# the only one the engine can serve losslessly (anything else is refused, not silently dropped).
+_SERVED = {"temperature", "top_p", "top_k", "logprobs", "max_tokens", "max_new_tokens", "stop_token_ids"}
+_NEUTRAL = {"repetition_penalty": (1, 1.0, None), "min_p": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
+            "frequency_penalty": (0, 0.0, None), "ignore_eos": (False, None), "stop": (None, (), []),
+            "n": (1, None), "seed": (None,)}
+
+
 class TLTServer:
     """The Ray actor of one replica (``ray.remote`` is applied by the replica class)."""
 
     def __init__(self, *, model_path: str, replica_rank: int, tlt: dict, prompt_length: int,
-                 response_length: int, coordinator: str | None, node_ip: str, spot_root: str,
+                 response_length: int, coordinator: str | None, spot_root: str,
                  spot_base_port: int = 0, seed: int = 0) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        import ray
+
         self.cfg = TLTConfig.from_mapping(tlt)
         self.rank, self.spot_root, self.seed = replica_rank, spot_root, seed
-        self.spot_base_port = spot_base_port
         if self.cfg.engine.threads:
             torch.set_num_threads(self.cfg.engine.threads)
         self.model = TargetModel.from_pretrained(model_path)
@@ -94,7 +105,7 @@ class TLTServer:
         self.engine_cfg = EngineConfig(max_batch=self.cfg.engine.max_batch, max_len=self.max_len,
                                        max_draft_tokens=spec.max_draft_tokens,
                                        elastic_threshold=spec.elastic_threshold, arm=spec.parsed_arm(),
-                                       seed=seed * 7919 + replica_rank)
+                                       seed=seed * 7919 + replica_rank, logprobs=True)
         self.tuner = None if spec.arm is not None else BegMab(TunerConfig.for_device("cpu", seed=seed))
         self.drafter_cfg = DrafterConfig.for_target(self.model.config, self.cfg.drafter.method)
         self.drafter: Drafter | None = None
@@ -103,26 +114,30 @@ class TLTServer:
             self.drafter = Drafter.load(self.cfg.drafter.init_path, self.model.embed_weight,
                                         self.model.lm_head.weight).eval()
             self.drafter_cfg = self.drafter.config
+        # A restarted replica (Ray re-ran this constructor after a crash) holds the initial weights:
+        # it refuses requests until verl pushes the current policy, and serves the newest drafter.
+        self.stale = ray.get_runtime_context().was_current_actor_reconstructed
+        if self.stale:
+            log.warning("replica %d restarted: serving again after the next policy push", replica_rank)
+            got = load_spot_drafter(spot_root, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight)
+            if got is not None:
+                self.drafter, self.drafter_version = got[0], -1  # restored: the driver's version is unknown
         self.buffer = DataBuffer(BufferConfig(dtype=self.cfg.buffer.dtype, max_bytes=self.cfg.buffer.max_mb << 20))
         self.engine = self._build_engine()
         self.pending: collections.deque[_Request] = collections.deque()
         self.inflight = 0
         self.step = 0
+        self.weight_version = 0  # verl's global step of the policy being served
+        self._seeds = itertools.count()  # one sampling seed per request, never reused
+        self._batcher_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._lock = threading.Lock()  # held while the engine runs a batch (weights swap between)
+        self._stats_lock = threading.RLock()  # the per-step statistics
         self._stats = self._empty_stats()
-        # A restarted replica (Ray re-ran this constructor after a crash) holds the initial weights:
-        # it refuses requests until verl pushes the current policy.
-        import ray
-
-        self.stale = ray.get_runtime_context().was_current_actor_reconstructed
-        if self.stale:
-            log.warning("replica %d restarted: serving again after the next policy push", replica_rank)
         self._probe: list[list[int]] = []
         self.drift_top1 = None  # top-1 agreement of the last two policies on the last batch's probe
-        self._stats_lock = threading.Lock()
         train = self.cfg.enable and self.cfg.drafter.train and coordinator and spot_base_port
-        self.agent = self._start_agent(coordinator, node_ip) if train else None
+        self.agent = self._start_agent(coordinator, ray.util.get_node_ip_address(), spot_base_port) if train else None
 
     # ------------------------------------------------------------------ engine assembly
     def _build_engine(self) -> RolloutEngine:
@@ -142,9 +157,9 @@ class TLTServer:
         p = self.engine.proposer
         return "none" if p is None else ("eagle" if isinstance(p, EagleProposer) else "ngram")
 
-    def _start_agent(self, coordinator: str, node_ip: str):
+    def _start_agent(self, coordinator: str, node_ip: str, base_port: int):
         from coordinator import WorkerConfig
-        from tlt.spot_agent import SpotAgent
+        from tlt.spot_agent import AgentConfig, SpotAgent
 
         cc = self.cfg.coordinator
         spot = SpotConfig(lr=self.cfg.spot.lr, token_budget=self.cfg.spot.token_budget,
@@ -158,33 +173,37 @@ class TLTServer:
                                head_weight=head, checkpoint_root=self.spot_root, init_from=init_from)
 
         def batches(f):
-            calls = iter(range(1 << 30))
+            calls = itertools.count()
             return lambda budget: self.buffer.sample_batch(budget, seed=f.epoch * 1_000_003 + next(calls))
 
         def on_record(rec) -> None:
             r = rec.result
             with self._stats_lock:
-                self._stats["sessions"] += 1
-                if r is not None:
-                    self._stats["train_steps"] += r.end_step - r.start_step
-                    self._stats["losses"] += list(r.losses)
-                    if r.preempt_latency_s is not None:
-                        self._stats["preempt_s"].append(r.preempt_latency_s)
-                else:
-                    self._stats["failed_sessions"] += 1
+                st = self._stats
+                if r is None:
+                    st["failed_sessions"] += 1
+                    return
+                if r.preempt_latency_s is not None:
+                    st["preempt_s"].append(r.preempt_latency_s)
+                if r.rank == 0:  # every rank reports the same global steps and losses
+                    st["sessions"] += 1
+                    st["train_steps"] += r.end_step - r.start_step
+                    st["losses"] += list(r.losses)
 
         worker = WorkerConfig(address=coordinator, worker_id=f"replica-{self.rank}",
-                              trainer_address=f"tcp://{node_ip}:{self.spot_base_port + PORT_SPAN * self.rank}",
+                              trainer_address=f"tcp://{node_ip}:{base_port + PORT_SPAN * self.rank}",
                               heartbeat_interval_s=cc.heartbeat_s, liveness=cc.liveness,
                               reconnect_initial_s=cc.heartbeat_s, reconnect_max_s=8 * cc.heartbeat_s)
-        agent = SpotAgent(worker, make_trainer=make_trainer, batches=batches, on_record=on_record)
+        agent = SpotAgent(worker, make_trainer=make_trainer, batches=batches, on_record=on_record,
+                          config=AgentConfig(port_span=PORT_SPAN))
         return agent.start(0)
 
-    def _empty_stats(self) -> dict[str, Any]:
-        return {"committed": 0, "verifies": 0, "accepted": 0, "sd_tokens": 0, "tokens": 0,
-                "arms": collections.Counter(), "idle_at": None, "idle_s": 0.0,
-                "sessions": 0, "failed_sessions": 0, "train_steps": 0, "losses": [], "preempt_s": [],
-                "batches": 0, "requests": 0, "gen_s": 0.0}
+    @staticmethod
+    def _empty_stats() -> dict[str, Any]:
+        return {"committed": 0, "verifies": 0, "accepted": 0, "drafted": 0, "tokens": 0,
+                "arms": collections.Counter(), "idle_at": None, "idle_s": 0.0, "sessions": 0,
+                "failed_sessions": 0, "train_steps": 0, "losses": [], "preempt_s": [], "batches": 0,
+                "requests": 0, "gen_s": 0.0}
 
     # ------------------------------------------------------------------ verl server interface
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
@@ -199,73 +218,95 @@ class TLTServer:
         params = self._params(prompt_ids, dict(sampling_params))
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
-        self.pending.append(_Request(list(prompt_ids), params, fut))
+        self.pending.append(_Request(list(prompt_ids), params, next(self._seeds), fut))
         self.inflight += 1
         self._wake.set()
         tokens, lps, reason = await fut
         return TokenOutput(token_ids=tokens, log_probs=lps if sampling_params.get("logprobs") else None,
-                           stop_reason=reason, extra_fields={"global_steps": self.step})
+                           stop_reason=reason, extra_fields={"global_steps": self.weight_version})
 
     def _params(self, prompt: list[int], sp: dict[str, Any]) -> SamplingParams:
-        max_new = sp.pop("max_new_tokens", None) or sp.pop("max_tokens", None) or self.response_length
-        max_new = max(1, min(int(max_new), self.max_len - 1 - len(prompt)))
-        if sp.get("repetition_penalty", 1.0) not in (1, 1.0, None):
-            raise ValueError("the tlt rollout does not implement repetition_penalty != 1 (lossless "
-                             "speculation verifies against the unmodified target distribution)")
-        top_k = int(sp.get("top_k") or 0)
+        for key, value in sp.items():
+            if key in _NEUTRAL and value not in _NEUTRAL[key]:
+                raise ValueError(f"sampling parameter {key}={value!r} is not served by the tlt rollout "
+                                 "(it would change the distribution speculation verifies against)")
+            if key not in _SERVED and key not in _NEUTRAL:
+                log.warning("replica %d: ignoring unknown sampling parameter %s=%r", self.rank, key, value)
+        room = self.max_len - 1 - len(prompt)
+        if room < 1:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room to generate within "
+                             f"prompt_length + response_length = {self.max_len - 1}")
+        max_new = sp.get("max_new_tokens") or sp.get("max_tokens") or self.response_length
+        temperature = sp.get("temperature")
         stops = tuple(self.model.config.eos_ids or ()) + tuple(sp.get("stop_token_ids") or ())
-        return SamplingParams(temperature=float(sp.get("temperature", 1.0) or 0.0),
-                              top_p=float(sp.get("top_p", 1.0) or 1.0), top_k=max(0, top_k),
-                              max_new_tokens=max_new, stop_ids=stops)
+        return SamplingParams(temperature=1.0 if temperature is None else float(temperature),
+                              top_p=float(sp.get("top_p") or 1.0), top_k=max(0, int(sp.get("top_k") or 0)),
+                              max_new_tokens=min(int(max_new), room), stop_ids=stops)
 
     def _ensure_loop(self) -> None:
-        if self._wake is None:
+        if self._batcher_task is None:
             self._wake = asyncio.Event()
-            asyncio.get_running_loop().create_task(self._batcher())
+            self._batcher_task = asyncio.get_running_loop().create_task(self._batcher())
 
     async def _batcher(self) -> None:
-        window = self.cfg.engine.batch_window_ms / 1000
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not self.pending:
-                continue
-            while True:  # wait until requests stop arriving for one window
-                n = len(self.pending)
-                await asyncio.sleep(window)
-                if len(self.pending) == n or n >= self.cfg.engine.max_batch:
-                    break
-            batch = [self.pending.popleft() for _ in range(min(len(self.pending), self.cfg.engine.max_batch))]
             try:
-                results = await asyncio.to_thread(self._run_batch, batch)
-                for req, res in zip(batch, results):
-                    req.future.set_result(res)
-            except Exception as e:  # every waiter learns the error; the server keeps serving
-                log.exception("replica %d: batch of %d failed", self.rank, len(batch))
-                for req in batch:
-                    if not req.future.done():
-                        req.future.set_exception(e)
-            finally:
-                self.inflight -= len(batch)
-            if self.pending:
-                self._wake.set()
-            elif self.inflight == 0:
-                self._went_idle()
+                await self._serve_pending()
+            except Exception:  # never let the loop die: later requests would wait forever
+                log.exception("replica %d: batcher error", self.rank)
+
+    async def _serve_pending(self) -> None:
+        window = self.cfg.engine.batch_window_ms / 1000
+        if not self.pending:
+            return
+        while True:  # wait until requests stop arriving for one window
+            n = len(self.pending)
+            await asyncio.sleep(window)
+            if len(self.pending) == n or n >= self.cfg.engine.max_batch:
+                break
+        batch = [self.pending.popleft() for _ in range(min(len(self.pending), self.cfg.engine.max_batch))]
+        try:
+            results = await asyncio.to_thread(self._run_batch, batch)
+        except Exception as e:  # every waiter learns the error; the server keeps serving
+            log.exception("replica %d: batch of %d failed", self.rank, len(batch))
+            results = [e] * len(batch)
+        finally:
+            self.inflight -= len(batch)
+        for req, res in zip(batch, results):
+            if req.future.done():  # the caller went away
+                continue
+            if isinstance(res, Exception):
+                req.future.set_exception(res)
+            else:
+                req.future.set_result(res)
+        if self.pending:
+            self._wake.set()
+        elif self.inflight == 0:
+            with self._stats_lock:
+                self._stats["idle_at"] = time.monotonic()
+            if self.agent is not None:
+                self.agent.idle(self.step)
 
     def _run_batch(self, batch: list[_Request]):
         if self.agent is not None:
             self.agent.busy(self.step)  # stops a training session (checkpointed) before decoding
         with self._lock:
-            st = self._stats
-            if st["idle_at"] is not None:
-                st["idle_s"] += time.monotonic() - st["idle_at"]
-                st["idle_at"] = None
             prompts = [r.prompt for r in batch]
             ids: dict[tuple[int, ...], int] = {}
             groups = [ids.setdefault(tuple(p), len(ids)) for p in prompts]
+            seeds = [(self.seed * 1_000_003 + self.rank) * 1_000_003 + r.seed for r in batch]
             t0 = time.monotonic()
-            res = self.engine.generate(prompts, [r.params for r in batch], groups)
-            st["gen_s"] += time.monotonic() - t0
+            res = self.engine.generate(prompts, [r.params for r in batch], groups, seeds)
+            gen_s = time.monotonic() - t0
+            self._probe = [r.prompt + toks for r, toks in zip(batch[:4], res.outputs[:4])]
+        with self._stats_lock:
+            st = self._stats
+            if st["idle_at"] is not None:
+                st["idle_s"] += t0 - st["idle_at"]
+                st["idle_at"] = None
+            st["gen_s"] += gen_s
             st["batches"] += 1
             st["requests"] += len(batch)
             st["tokens"] += res.tokens
@@ -274,19 +315,13 @@ class TLTServer:
                     st["verifies"] += s.batch
                     st["committed"] += s.committed
                     st["accepted"] += s.accepted
-                    st["sd_tokens"] += s.committed
+                    st["drafted"] += s.drafted
                     st["arms"][s.arm] += 1
-            self._probe = [r.prompt + toks for r, toks in zip(batch[:4], res.outputs[:4])]
-            out = []
-            for r, toks, lps in zip(batch, res.outputs, res.logprobs):
-                stopped = bool(toks) and toks[-1] in r.params.stop_ids
-                out.append((toks, lps, "completed" if stopped else "length"))
-            return out
-
-    def _went_idle(self) -> None:
-        self._stats["idle_at"] = time.monotonic()
-        if self.agent is not None:
-            self.agent.idle(self.step)
+        out = []
+        for r, toks, lps in zip(batch, res.outputs, res.logprobs):
+            stopped = bool(toks) and toks[-1] in r.params.stop_ids
+            out.append((toks, lps, "completed" if stopped else "length"))
+        return out
 
     # ------------------------------------------------------------------ control (driver / workers)
     def begin_step(self, step: int) -> None:
@@ -294,37 +329,46 @@ class TLTServer:
         if self.agent is not None and self.agent.training:
             self.agent.busy(step)
         self.step = step
-        with self._lock:
+        with self._stats_lock:
             self._stats = self._empty_stats()
 
     def step_stats(self) -> dict[str, Any]:
-        st = dict(self._stats)
+        with self._stats_lock:
+            st = dict(self._stats)
+            st["arms"] = dict(st["arms"])
+            st["losses"], st["preempt_s"] = list(st["losses"]), list(st["preempt_s"])
         if st["idle_at"] is not None:
             st["idle_s"] += time.monotonic() - st["idle_at"]
-        st["arms"] = dict(st["arms"])
         st.update(drafter_version=self.drafter_version, proposer=self.proposer_name, drift_top1=self.drift_top1,
                   buffer=self.buffer.stats(), replica=self.rank)
         return st
 
-    def update_weights(self, state: dict[str, torch.Tensor]) -> int:
-        """Policy weights (HF names) copied into the target in place; the drafter is untouched."""
+    def update_weights(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:
+        """Policy weights (HF names) copied into the target in place; the drafter is untouched.
+        Every name and shape is checked before anything is copied."""
+        own = self.model.state_dict()
+        skip = {n for n in state if n not in own and (n.endswith("rotary_emb.inv_freq") or (
+            n == "lm_head.weight" and self.model.config.tie_word_embeddings))}
+        for name, t in state.items():
+            if name in skip:
+                continue
+            if name not in own:
+                raise ValueError(f"policy weight {name!r} is not a tensor of the rollout target")
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise ValueError(f"policy weight {name!r} has shape {tuple(t.shape)}, the rollout target "
+                                 f"expects {tuple(own[name].shape)}")
         with self._lock, torch.no_grad():
             before = self._probe_argmax()
-            own = self.model.state_dict()
-            n = 0
             for name, t in state.items():
-                if name not in own:
-                    if name.endswith("rotary_emb.inv_freq") or (
-                            name == "lm_head.weight" and self.model.config.tie_word_embeddings):
-                        continue
-                    raise ValueError(f"policy weight {name!r} is not a tensor of the rollout target")
-                own[name].copy_(t.to(own[name].dtype))
-                n += 1
+                if name not in skip:
+                    own[name].copy_(t.to(own[name].dtype))
             self.stale = False
+            if version is not None:
+                self.weight_version = int(version)
             if before is not None:
                 after = self._probe_argmax()
                 self.drift_top1 = float((before[0] == after[0])[before[1]].float().mean())
-        return n
+        return len(state) - len(skip)
 
     def _probe_argmax(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Greedy next tokens [B, T] of the current target on the probe, and the valid mask."""

@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import ray
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 def check_verl_config(config, tlt: TLTConfig) -> None:
     """verl settings TLT cannot work with, as one-line ValueErrors (before any worker starts)."""
+    from omegaconf import OmegaConf
+
     if not tlt.enable:
         return
     ro = config.actor_rollout_ref.rollout
@@ -53,12 +56,19 @@ def check_verl_config(config, tlt: TLTConfig) -> None:
     if int(sp) > 1:
         raise ValueError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}: hidden-state "
                          "capture needs whole sequences per rank; use 1")
-
-
-def _free_span(span: int) -> int:
-    from tlt.simloop import free_port
-
-    return free_port(span)
+    sync_step = OmegaConf.select(config, "trainer.v1.tlt.parameter_sync_step", default=1)
+    if sync_step != 1:
+        raise ValueError(f"trainer.v1.tlt.parameter_sync_step={sync_step}: TLT's rollout hooks assume one "
+                         "rollout per RL step; use 1")
+    lora = (OmegaConf.select(config, "actor_rollout_ref.model.lora.rank", default=0)
+            or OmegaConf.select(config, "actor_rollout_ref.model.lora_rank", default=0))
+    if lora:
+        raise ValueError(f"actor_rollout_ref.model.lora rank {lora}: the tlt rollout takes merged full "
+                         "weights only; train without LoRA")
+    bypass = OmegaConf.select(config, "algorithm.rollout_correction.bypass_mode", default=False)
+    if bypass and tlt.drafter.train and tlt.buffer.capture:
+        raise ValueError("algorithm.rollout_correction.bypass_mode=true skips the old-log-prob forward, "
+                         "where TLT captures hidden states; set tlt.buffer.capture=false or turn bypass off")
 
 
 def trainer_class():
@@ -78,8 +88,9 @@ def trainer_class():
             super().__init__(config)
             self._coord_proc = None
             self._driver = None
-            self._records = []
-            self._drafter_pushed = 0
+            self._drafter_pushed = 0  # spot checkpoint step last pushed
+            self._drafter_version = 0
+            self._aux_layers = None
             if not self.tlt.enable:
                 return
             self.replay_buffer.poll_interval = self.tlt.replay_poll_s
@@ -101,19 +112,21 @@ def trainer_class():
             if train:
                 from tlt.simloop import free_port
 
-                port = free_port()
-                address = f"tcp://{node_ip}:{port}"
+                address = f"tcp://{node_ip}:{free_port()}"
                 cc = self.tlt.coordinator
-                log_file = open(out / "tlt_coordinator.log", "ab")
-                self._coord_proc = subprocess.Popen(
-                    [sys.executable, "-m", "coordinator", "--bind", address,
-                     "--heartbeat-ms", str(int(cc.heartbeat_s * 1000)), "--liveness", str(cc.liveness),
-                     "--idle-threshold", str(self.tlt.spot.min_idle),
-                     "--stop-timeout-s", str(cc.done_timeout_s)], stdout=log_file, stderr=log_file)
+                with open(out / "tlt_coordinator.log", "ab") as log_file:
+                    self._coord_proc = subprocess.Popen(
+                        [sys.executable, "-m", "coordinator", "--bind", address,
+                         "--heartbeat-ms", str(int(cc.heartbeat_s * 1000)), "--liveness", str(cc.liveness),
+                         "--idle-threshold", str(self.tlt.spot.min_idle),
+                         "--stop-timeout-s", str(cc.done_timeout_s)], stdout=log_file, stderr=log_file)
+                weakref.finalize(self, _stop_process, self._coord_proc)  # also when init fails
                 (out / "tlt_coordinator.pid").write_text(f"{self._coord_proc.pid}\n")
                 self._driver = DriverClient(address, timeout_s=cc.done_timeout_s)
-            base = (self.tlt.spot.base_port or _free_span(PORT_SPAN * n_replicas)) if train else 0
-            runtime.publish(runtime.Runtime(tlt=self.tlt, coordinator_address=address, node_ip=node_ip,
+                if self.tlt.drafter.method == "eagle3":
+                    self._aux_layers = _eagle3_layers(self.tlt, config.actor_rollout_ref.model.path)
+            base = (self.tlt.spot.base_port or free_port(PORT_SPAN * n_replicas)) if train else 0
+            runtime.publish(runtime.Runtime(tlt=self.tlt, coordinator_address=address,
                                             spot_root=spot_root, spot_base_port=base,
                                             seed=int(config.actor_rollout_ref.rollout.get("seed", 0) or 0)))
             log.info("tlt: coordinator %s, spot checkpoints %s, step records %s", address, spot_root,
@@ -125,10 +138,13 @@ def trainer_class():
 
         def _init_resource_pool_mgr(self):
             super()._init_resource_pool_mgr()
-            if self.tlt.enable:
+            if self.tlt.enable:  # the actor roles only (a critic keeps its own worker class)
+                from verl.trainer.ppo.utils import Role
+
                 cls = ray.remote(worker_class())
-                for role in list(self.role_worker_mapping):
-                    self.role_worker_mapping[role] = cls
+                for role in (Role.ActorRollout, Role.ActorRolloutRef, Role.Actor):
+                    if role in self.role_worker_mapping:
+                        self.role_worker_mapping[role] = cls
 
         def _servers(self) -> list:
             return [r.servers[0] for r in self.llm_server_manager.get_replicas()]
@@ -166,16 +182,10 @@ def trainer_class():
             return out
 
         def _compute_old_log_prob(self, batch, metrics):
-            if self.tlt.enable and self.tlt.buffer.capture:
+            # Features are only worth capturing when something trains on them.
+            if self._driver is not None and self.tlt.buffer.capture:
                 with marked_timer("tlt_capture_arm", self.timing_raw):
-                    aux = None
-                    if self.tlt.drafter.method == "eagle3":
-                        from drafter.eagle import default_aux_layers
-
-                        aux = list(default_aux_layers(
-                            self.config.actor_rollout_ref.model.get("num_hidden_layers", 0) or
-                            _num_layers(self.config.actor_rollout_ref.model.path)))
-                    self.actor_rollout_wg.tlt_arm_capture(self.global_steps, aux)
+                    self.actor_rollout_wg.tlt_arm_capture(self.global_steps, self._aux_layers)
             return super()._compute_old_log_prob(batch, metrics)
 
         def on_step_end(self):
@@ -194,7 +204,8 @@ def trainer_class():
             step = latest(rt.spot_root) if rt.spot_root and Path(rt.spot_root).exists() else None
             if step is None or step == self._drafter_pushed:
                 return
-            version = self._drafter_version = getattr(self, "_drafter_version", 0) + 1
+            self._drafter_version += 1
+            version = self._drafter_version
             ray.get([s.load_drafter.remote(version) for s in self._servers()])
             self._drafter_pushed = step
             log.info("tlt: drafter version %d (spot step %d) pushed to %d replicas", version, step,
@@ -205,6 +216,7 @@ def trainer_class():
             verifies = sum(s["verifies"] for s in st)
             committed = sum(s["committed"] for s in st)
             accepted = sum(s["accepted"] for s in st)
+            drafted = sum(s["drafted"] for s in st)
             tokens = sum(s["tokens"] for s in st)
             losses = [x for s in st for x in s["losses"]]
             arms: dict[str, int] = {}
@@ -214,13 +226,12 @@ def trainer_class():
             n_arms = sum(arms.values()) or 1
             m = {
                 "rollout/spec_accept_length": committed / verifies if verifies else 0.0,
-                "rollout/spec_accept_rate": accepted / max(1, committed - verifies + accepted) if verifies
-                else 0.0,
-                "tlt/drafter_version": float(getattr(self, "_drafter_version", 0)),
+                "rollout/spec_accept_rate": accepted / drafted if drafted else 0.0,
+                "tlt/drafter_version": float(self._drafter_version),
                 "tlt/drafter_loss": statistics.fmean(losses) if losses else float("nan"),
                 "tlt/spot_train_steps": float(sum(s["train_steps"] for s in st)),
                 "tlt/idle_replica_s": float(sum(s["idle_s"] for s in st)),
-                "tlt/sd_token_share": sum(s["sd_tokens"] for s in st) / tokens if tokens else 0.0,
+                "tlt/sd_token_share": min(1.0, committed / tokens) if tokens else 0.0,
                 "tlt/buffer_samples": float(sum(s["buffer"]["samples"] for s in st)),
                 "tlt/rollout_s": self._rollout_s,
                 "tlt/sessions": float(sum(s["sessions"] for s in st)),
@@ -266,15 +277,26 @@ def trainer_class():
             if self._driver is not None:
                 self._driver.close()
             if self._coord_proc is not None:
-                self._coord_proc.terminate()
-                try:
-                    self._coord_proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    self._coord_proc.kill()
+                _stop_process(self._coord_proc)
 
     return TLTTrainer
 
 
-def _num_layers(path: str) -> int:
-    return int(json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"])
+def _stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _eagle3_layers(tlt: TLTConfig, model_path: str) -> list[int]:
+    """The target layers an EAGLE-3 drafter reads: the warm-up drafter's, else the defaults."""
+    from drafter.eagle import default_aux_layers, read_config
+
+    if tlt.drafter.init_path:
+        return list(read_config(tlt.drafter.init_path).aux_layers)
+    return list(default_aux_layers(int(json.loads((Path(model_path) / "config.json").read_text())
+                                       ["num_hidden_layers"])))
 
