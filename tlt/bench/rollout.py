@@ -31,7 +31,7 @@ from rollout.strategy import Arm
 from rollout.target import TargetModel
 from rollout.tuner import BegMab, TunerConfig
 from tlt.corpus import CorpusConfig, make_corpus
-from tlt.demo import DEMO_TARGET, QUICK_TARGET
+from tlt.demo import DEFAULT, QUICK
 from tlt.target_factory import default_cache_dir, ensure_target
 from tlt.tokenizer import TextTokenizer
 from tlt.warmup import WarmupConfig, run_warmup
@@ -59,7 +59,7 @@ def _drafter_dir(target: Path, steps: int, quick: bool) -> Path:
 
 def run(args: argparse.Namespace) -> dict:
     quick = bool(args.quick)
-    target_dir = ensure_target(QUICK_TARGET if quick else DEMO_TARGET, progress=False)
+    target_dir = ensure_target((QUICK if quick else DEFAULT).target, progress=False)
     drafter_dir = _drafter_dir(target_dir, 20 if quick else 150, quick)
     model = TargetModel.from_pretrained(target_dir)
     tok = TextTokenizer.from_pretrained(target_dir)
