@@ -47,7 +47,7 @@ def _validate_in_driver() -> None:
             try:
                 check_verl_config(config, from_verl(config))
             except ValueError as e:
-                print(f"error: {e}", file=sys.stderr, flush=True)
+                sys.stderr.write(f"error: {e}\n")  # the driver's user-facing line (before logging is set up)
                 raise SystemExit(2) from None
         return original(config, *args, **kwargs)
 
@@ -64,4 +64,4 @@ try:
     register()
 except Exception:  # noqa: BLE001 - reported loudly, then refused by the trainer
     _failure = traceback.format_exc()
-    print(f"tlt: registering the verl plugin failed:\n{_failure}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"tlt: registering the verl plugin failed:\n{_failure}\n")  # verl only DEBUG-logs it
