@@ -149,14 +149,18 @@ def arm_overrides(arm: str, workdir: Path, size: DemoSize, target: Path, drafter
     ]
 
 
+def verl_command(overrides: list[str]) -> list[str]:
+    """``python -m verl.trainer.main_ppo`` with the ``tlt_grpo_cpu`` config and these overrides."""
+    return [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={configs_dir()}",
+            "--config-name=tlt_grpo_cpu", *overrides]
+
+
 def run_arm(arm: str, workdir: Path, size: DemoSize, target: Path, drafter: Path, train: Path, val: Path,
-            progress: bool = True, extra: list[str] = ()) -> list[dict]:
+            progress: bool = True) -> list[dict]:
     """One verl GRPO run; returns its per-step TLT records. Raises RuntimeError on failure."""
     out = workdir / f"arm-{arm}"
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={configs_dir()}",
-           "--config-name=tlt_grpo_cpu", *arm_overrides(arm, workdir, size, target, drafter, train, val),
-           *extra]
+    cmd = verl_command(arm_overrides(arm, workdir, size, target, drafter, train, val))
     (out / "command.txt").write_text(" ".join(cmd) + "\n")
     env = {**os.environ, "VERL_PLATFORM": "cpu", "PYTHONUNBUFFERED": "1"}
     log_path = out / "verl.log"

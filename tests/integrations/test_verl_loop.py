@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -78,8 +77,7 @@ def _verl(tmp_path, *extra, timeout=600):
     train = demo.write_parquet(tmp_path / "train.parquet", size.prompts, 7)
     overrides = demo.arm_overrides("A", tmp_path, size, target, tmp_path / "none", train, train)
     overrides = [o for o in overrides if not o.startswith("tlt.")]
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={demo.configs_dir()}",
-           "--config-name=tlt_grpo_cpu", *overrides, "trainer.total_training_steps=1", *extra]
+    cmd = demo.verl_command([*overrides, "trainer.total_training_steps=1", *extra])
     env = {**os.environ, "VERL_PLATFORM": "cpu"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
 
@@ -111,8 +109,7 @@ def _run_and_kill_after_step1(tmp_path, kill, *extra):
     train = demo.write_parquet(tmp_path / "train.parquet", size.prompts, 7)
     overrides = demo.arm_overrides("C", tmp_path, size, target, tmp_path / "none", train, train)
     overrides = [o for o in overrides if not o.startswith(("tlt.drafter.init_path", "trainer.total_training_steps"))]
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={demo.configs_dir()}",
-           "--config-name=tlt_grpo_cpu", *overrides, "trainer.total_training_steps=3", *extra]
+    cmd = demo.verl_command([*overrides, "trainer.total_training_steps=3", *extra])
     log, arm = tmp_path / "verl.log", tmp_path / "arm-C"
     records = arm / "tlt_steps.jsonl"
     with open(log, "w") as f:

@@ -65,3 +65,18 @@ def test_bench_rollout_quick(tmp_path, monkeypatch, capsys):
     assert r["variants"]["AR"]["speedup_vs_ar"] == 1.0
     assert all(v["lossless"] for v in r["by_batch"].values())
     assert "reproduced the AR tokens exactly" in capsys.readouterr().out
+
+
+def test_report_plots_verl_step_records(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="tlt report needs matplotlib")
+    rec = tmp_path / "tlt_steps.jsonl"
+    rec.write_text("".join(json.dumps({"step": s, "rollout/spec_accept_length": 1.5 + s / 10, "tlt/drafter_version": s - 1,
+                                       "tlt/rollout_s": 2.0, "timing_s/step": 5.0, "tlt/idle_replica_s": 0.5,
+                                       "tlt/spot_train_steps": 1}) + "\n" for s in (1, 2, 3)))
+    png = tmp_path / "steps.png"
+    assert main(["report", str(rec), "--out", str(png)]) == 0
+    assert png.stat().st_size > 10_000 and f"wrote {png}" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"accept": 1}) + "\n")
+    assert main(["report", str(bad), "--out", str(png)]) == 2
+    assert "not a TLT step record" in capsys.readouterr().err

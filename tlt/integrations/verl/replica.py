@@ -20,7 +20,7 @@ import os
 import ray
 
 from tlt.integrations.verl import runtime
-from tlt.integrations.verl.server import TLTServer, server_name
+from tlt.integrations.verl.server import TLTServer, replica_of_this_rank, server_name
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,7 @@ def _replica_class():
     class TLTRolloutAdapter(BaseRollout):
         def __init__(self, config, model_config, device_mesh, *args, **kwargs):
             super().__init__(config, model_config, device_mesh)
-            world = (self.config.tensor_model_parallel_size * self.config.data_parallel_size
-                     * self.config.pipeline_model_parallel_size)
-            rank = int(os.environ.get("RANK", "0"))
-            self.replica_rank, self.is_leader = rank // world, rank % world == 0
+            self.replica_rank, self.is_leader = replica_of_this_rank(self.config)
             self._server = None
             self.sleep_level = 2
 

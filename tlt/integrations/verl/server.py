@@ -64,6 +64,15 @@ def server_name(replica_rank: int) -> str:
     return f"tlt_server_{replica_rank}"
 
 
+def replica_of_this_rank(rollout_config) -> tuple[int, bool]:
+    """(replica index, is the replica's first rank) of this actor worker (``RANK``): a replica
+    spans tensor x data x pipeline parallel ranks of the actor worker group."""
+    rc = rollout_config
+    world = rc.tensor_model_parallel_size * rc.data_parallel_size * rc.pipeline_model_parallel_size
+    rank = int(os.environ.get("RANK", "0"))
+    return rank // world, rank % world == 0
+
+
 def load_spot_drafter(root: str | Path, cfg: DrafterConfig, embed: torch.Tensor,
                       head: torch.Tensor) -> tuple[Drafter, int] | None:
     """The latest committed spot checkpoint as a serving drafter (no process group needed).

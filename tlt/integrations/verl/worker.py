@@ -17,7 +17,7 @@ import time
 import ray
 
 from tlt.integrations.verl.capture import HiddenCapture, micro_batch_samples
-from tlt.integrations.verl.server import server_name
+from tlt.integrations.verl.server import replica_of_this_rank, server_name
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,7 @@ def worker_class():
             return out
 
         def _tlt_ship(self, step: int, samples) -> None:
-            rc = self.config.rollout
-            world = rc.tensor_model_parallel_size * rc.data_parallel_size * rc.pipeline_model_parallel_size
-            replica = int(os.environ.get("RANK", "0")) // world
+            replica, _ = replica_of_this_rank(self.config.rollout)
             try:
                 server = ray.get_actor(server_name(replica))
                 ray.get(server.add_samples.remote(step, samples))
