@@ -4,11 +4,19 @@ Owns one training session on one rank: forming the session's process group (memb
 change from session to session), building the drafter on the target's frozen embedding / LM head
 (shared by reference, replicated, never sharded or saved), sharding the drafter's trainable
 modules with FSDP2, resuming from the latest selective checkpoint (written by any world size),
-the packed TTT training loop, preemption between micro-steps, and the final checkpoint.
+the packed TTT training loop, preemption between chunks of a micro-step, and the final checkpoint.
 
-Agreement: every micro-step starts with one tiny all-reduce (MAX) of ``[stop, no_data]`` so all
-ranks stop at the same boundary even when the preemption request reaches them at different
-times (a rank leaving alone would hang the others in the next FSDP collective).
+Agreement: every micro-step starts with one tiny all-reduce (MAX) of ``[stop, no_data, chunks]``
+so all ranks stop at the same boundary even when the preemption request reaches them at different
+times (a rank leaving alone would hang the others in the next FSDP collective), and run the same
+number of chunks.
+
+Preemption granularity: with ``preempt_s`` set, a micro-step's samples are trained in chunks of
+whole samples sized from this rank's measured tokens/s to take about ``preempt_s`` each (gradients
+accumulate locally, FSDP reduces after the last chunk), with a stop all-reduce before every chunk;
+so the flag -> loop-exit latency is about one chunk, not one micro-step. A rank with fewer chunks
+than the agreed count runs empty (fully masked) ones. The loss of a chunked micro-step is the mean
+of its chunks' global losses.
 
 Loss: the global TTT loss of the union of all ranks' samples. Per step ``j`` the summed losses
 and valid-position counts are all-reduced, and each rank back-propagates
@@ -92,6 +100,9 @@ class SpotConfig:
     # False: next_batch(world * budget) returns the same list on every rank, which is sharded.
     # True: next_batch(budget) returns this rank's own samples (e.g. its local DataBuffer).
     local_data: bool = False
+    # Stop-check interval target (seconds): micro-steps are trained in chunks that take about this
+    # long (from the measured tokens/s). None: one chunk per micro-step (exact accumulation order).
+    preempt_s: float | None = None
     ttt: TTTConfig = TTTConfig()
     seed: int = 0  # drafter init when there is neither a checkpoint nor init_from
     mixed_precision: bool = True  # CUDA only: bf16 compute, fp32 master weights and reduction
@@ -111,6 +122,8 @@ class SpotConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_steps is not None and self.max_steps < 0:
             raise ValueError(f"max_steps={self.max_steps} must be >= 0 or None (until stopped)")
+        if self.preempt_s is not None and self.preempt_s <= 0:
+            raise ValueError(f"preempt_s={self.preempt_s} must be > 0 seconds or None (no chunking)")
         if self.timeout_s <= 0 or self.rendezvous_timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s} and rendezvous_timeout_s="
                              f"{self.rendezvous_timeout_s} must be > 0")
@@ -130,6 +143,7 @@ class SessionResult:
     checkpoint_step: int | None  # newest complete checkpoint when the session ended
     check_interval_s: tuple[float, ...]  # between consecutive stop checks: the preemption granularity
     checkpoint_stall_s: tuple[float, ...]  # loop time blocked in each checkpoint save
+    tokens_per_s: float | None = None  # this rank's measured training throughput (chunk sizing)
 
     @property
     def steps(self) -> int:
@@ -166,13 +180,36 @@ def shard_samples(samples: Sequence[FeatureSample], rank: int, world_size: int) 
     return [samples[i] for i in sorted(mine)]
 
 
+_FIRST_CHUNK_TOKENS = 256  # chunk size before any throughput was measured
+
+
+def split_chunks(samples: Sequence[FeatureSample], max_tokens: int) -> list[list[FeatureSample]]:
+    """Whole samples, in order, into chunks of at most ``max_tokens`` (a longer sample alone)."""
+    chunks: list[list[FeatureSample]] = []
+    used = max_tokens
+    for s in samples:
+        if used + len(s) > max_tokens:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(s)
+        used += len(s)
+    return chunks
+
+
+def _empty_like(s: FeatureSample) -> FeatureSample:
+    """A two-token sample that contributes nothing to the loss (its FSDP collectives still run)."""
+    return FeatureSample(s.input_ids[:2].clone(), torch.zeros(2, dtype=torch.bool), s.hidden[:2].clone(),
+                         None if s.aux is None else s.aux[:2].clone())
+
+
 class SpotTrainer:
     """One rank of one training session; ``run`` forms the group, trains, checkpoints, leaves."""
 
     def __init__(self, *, spec: SessionSpec, config: SpotConfig, drafter_config: DrafterConfig,
                  embed_weight: torch.Tensor, head_weight: torch.Tensor, checkpoint_root: str | Path,
-                 init_from: str | Path | None = None) -> None:
+                 init_from: str | Path | None = None, tokens_per_s: float | None = None) -> None:
         self.spec, self.cfg, self.drafter_config = spec, config, drafter_config
+        self.tokens_per_s = tokens_per_s  # chunk sizing; e.g. the previous session's measurement
         self.embed_weight, self.head_weight = embed_weight, head_weight
         self.root = Path(checkpoint_root)
         self.init_from = Path(init_from) if init_from is not None else None
@@ -277,8 +314,15 @@ class SpotTrainer:
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------ training loop
-    def _micro_step(self, d: Drafter, samples: list[FeatureSample], ttt: TTTConfig) -> float:
-        """Forward + backward of this rank's shard; returns the global loss of the micro-step."""
+    def _chunk_tokens(self) -> int:
+        if self.cfg.preempt_s is None:
+            return 1 << 62
+        if self.tokens_per_s is None:
+            return _FIRST_CHUNK_TOKENS
+        return max(16, int(self.tokens_per_s * self.cfg.preempt_s))
+
+    def _micro_step(self, d: Drafter, samples: list[FeatureSample], ttt: TTTConfig, scale: float) -> float:
+        """Forward + backward of this rank's samples; returns the global loss (times ``scale``)."""
         batch = pack(samples)
         if self.device.type != "cpu":
             batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(self.device)
@@ -290,8 +334,8 @@ class SpotTrainer:
         dist.all_reduce(sums)  # [steps counts ; steps loss sums], over all ranks
         counts, loss_sums = sums[:n].tolist(), sums[n:].tolist()
         ttt = ttt.for_method(d.config.method)
-        world, scale = self.spec.world_size, 1.0 / self.cfg.micro_steps
-        loss = st.loss_sum[0].new_zeros(())
+        world = self.spec.world_size
+        loss = 0.0 * sum(st.loss_sum)  # in the graph even when no position counts (empty chunk)
         global_loss = 0.0
         for j, (s, c, gs) in enumerate(zip(st.loss_sum, counts, loss_sums)):
             if c:
@@ -300,11 +344,52 @@ class SpotTrainer:
         loss.backward()
         return global_loss * scale
 
+    def _check(self, gaps: list[float], should_stop: Callable[[], bool]) -> bool:
+        """One stop check: notes the interval since the previous one; returns this rank's flag."""
+        now = time.monotonic()
+        if self._last_check is not None:  # one chunk (+ optimizer step, + save) ago
+            gaps.append(now - self._last_check)
+        self._last_check = now
+        return bool(should_stop())
+
+    def _train_micro_step(self, d: Drafter, next_batch: NextBatch, should_stop: Callable[[], bool],
+                          gaps: list[float], state: TrainState) -> tuple[str | None, float]:
+        """One micro-step in agreed chunks: (stop reason or None, its global loss)."""
+        cfg, spec = self.cfg, self.spec
+        stop = self._check(gaps, should_stop)
+        want = cfg.token_budget if cfg.local_data else spec.world_size * cfg.token_budget
+        samples = [] if stop else list(next_batch(want))
+        mine = samples if cfg.local_data else shard_samples(samples, spec.rank, spec.world_size)
+        chunks = split_chunks(mine, self._chunk_tokens())
+        flags = torch.tensor([float(stop), float(not stop and not mine), float(len(chunks))])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] or flags[1]:
+            return ("preempted" if flags[0] else "no_data"), 0.0
+        k = int(flags[2])
+        chunks += [[_empty_like(mine[0])]] * (k - len(chunks))
+        loss = 0.0
+        for i, chunk in enumerate(chunks):
+            if i:
+                flag = torch.tensor([float(self._check(gaps, should_stop))])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if flag[0]:
+                    return "preempted", 0.0
+            d.set_requires_gradient_sync(i == k - 1)  # reduce once, after the last chunk
+            t0 = time.monotonic()
+            loss += self._micro_step(d, chunk, cfg.ttt, 1.0 / (cfg.micro_steps * k))
+            tokens = sum(len(s) for s in chunk if bool(s.loss_mask.any()))
+            if tokens:  # (the collectives inside make this the slowest rank's pace)
+                rate = tokens / max(time.monotonic() - t0, 1e-6)
+                self.tokens_per_s = rate if self.tokens_per_s is None else 0.5 * (self.tokens_per_s + rate)
+        state.progress["samples"] += len(samples)
+        return None, loss
+
     def _loop(self, d, opt, state: TrainState, ckpt: AsyncCheckpointer, start: int,
               next_batch: NextBatch, should_stop: Callable[[], bool]) -> SessionResult:
         cfg, spec = self.cfg, self.spec
         step, losses, gaps = start, [], []
-        reason, exited, last_check = None, None, None
+        reason, exited = None, None
+        self._last_check = None
         d.train()
         while reason is None:
             if cfg.max_steps is not None and step >= cfg.max_steps:
@@ -312,22 +397,11 @@ class SpotTrainer:
                 break
             step_loss = 0.0
             for _ in range(cfg.micro_steps):
-                now = time.monotonic()
-                if last_check is not None:  # one micro-step (+ optimizer step, + save) ago
-                    gaps.append(now - last_check)
-                last_check = now
-                stop = bool(should_stop())
-                want = cfg.token_budget if cfg.local_data else spec.world_size * cfg.token_budget
-                samples = [] if stop else list(next_batch(want))
-                mine = samples if cfg.local_data else shard_samples(samples, spec.rank, spec.world_size)
-                flags = torch.tensor([float(stop), float(not stop and not mine)])
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-                if flags[0] or flags[1]:
-                    reason = "preempted" if flags[0] else "no_data"
+                reason, loss = self._train_micro_step(d, next_batch, should_stop, gaps, state)
+                if reason is not None:
                     exited = time.monotonic()
                     break
-                step_loss += self._micro_step(d, mine, cfg.ttt)
-                state.progress["samples"] += len(samples)
+                step_loss += loss
             if reason is not None:
                 opt.zero_grad(set_to_none=True)  # an unfinished step is dropped, never applied
                 break
@@ -356,7 +430,8 @@ class SpotTrainer:
             preempt_latency_s=None if set_at is None else exited - set_at,
             stop_latency_s=None if set_at is None else durable - set_at,
             checkpoint_step=latest(self.root),  # after the barrier: committed everywhere
-            check_interval_s=tuple(gaps), checkpoint_stall_s=tuple(ckpt.stats.stall_s))
+            check_interval_s=tuple(gaps), checkpoint_stall_s=tuple(ckpt.stats.stall_s),
+            tokens_per_s=self.tokens_per_s)
 
 
 def run_session(*, spec: SessionSpec, config: SpotConfig, drafter_config: DrafterConfig,

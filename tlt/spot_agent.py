@@ -92,6 +92,7 @@ class _SessionState:
     flag: PreemptFlag | None = None    # preempts the running formation
     formed_epoch: int = 0
     thread: threading.Thread | None = None
+    acked: bool = False                # the session's end was reported: no longer training
 
 
 def rendezvous_endpoint(leader_address: str, epoch: int, port_span: int) -> tuple[str, int]:
@@ -181,7 +182,8 @@ class SpotAgent:
         self.close()
 
     def _running(self) -> bool:
-        return self._cur is not None and self._cur.thread is not None and self._cur.thread.is_alive()
+        cur = self._cur
+        return cur is not None and cur.thread is not None and cur.thread.is_alive() and not cur.acked
 
     # ---- coordinator side (client thread: signal and return) ------------------------------------
     def _on_command(self, cmd: Promote | Session | Stop) -> None:
@@ -254,10 +256,11 @@ class SpotAgent:
         with self._cond:
             reason = cur.stop
             cur.flag = None
-        if reason is None and not voluntary and not formed:
-            ok = False  # no SESSION came within formation_wait_s: report it
-        idle = reason in ("leader_lost", "coordinator_lost") and ok and not voluntary
-        self.client.report("IDLE" if idle else "BUSY", cur.rl_step, ok=ok)
+            if reason is None and not voluntary and not formed:
+                ok = False  # no SESSION came within formation_wait_s: report it
+            idle = reason in ("leader_lost", "coordinator_lost") and ok and not voluntary
+            cur.acked = True
+            self.client.report("IDLE" if idle else "BUSY", cur.rl_step, ok=ok)
         log.info("worker %s: left session %d (%s), acked %s", self.worker_id, cur.promote.session,
                  reason or ("done" if voluntary else "failed"), "IDLE" if idle else "BUSY")
 

@@ -29,6 +29,7 @@ from drafter.spot import (
     SpotTrainer,
     run_session,
     shard_samples,
+    split_chunks,
 )
 from drafter.ttt import TTTConfig, ttt_forward
 from tests.drafter.test_packing import make_samples, tiny_target_cfg
@@ -154,6 +155,22 @@ def _preempted(rank, port, root, out, seed):
     torch.save(r, f"{out}/p-{rank}.pt")
 
 
+def _chunked(rank, port, root, out, seed):
+    """Local data of different sizes per rank (rank 1's micro-steps have fewer chunks: it pads
+    with empty ones), trained in ~20 ms chunks; rank 0's flag lands inside micro-step 3."""
+    torch.set_num_threads(1)
+    flag = PreemptFlag()
+    rng = random.Random(seed)
+
+    def hook(i):
+        if rank == 0 and i == 3:
+            threading.Timer(rng.uniform(0.0, 0.05), flag.set).start()
+
+    cfg = _cfg(token_budget=2048, interval=100, local_data=True, preempt_s=0.02)
+    r = _session(rank, 2, port, "c", root, cfg, _Stream(n=24 if rank == 0 else 8, hook=hook), stop=flag)
+    torch.save(r, f"{out}/c-{rank}.pt")
+
+
 def _killed(rank, port, root, kill_at):
     torch.set_num_threads(1)
 
@@ -221,6 +238,31 @@ def test_preemption_stops_both_ranks_within_one_micro_step(tmp_path):
     assert 0 <= r0.preempt_latency_s <= bound, (r0.preempt_latency_s, r0.check_interval_s)
     assert r0.stop_latency_s >= r0.preempt_latency_s
     assert r0.checkpoint_step == r0.end_step == latest(tmp_path / "ckpt")  # final checkpoint durable
+
+
+def test_split_chunks_keeps_whole_samples_in_order():
+    samples = make_samples(9, seed=5)
+    for cap in (1, 40, 100, 10_000):
+        chunks = split_chunks(samples, cap)
+        assert [s for c in chunks for s in c] == samples
+        assert all(sum(map(len, c)) <= cap or len(c) == 1 for c in chunks)
+    assert len(split_chunks(samples, 10_000)) == 1 and split_chunks([], 8) == []
+    with pytest.raises(ValueError, match="preempt_s"):
+        _cfg(preempt_s=0)
+
+
+def test_chunked_preemption_stops_within_one_chunk(tmp_path):
+    _spawn(_chunked, 2, _free_port(), str(tmp_path / "ckpt"), str(tmp_path), 3)
+    r0, r1 = (torch.load(tmp_path / f"c-{r}.pt", weights_only=False) for r in range(2))
+    assert r0.stop_reason == r1.stop_reason == "preempted"
+    assert r0.end_step == r1.end_step >= 3 and r0.losses == r1.losses  # agreed chunks, one global loss
+    assert all(x == x and x > 0 for x in r0.losses)
+    # More stop checks than micro-steps: each micro-step was cut into chunks, on both ranks alike.
+    assert len(r0.check_interval_s) == len(r1.check_interval_s) > 2 * r0.end_step
+    assert r0.tokens_per_s and r1.tokens_per_s
+    bound = max(r0.check_interval_s) + 0.25
+    assert 0 <= r0.preempt_latency_s <= bound, (r0.preempt_latency_s, r0.check_interval_s)
+    assert r0.checkpoint_step == r0.end_step == latest(tmp_path / "ckpt")
 
 
 def test_sigkill_loses_at_most_one_interval(tmp_path):

@@ -70,10 +70,13 @@ class SpotSection:
     base_port: int = 0             # rendezvous ports base + 256 * replica ...; 0 = a free span found at start
     checkpoint_dir: str | None = None  # default: <trainer.default_local_dir>/tlt_spot
     ttt_steps: int = 3             # training-time-test unroll steps
+    preempt_s: float = 0.05        # micro-steps run in chunks of about this long: stop latency
 
     def check(self, p: str) -> None:
         if not 0 < self.lr <= 1:
             raise _bad(f"{p}.lr", self.lr, "use a float in (0, 1]")
+        if not 0.001 <= self.preempt_s <= 10:
+            raise _bad(f"{p}.preempt_s", self.preempt_s, "use seconds in [0.001, 10]")
         for name in ("token_budget", "interval", "min_idle", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise _bad(f"{p}.{name}", getattr(self, name), "use an int >= 1")

@@ -145,6 +145,7 @@ class TLTServer:
         self._stats = self._empty_stats()
         self._probe: list[list[int]] = []
         self.drift_top1 = None  # top-1 agreement of the last two policies on the last batch's probe
+        self._spot_rate: float | None = None  # spot training tokens/s measured by the last session
         train = self.cfg.enable and self.cfg.drafter.train and coordinator and spot_base_port
         self.agent = self._start_agent(coordinator, ray.util.get_node_ip_address(), spot_base_port) if train else None
 
@@ -172,14 +173,15 @@ class TLTServer:
 
         cc = self.cfg.coordinator
         spot = SpotConfig(lr=self.cfg.spot.lr, token_budget=self.cfg.spot.token_budget,
-                          interval=self.cfg.spot.interval, local_data=True,
+                          interval=self.cfg.spot.interval, local_data=True, preempt_s=self.cfg.spot.preempt_s,
                           ttt=TTTConfig(steps=self.cfg.spot.ttt_steps), seed=self.seed)
         embed, head = self.model.embed_weight, self.model.lm_head.weight
         init_from = self.cfg.drafter.init_path
 
-        def make_trainer(s):
+        def make_trainer(s):  # the last session's measured throughput sizes the first chunks
             return SpotTrainer(spec=s, config=spot, drafter_config=self.drafter_cfg, embed_weight=embed,
-                               head_weight=head, checkpoint_root=self.spot_root, init_from=init_from)
+                               head_weight=head, checkpoint_root=self.spot_root, init_from=init_from,
+                               tokens_per_s=self._spot_rate)
 
         def batches(f):
             calls = itertools.count()
@@ -192,6 +194,8 @@ class TLTServer:
                 if r is None:
                     st["failed_sessions"] += 1
                     return
+                if r.tokens_per_s:
+                    self._spot_rate = r.tokens_per_s
                 if r.preempt_latency_s is not None:
                     st["preempt_s"].append(r.preempt_latency_s)
                 if r.rank == 0:  # every rank reports the same global steps and losses
