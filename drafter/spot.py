@@ -12,11 +12,12 @@ times (a rank leaving alone would hang the others in the next FSDP collective), 
 number of chunks.
 
 Preemption granularity: with ``preempt_s`` set, a micro-step's samples are trained in chunks of
-whole samples sized from this rank's measured tokens/s to take about ``preempt_s`` each (gradients
-accumulate locally, FSDP reduces after the last chunk), with a stop all-reduce before every chunk;
-so the flag -> loop-exit latency is about one chunk, not one micro-step. A rank with fewer chunks
-than the agreed count runs empty (fully masked) ones. The loss of a chunked micro-step is the mean
-of its chunks' global losses.
+whole samples sized from this rank's measured tokens/s to take about ``preempt_s`` each, with a
+stop all-reduce before every chunk; so the flag -> loop-exit latency is about one chunk, not one
+micro-step. A rank with fewer chunks than the agreed count runs empty (fully masked) ones. The
+loss of a chunked micro-step is the mean of its chunks' global losses. A step stopped after some
+of its chunks is not thrown away: the gradient of the chunks trained (reduced after each chunk) is
+rescaled to their mean and applied, so short idle windows still make progress.
 
 Loss: the global TTT loss of the union of all ranks' samples. Per step ``j`` the summed losses
 and valid-position counts are all-reduced, and each rank back-propagates
@@ -353,8 +354,9 @@ class SpotTrainer:
         return bool(should_stop())
 
     def _train_micro_step(self, d: Drafter, next_batch: NextBatch, should_stop: Callable[[], bool],
-                          gaps: list[float], state: TrainState) -> tuple[str | None, float]:
-        """One micro-step in agreed chunks: (stop reason or None, its global loss)."""
+                          gaps: list[float], state: TrainState) -> tuple[str | None, float, float]:
+        """One micro-step in agreed chunks: (stop reason or None, summed global loss of the chunks
+        trained, summed loss scale of those chunks: 1 / micro_steps for a whole micro-step)."""
         cfg, spec = self.cfg, self.spec
         stop = self._check(gaps, should_stop)
         want = cfg.token_budget if cfg.local_data else spec.world_size * cfg.token_budget
@@ -364,25 +366,26 @@ class SpotTrainer:
         flags = torch.tensor([float(stop), float(not stop and not mine), float(len(chunks))])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0] or flags[1]:
-            return ("preempted" if flags[0] else "no_data"), 0.0
+            return ("preempted" if flags[0] else "no_data"), 0.0, 0.0
         k = int(flags[2])
         chunks += [[_empty_like(mine[0])]] * (k - len(chunks))
-        loss = 0.0
+        loss, weight = 0.0, 0.0
         for i, chunk in enumerate(chunks):
             if i:
                 flag = torch.tensor([float(self._check(gaps, should_stop))])
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 if flag[0]:
-                    return "preempted", 0.0
-            d.set_requires_gradient_sync(i == k - 1)  # reduce once, after the last chunk
+                    return "preempted", loss, weight
             t0 = time.monotonic()
-            loss += self._micro_step(d, chunk, cfg.ttt, 1.0 / (cfg.micro_steps * k))
+            scale = 1.0 / (cfg.micro_steps * k)
+            loss += self._micro_step(d, chunk, cfg.ttt, scale)
+            weight += scale
             tokens = sum(len(s) for s in chunk if bool(s.loss_mask.any()))
             if tokens:  # (the collectives inside make this the slowest rank's pace)
                 rate = tokens / max(time.monotonic() - t0, 1e-6)
                 self.tokens_per_s = rate if self.tokens_per_s is None else 0.5 * (self.tokens_per_s + rate)
         state.progress["samples"] += len(samples)
-        return None, loss
+        return None, loss, weight
 
     def _loop(self, d, opt, state: TrainState, ckpt: AsyncCheckpointer, start: int,
               next_batch: NextBatch, should_stop: Callable[[], bool]) -> SessionResult:
@@ -395,16 +398,21 @@ class SpotTrainer:
             if cfg.max_steps is not None and step >= cfg.max_steps:
                 reason = "max_steps"
                 break
-            step_loss = 0.0
+            step_loss = done = 0.0
             for _ in range(cfg.micro_steps):
-                reason, loss = self._train_micro_step(d, next_batch, should_stop, gaps, state)
+                reason, loss, weight = self._train_micro_step(d, next_batch, should_stop, gaps, state)
+                step_loss, done = step_loss + loss, done + weight
                 if reason is not None:
                     exited = time.monotonic()
                     break
-                step_loss += loss
-            if reason is not None:
-                opt.zero_grad(set_to_none=True)  # an unfinished step is dropped, never applied
+            if reason is not None and not done:
                 break
+            if reason is not None:  # stopped inside a step: apply the mean over the chunks trained
+                with torch.no_grad():
+                    for p in d.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(1.0 / done)
+                step_loss /= done
             if cfg.grad_clip:
                 torch.nn.utils.clip_grad_norm_(list(d.parameters()), cfg.grad_clip)
             ckpt.wait_staged()  # the step below mutates what an in-flight snapshot may still copy

@@ -265,6 +265,21 @@ def test_chunked_preemption_stops_within_one_chunk(tmp_path):
     assert r0.checkpoint_step == r0.end_step == latest(tmp_path / "ckpt")
 
 
+def test_a_step_stopped_between_chunks_is_applied(tmp_path):
+    """The stop lands after 2 chunks of the first step: their mean gradient is applied (step 1,
+    checkpointed), not thrown away."""
+    calls = []
+
+    def stop():  # checked once before every chunk
+        calls.append(1)
+        return len(calls) > 2
+
+    cfg = _cfg(token_budget=2048, interval=100, preempt_s=0.01)
+    r = _session(0, 1, _free_port(), "h", tmp_path, cfg, _Stream(n=24), stop=stop)
+    assert (r.stop_reason, r.start_step, r.end_step, r.checkpoint_step) == ("preempted", 0, 1, 1)
+    assert len(r.losses) == 1 and r.losses[0] > 0 and len(calls) == 3
+
+
 def test_sigkill_loses_at_most_one_interval(tmp_path):
     root = tmp_path / "ckpt"
     _spawn_killed = multiprocessing.get_context("spawn").Process(

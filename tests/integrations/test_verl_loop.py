@@ -100,8 +100,8 @@ def test_bad_tlt_value_fails_before_ray(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def _run_and_kill_after_step1(tmp_path, kill, *extra):
-    """A 3-step full-TLT run (n-gram, fresh drafter); ``kill(arm_dir)`` once step 1 is recorded."""
+def _run_and_kill_after_step1(tmp_path, kill, *extra, steps=3):
+    """A full-TLT run (n-gram, fresh drafter); ``kill(arm_dir)`` once step 1 is recorded."""
     size = demo.QUICK
     from tlt.target_factory import ensure_target
 
@@ -109,7 +109,7 @@ def _run_and_kill_after_step1(tmp_path, kill, *extra):
     train = demo.write_parquet(tmp_path / "train.parquet", size.prompts, 7)
     overrides = demo.arm_overrides("C", tmp_path, size, target, tmp_path / "none", train, train)
     overrides = [o for o in overrides if not o.startswith(("tlt.drafter.init_path", "trainer.total_training_steps"))]
-    cmd = demo.verl_command([*overrides, "trainer.total_training_steps=3", *extra])
+    cmd = demo.verl_command([*overrides, f"trainer.total_training_steps={steps}", *extra])
     log, arm = tmp_path / "verl.log", tmp_path / "arm-C"
     records = arm / "tlt_steps.jsonl"
     with open(log, "w") as f:
@@ -128,7 +128,7 @@ def _run_and_kill_after_step1(tmp_path, kill, *extra):
     text = log.read_text()
     assert rc == 0, text[-3000:]
     recs = _records(tmp_path, "C")
-    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert [r["step"] for r in recs] == list(range(1, steps + 1))
     return recs, text
 
 
@@ -151,3 +151,43 @@ def test_replica_killed_run_finishes(tmp_path):
 
     _, text = _run_and_kill_after_step1(tmp_path, kill)
     assert "restarted: serving again after the next policy push" in text  # it came back, waiting for weights
+
+
+def test_spot_trainer_killed_mid_training(tmp_path):
+    """kill -9 of a replica while its spot trainer trains (the trainer lives in the replica's
+    process): the RL step completes, Ray restarts the replica, which serves the drafter of the last
+    committed checkpoint, and training resumes from that checkpoint in later steps."""
+    from drafter.checkpoint import latest
+
+    killed = {}
+
+    def kill(arm):
+        log = arm / "tlt_coordinator.log"
+        seen = log.read_text().count(" TRAINING (session")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            lines = [x for x in log.read_text().splitlines() if " TRAINING (session" in x]
+            if len(lines) > seen:
+                worker = lines[-1].split("worker ", 1)[1].split()[0]  # replica-<rank>
+                pid = int((arm / f"tlt_replica_{worker.split('-')[1]}.pid").read_text())
+                killed.update(worker=worker, checkpoint=latest(arm / "tlt_spot"), step=_last_step(arm))
+                os.kill(pid, 9)
+                return
+            time.sleep(0.02)
+        raise AssertionError("no replica was promoted to training after step 1")
+
+    recs, text = _run_and_kill_after_step1(tmp_path, kill, "tlt.spot.interval=1", steps=4)
+    at = killed["step"] + 1  # the step whose rollout was running at the kill
+    rec = recs[at - 1]
+    assert killed["worker"] in rec["lost"] + rec["timed_out"], rec  # it died while training
+    assert "restarted: serving again after the next policy push" in text
+    final = latest(tmp_path / "arm-C" / "tlt_spot")
+    assert final is not None and final >= (killed["checkpoint"] or 0)
+    if killed["checkpoint"] is not None:  # the restarted replica restored the committed drafter
+        assert all(p == "eagle" for r in recs[at:] for p in r["proposers"]), [r["proposers"] for r in recs]
+    assert sum(r["tlt/spot_train_steps"] for r in recs[at:]) >= 1  # training went on after the kill
+
+
+def _last_step(arm) -> int:
+    path = arm / "tlt_steps.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0

@@ -50,7 +50,7 @@ def _replica_class():
                 model_path=_model_path(self.model_config), replica_rank=self.replica_rank,
                 tlt=rt.tlt.to_dict(), prompt_length=self.config.prompt_length,
                 response_length=self.config.response_length, coordinator=rt.coordinator_address,
-                spot_root=rt.spot_root, spot_base_port=rt.spot_base_port, seed=rt.seed)
+                spot_root=rt.spot_root, run_dir=rt.run_dir, spot_base_port=rt.spot_base_port, seed=rt.seed)
             await server.pid.remote()  # constructed: model loaded, agent connected
             self.servers = [server]
             self._server_handle = server

@@ -1,7 +1,7 @@
 """What the trainer hands to the replicas it launches, in the trainer's (TaskRunner) process.
 
 Owns one small record: the validated TLT config, the coordinator's address, the shared
-spot-checkpoint directory, the rendezvous base port and the seed. verl constructs the
+spot-checkpoint directory, the run directory, the rendezvous base port and the seed. verl constructs the
 replica objects itself (``LLMServerManager``) with its own arguments only, so the trainer
 publishes this before it builds them and :class:`TLTReplica` reads it when launching servers.
 """
@@ -18,6 +18,7 @@ class Runtime:
     tlt: TLTConfig
     coordinator_address: str | None
     spot_root: str
+    run_dir: str = ""  # trainer.default_local_dir: replicas write tlt_replica_<rank>.pid there
     spot_base_port: int = 0
     seed: int = 0
 

@@ -99,12 +99,14 @@ class TLTServer:
     """The Ray actor of one replica (``ray.remote`` is applied by the replica class)."""
 
     def __init__(self, *, model_path: str, replica_rank: int, tlt: dict, prompt_length: int,
-                 response_length: int, coordinator: str | None, spot_root: str,
+                 response_length: int, coordinator: str | None, spot_root: str, run_dir: str = "",
                  spot_base_port: int = 0, seed: int = 0) -> None:
         import ray
 
         self.cfg = TLTConfig.from_mapping(tlt)
         self.rank, self.spot_root, self.seed = replica_rank, spot_root, seed
+        if run_dir:  # which process is which replica (also after a restart), like tlt_coordinator.pid
+            (Path(run_dir) / f"tlt_replica_{replica_rank}.pid").write_text(f"{os.getpid()}\n")
         if self.cfg.engine.threads:
             torch.set_num_threads(self.cfg.engine.threads)
         self.model = TargetModel.from_pretrained(model_path)

@@ -127,7 +127,7 @@ def trainer_class():
                     self._aux_layers = _eagle3_layers(self.tlt, config.actor_rollout_ref.model.path)
             base = (self.tlt.spot.base_port or free_port(PORT_SPAN * n_replicas)) if train else 0
             runtime.publish(runtime.Runtime(tlt=self.tlt, coordinator_address=address,
-                                            spot_root=spot_root, spot_base_port=base,
+                                            spot_root=spot_root, run_dir=str(out), spot_base_port=base,
                                             seed=int(config.actor_rollout_ref.rollout.get("seed", 0) or 0)))
             log.info("tlt: coordinator %s, spot checkpoints %s, step records %s", address, spot_root,
                      self._record_path)
@@ -241,7 +241,8 @@ def trainer_class():
                 m["tlt/target_drift"] = 1.0 - statistics.fmean(drift)
             m.update({f"tlt/arm_share/{a}": n / n_arms for a, n in arms.items()})
             o = self._outcome
-            self._step_extra = {"stopped": list(o.stopped) if o else [], "coordinator_reachable":
+            self._step_extra = {"stopped": list(o.stopped) if o else [], "lost": list(o.lost) if o else [],
+                                "timed_out": list(o.timed_out) if o else [], "coordinator_reachable":
                                 bool(o.reachable) if o else False,
                                 "preempt_s": [x for s in st for x in s["preempt_s"]],
                                 "proposers": [s["proposer"] for s in st],
