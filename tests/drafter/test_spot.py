@@ -280,6 +280,25 @@ def test_a_step_stopped_between_chunks_is_applied(tmp_path):
     assert len(r.losses) == 1 and r.losses[0] > 0 and len(calls) == 3
 
 
+def test_warm_resume_equals_a_checkpoint_resume(tmp_path):
+    """Back-to-back sessions in one process resume from memory; the result is the same as
+    reading the checkpoint (the cold run clears the process's warm state between sessions)."""
+    from drafter import spot
+
+    results = {}
+    for mode in ("warm", "cold"):
+        root = tmp_path / mode
+        a = _session(0, 1, _free_port(), "a", root, _cfg(max_steps=2, interval=100), _Stream())
+        if mode == "cold":
+            spot._WARM.clear()
+        b = _session(0, 1, _free_port(), "b", root, _cfg(max_steps=4, interval=100), _Stream(start=2))
+        assert (a.warm, b.warm) == (False, mode == "warm") and b.start_step == 2 and b.end_step == 4
+        results[mode] = (b.losses, _checkpoint_weights(root, 4))
+    assert results["warm"][0] == results["cold"][0]
+    for k, v in results["cold"][1].items():
+        torch.testing.assert_close(results["warm"][1][k], v, rtol=0, atol=0, msg=k)
+
+
 def test_sigkill_loses_at_most_one_interval(tmp_path):
     root = tmp_path / "ckpt"
     _spawn_killed = multiprocessing.get_context("spawn").Process(

@@ -1,8 +1,8 @@
 """The ``verl.plugins`` entry point: registers TLT with verl in every process that imports verl.
 
 Owns registration, in this order: the CPU platform and its shims (only when
-``VERL_PLATFORM=cpu``), the ``tlt`` rollout backend (replica + worker-side adapter) and the
-``tlt`` trainer mode. verl only DEBUG-logs a plugin that fails to load, so a failure here prints
+``VERL_PLATFORM=cpu``), the ``tlt`` rollout backend (replica + worker-side adapter), TLT's
+adapter for verl's ``sglang`` rollout (target-only policy pushes) and the ``tlt`` trainer mode. verl only DEBUG-logs a plugin that fails to load, so a failure here prints
 its traceback to stderr and is remembered: the ``tlt`` trainer refuses to start with it.
 """
 
@@ -23,6 +23,8 @@ def register() -> None:
     cpu_platform.install()
     RolloutReplicaRegistry.register("tlt", replica.load_replica)
     base._ROLLOUT_REGISTRY[("tlt", "async")] = "tlt.integrations.verl.replica.TLTRolloutAdapter"
+    # verl's SGLang rollout, with policy pushes that never reach a draft model (imported lazily)
+    base._ROLLOUT_REGISTRY[("sglang", "async")] = "tlt.integrations.verl.sglang_push.TLTSGLangServerAdapter"
     trainer.trainer_class()
     _validate_in_driver()
 

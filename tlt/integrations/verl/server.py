@@ -200,6 +200,7 @@ class TLTServer:
                     self._spot_rate = r.tokens_per_s
                 if r.preempt_latency_s is not None:
                     st["preempt_s"].append(r.preempt_latency_s)
+                st["phases"].append(r.phase_s)
                 if r.rank == 0:  # every rank reports the same global steps and losses
                     st["sessions"] += 1
                     st["train_steps"] += r.end_step - r.start_step
@@ -218,7 +219,7 @@ class TLTServer:
         return {"committed": 0, "verifies": 0, "accepted": 0, "drafted": 0, "tokens": 0,
                 "arms": collections.Counter(), "idle_at": None, "idle_s": 0.0, "sessions": 0,
                 "failed_sessions": 0, "train_steps": 0, "losses": [], "preempt_s": [], "batches": 0,
-                "requests": 0, "gen_s": 0.0}
+                "requests": 0, "gen_s": 0.0, "phases": []}
 
     # ------------------------------------------------------------------ verl server interface
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
@@ -301,7 +302,7 @@ class TLTServer:
         elif self.inflight == 0:
             with self._stats_lock:
                 self._stats["idle_at"] = time.monotonic()
-            if self.agent is not None:
+            if self.agent is not None and len(self.buffer):  # nothing to train on: no session
                 self.agent.idle(self.step)
 
     def _run_batch(self, batch: list[_Request]):
@@ -351,7 +352,7 @@ class TLTServer:
         with self._stats_lock:
             st = dict(self._stats)
             st["arms"] = dict(st["arms"])
-            st["losses"], st["preempt_s"] = list(st["losses"]), list(st["preempt_s"])
+            st["losses"], st["preempt_s"], st["phases"] = list(st["losses"]), list(st["preempt_s"]), list(st["phases"])
         if st["idle_at"] is not None:
             st["idle_s"] += time.monotonic() - st["idle_at"]
         st.update(drafter_version=self.drafter_version, proposer=self.proposer_name, drift_top1=self.drift_top1,

@@ -245,6 +245,7 @@ def trainer_class():
                                 "timed_out": list(o.timed_out) if o else [], "coordinator_reachable":
                                 bool(o.reachable) if o else False,
                                 "preempt_s": [x for s in st for x in s["preempt_s"]],
+                                "spot_phase_s": [list(x) for s in st for x in s["phases"]],
                                 "proposers": [s["proposer"] for s in st],
                                 "replica_idle_s": [s["idle_s"] for s in st],
                                 "replica_gen_s": [s["gen_s"] for s in st]}

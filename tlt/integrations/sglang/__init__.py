@@ -1,0 +1,1 @@
+"""TLT inside stock SGLang servers (GPU clusters). SGLang is imported only by the modules here."""
