@@ -1,0 +1,203 @@
+"""TLT's verl-side SGLang pushes against one installed SGLang version (run in its own process).
+
+``python -m tests.sglang_env.push_check SITE_DIR OUT_JSON`` (SITE_DIR from install.sh). A live
+SGLang server needs CUDA, so a real HTTP server on 127.0.0.1 stands in for it: it records each
+request and parses its body into SGLang's own request class for that endpoint (an unknown field or
+a bad value fails there). verl's real ``AsyncHttpServerAdapter`` / ``ServerAdapter`` code paths
+send the requests (a 1-rank gloo group plays the replica's TP group). Checked here, per version:
+
+- policy push (``TLTSGLangServerAdapter.update_weights``): every ``update_weights_from_tensor``
+  is target-only (0.5.12 ``disable_draft_model``, 0.5.23 ``selector="target"`` inside
+  ``begin_weight_update`` / ``end_weight_update``), and carries exactly the tensors pushed;
+- draft push (``update_draft_weights``): 0.5.12 names TLT's draft-only loader as ``load_format``,
+  0.5.23 pauses in place and uses ``selector="draft"``; both label ``draft-<version>``;
+- the draft-only loader loads into SGLang's EAGLE draft model class and leaves the target alone.
+
+Writes what it saw to OUT_JSON; any failed check raises (non-zero exit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import json
+import os
+import socket
+import sys
+
+from tests.sglang_env import cpu_env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parse(endpoint: str, body: dict):
+    """The body as SGLang's own request object (raises on a field it does not have)."""
+    from sglang.srt.managers import io_struct as io
+
+    cls = {"update_weights_from_tensor": io.UpdateWeightsFromTensorReqInput,
+           "begin_weight_update": getattr(io, "BeginWeightUpdateReqInput", None),
+           "end_weight_update": getattr(io, "EndWeightUpdateReqInput", None),
+           "pause_generation": io.PauseGenerationReqInput,
+           "continue_generation": io.ContinueGenerationReqInput}.get(endpoint)
+    if cls is None:
+        return None
+    if endpoint == "update_weights_from_tensor" and not dataclasses.is_dataclass(cls):  # 0.5.23: bytes
+        body = {**body, "serialized_named_tensors": [base64.b64decode(x) for x in body["serialized_named_tensors"]]}
+    return cls(**body)
+
+
+def _tensors(body: dict) -> dict:
+    """name -> tensor carried by an update_weights_from_tensor body (TP rank 0's part)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    raw = base64.b64decode(body["serialized_named_tensors"][0])
+    out = {}
+    for name, local in MultiprocessingSerializer.deserialize(raw):
+        out[name] = MultiprocessingSerializer.deserialize(local.values[0])
+    return out
+
+
+async def _serve(calls: list):
+    from aiohttp import web
+
+    async def handle(request):
+        body = await request.json() if request.can_read_body else {}
+        endpoint = request.path.strip("/")
+        _parse(endpoint, body)
+        calls.append((endpoint, body))
+        return web.json_response({"success": True, "message": "ok"})
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
+def _adapter(port: int, model_path: str):
+    """TLT's ServerAdapter as one TP-leader actor worker sees it, talking to ``port``."""
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tlt.integrations.verl.sglang_push import TLTHttpEngine, TLTSGLangServerAdapter
+
+    a = object.__new__(TLTSGLangServerAdapter)  # verl's __init__ needs a Ray cluster and a GPU
+    a.config = OmegaConf.create({"checkpoint_engine": {"update_weights_bucket_megabytes": 64}, "quantization": None})
+    a.model_config = OmegaConf.create({"hf_config": {"model_type": "llama"}})
+    a.device_mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
+    a._pd_role, a.replica_rank = None, 0
+    a._engine = TLTHttpEngine(model_path=model_path, host="127.0.0.1", port=port, launch_server=False, device="cpu")
+    return a
+
+
+async def _main(model_path: str) -> dict:
+    import torch
+
+    from tlt.integrations.verl.sglang_push import DRAFT_LOADER, push_api
+
+    api = push_api()
+    calls: list = []
+    runner, port = await _serve(calls)
+    try:
+        adapter = _adapter(port, model_path)
+        policy = {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 4), "lm_head.weight": torch.randn(16, 4)}
+        await adapter.update_weights(iter(policy.items()))
+        policy_calls, calls[:] = list(calls), []
+        draft = {"model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4)}
+        await adapter.update_draft_weights(iter(draft.items()), version=3)
+        draft_calls = list(calls)
+    finally:
+        await runner.cleanup()
+
+    seq = [c[0] for c in policy_calls]
+    updates = [b for e, b in policy_calls if e == "update_weights_from_tensor"]
+    assert updates, seq
+    got = {}
+    for b in updates:
+        if api.selector:
+            assert b.get("selector") == "target" and "disable_draft_model" not in b, b.keys()
+        else:
+            assert b.get("disable_draft_model") is True and "selector" not in b, b.keys()
+        got.update(_tensors(b))
+    assert set(got) == set(policy) and all(torch.equal(got[k], v) for k, v in policy.items())
+    if api.sessions:
+        assert seq[0] == "begin_weight_update" and policy_calls[0][1] == {"selector": "target"}, seq
+        assert seq[-1] == "end_weight_update", seq
+
+    dseq = [c[0] for c in draft_calls]
+    [dbody] = [b for e, b in draft_calls if e == "update_weights_from_tensor"]
+    assert dbody["weight_version"] == "draft-3"
+    assert set(_tensors(dbody)) == set(draft)
+    if api.selector:
+        assert dbody["selector"] == "draft" and dbody["load_format"] is None
+        assert dseq == ["pause_generation", "begin_weight_update", "update_weights_from_tensor",
+                        "end_weight_update", "continue_generation"], dseq
+        assert draft_calls[0][1] == {"mode": "in_place"} and draft_calls[1][1] == {"selector": "draft"}
+    else:
+        assert dbody["load_format"] == DRAFT_LOADER and not dbody.get("disable_draft_model"), dbody.keys()
+        assert dseq == ["update_weights_from_tensor"], dseq
+    return {"api": dataclasses.asdict(api), "policy_calls": seq, "draft_calls": dseq,
+            "policy_fields": sorted(set(updates[0]) - {"serialized_named_tensors"}),
+            "draft_fields": sorted(set(dbody) - {"serialized_named_tensors"}),
+            "draft_loader": _check_draft_loader()}
+
+
+def _check_draft_loader() -> dict:
+    """The 0.5.12 loader against SGLang's own model classes (instances without weights)."""
+    from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.models.llama_eagle import LlamaForCausalLMEagle
+
+    from tlt.integrations.sglang.draft_loader import load_draft_only
+
+    loaded = []
+    originals = LlamaForCausalLMEagle.__dict__.get("load_weights"), LlamaForCausalLM.__dict__.get("load_weights")
+    LlamaForCausalLMEagle.load_weights = lambda self, w: loaded.append(("draft", [n for n, _ in w]))
+    LlamaForCausalLM.load_weights = lambda self, w: loaded.append(("target", [n for n, _ in w]))
+    try:
+        tensors = [("model.layers.0.self_attn.q_proj.weight", None)]
+        load_draft_only(object.__new__(LlamaForCausalLMEagle), tensors)  # no weights: never runs a kernel
+        load_draft_only(object.__new__(LlamaForCausalLM), tensors)
+    finally:
+        for cls, fn in zip((LlamaForCausalLMEagle, LlamaForCausalLM), originals):
+            if fn is None:
+                delattr(cls, "load_weights")
+            else:
+                cls.load_weights = fn
+    assert loaded == [("draft", ["model.layers.0.self_attn.q_proj.weight"])], loaded
+    return {"draft_class": LlamaForCausalLMEagle.__name__, "target_class": LlamaForCausalLM.__name__}
+
+
+def main() -> None:
+    site, out, model_path = sys.argv[1], sys.argv[2], sys.argv[3]
+    os.environ["VERL_PLATFORM"] = "cpu"  # verl's push moves tensors to this platform's device
+    cpu_env.activate(site)
+    import torch.distributed as dist
+    from sglang.srt.utils import patch_torch
+
+    # Stand-in for CUDA IPC: SGLang's reduction patch only handles CUDA tensors; CPU tensors go
+    # through torch's own shared-memory reductions (same serializer, same request bodies).
+    patch_torch.monkey_patch_torch_reductions = lambda: None
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        import sglang
+
+        result = asyncio.run(_main(model_path))
+        result["sglang_version"] = sglang.__version__
+    finally:
+        dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
