@@ -126,13 +126,15 @@ class TLTServer:
                                         self.model.lm_head.weight).eval()
             self.drafter_cfg = self.drafter.config
         # A restarted replica (Ray re-ran this constructor after a crash) holds the initial weights:
-        # it refuses requests until verl pushes the current policy, and serves the newest drafter.
+        # until verl pushes the current policy it forwards requests to a healthy replica (never
+        # samples stale weights); it serves the newest committed spot drafter.
         self.stale = ray.get_runtime_context().was_current_actor_reconstructed
         if self.stale:
             log.warning("replica %d restarted: serving again after the next policy push", replica_rank)
             got = load_spot_drafter(spot_root, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight)
             if got is not None:
                 self.drafter, self.drafter_version = got[0], -1  # restored: the driver's version is unknown
+        self._forwarded_to: int | None = None
         self.buffer = DataBuffer(BufferConfig(dtype=self.cfg.buffer.dtype, max_bytes=self.cfg.buffer.max_mb << 20))
         self.engine = self._build_engine()
         self.pending: collections.deque[_Request] = collections.deque()
@@ -228,9 +230,13 @@ class TLTServer:
 
         if image_data or video_data:
             raise ValueError("the tlt rollout serves text-only models (image/video data given)")
-        if self.stale:
-            raise RuntimeError(f"replica {self.rank} restarted and has not received the current policy "
-                               "yet; refusing to sample from stale weights until the next weight push")
+        if self.stale:  # never sample stale weights: a healthy replica serves the request
+            peer = await self._healthy_peer()
+            if peer is None:
+                raise RuntimeError(f"replica {self.rank} restarted and has not received the current policy "
+                                   "yet, and no other replica has it; refusing to sample from stale weights")
+            return await peer.generate.remote(request_id, prompt_ids, sampling_params, image_data=image_data,
+                                              video_data=video_data, **kwargs)
         params = self._params(prompt_ids, dict(sampling_params))
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
@@ -240,6 +246,31 @@ class TLTServer:
         tokens, lps, reason = await fut
         return TokenOutput(token_ids=tokens, log_probs=lps if sampling_params.get("logprobs") else None,
                            stop_reason=reason, extra_fields={"global_steps": self.weight_version})
+
+    async def _healthy_peer(self):
+        """Another replica serving the current policy (replicas are named 0, 1, ... in order)."""
+        import ray
+
+        for k in itertools.count():
+            if k == self.rank:
+                continue
+            try:
+                peer = ray.get_actor(server_name(k))
+            except ValueError:  # past the last replica
+                return None
+            try:
+                if not await peer.is_stale.remote():
+                    if self._forwarded_to != k:
+                        log.warning("replica %d: stale after its restart; forwarding requests to replica %d "
+                                    "until the next policy push", self.rank, k)
+                        self._forwarded_to = k
+                    return peer
+            except ray.exceptions.RayError:  # that one is down too
+                continue
+        return None
+
+    def is_stale(self) -> bool:
+        return self.stale
 
     def _params(self, prompt: list[int], sp: dict[str, Any]) -> SamplingParams:
         for key, value in sp.items():
@@ -378,7 +409,7 @@ class TLTServer:
             for name, t in state.items():
                 if name not in skip:
                     own[name].copy_(t.to(own[name].dtype))
-            self.stale = False
+            self.stale, self._forwarded_to = False, None
             if version is not None:
                 self.weight_version = int(version)
             if before is not None:
