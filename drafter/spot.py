@@ -53,7 +53,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from torch.distributed.tensor import DTensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -62,6 +61,7 @@ from drafter.eagle import WEIGHTS_NAME, Drafter, DrafterConfig
 from drafter.packing import FeatureSample, pack
 from drafter.rendezvous import RendezvousAborted, rendezvous
 from drafter.ttt import TTTConfig, ttt_forward
+from drafter.warm import WARM, fits, restore, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -158,50 +158,6 @@ class SessionResult:
     @property
     def steps(self) -> int:
         return self.end_step - self.start_step
-
-
-@dataclasses.dataclass
-class _Warm:
-    """One rank's training state as its last session in this process ended."""
-
-    step: int
-    world_size: int
-    rank: int
-    params: list[torch.Tensor]  # local shards, in parameter order
-    optim: list[dict[str, tuple[bool, torch.Tensor]]]  # per parameter: name -> (is DTensor, local)
-    samples: int
-
-
-_WARM: dict[str, _Warm] = {}  # checkpoint root -> this process's last session state
-
-
-def _snapshot(d: Drafter, opt: torch.optim.Optimizer, step: int, spec: SessionSpec, samples: int) -> _Warm:
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    params = list(d.parameters())
-    optim = [{k: (isinstance(v, DTensor), local(v).detach().clone()) for k, v in opt.state.get(p, {}).items()
-              if isinstance(v, torch.Tensor)} for p in params]
-    return _Warm(step, spec.world_size, spec.rank, [local(p).detach().clone() for p in params], optim, samples)
-
-
-def _locals(d: Drafter) -> list[torch.Tensor]:
-    return [p.to_local() if isinstance(p, DTensor) else p for p in d.parameters()]
-
-
-def _fits(w: _Warm, d: Drafter) -> bool:
-    mine = _locals(d)
-    return len(mine) == len(w.params) and all(a.shape == b.shape for a, b in zip(mine, w.params))
-
-
-def _restore(w: _Warm, d: Drafter, opt: torch.optim.Optimizer) -> None:
-    params, locals_ = list(d.parameters()), _locals(d)
-    with torch.no_grad():
-        for dst, src in zip(locals_, w.params):
-            dst.copy_(src)
-    for p, state in zip(params, w.optim):
-        opt.state[p] = {k: DTensor.from_local(v.clone(), p.device_mesh, p.placements) if dt else v.clone()
-                        for k, (dt, v) in state.items()}
 
 
 class PreemptFlag:
@@ -326,15 +282,15 @@ class SpotTrainer:
 
     def _resume(self, d: Drafter, opt: torch.optim.Optimizer, state: TrainState, pg) -> int:
         """Resume from this process's warm state when every rank can, else from the checkpoint."""
-        w, newest, s = _WARM.get(str(self.root)), latest(self.root), self.spec
-        ok = (w is not None and newest is not None and _fits(w, d)
+        w, newest, s = WARM.get(str(self.root)), latest(self.root), self.spec
+        ok = (w is not None and newest is not None and fits(w, d)
               and (w.step, w.world_size, w.rank) == (newest, s.world_size, s.rank))
         agree = torch.tensor([float(ok)])
         dist.all_reduce(agree, op=dist.ReduceOp.MIN)
         self.warm = bool(agree[0])
         if not self.warm:
             return load(self.root, {"train": state}, process_group=pg) or 0
-        _restore(w, d, opt)
+        restore(w, d, opt)
         state.step, state.progress["samples"] = w.step, w.samples
         return w.step
 
@@ -503,7 +459,7 @@ class SpotTrainer:
         dist.barrier()  # every rank's shards and the coordinator's commit are done
         durable = time.monotonic()
         if latest(self.root) == step:  # what the next session here may resume from memory
-            _WARM[str(self.root)] = _snapshot(d, opt, step, spec, state.progress["samples"])
+            WARM[str(self.root)] = snapshot(d, opt, step, spec.world_size, spec.rank, state.progress["samples"])
         set_at = getattr(should_stop, "set_at", None) if reason == "preempted" else None
         return SessionResult(
             session_id=spec.session_id, rank=spec.rank, world_size=spec.world_size,

@@ -283,14 +283,14 @@ def test_a_step_stopped_between_chunks_is_applied(tmp_path):
 def test_warm_resume_equals_a_checkpoint_resume(tmp_path):
     """Back-to-back sessions in one process resume from memory; the result is the same as
     reading the checkpoint (the cold run clears the process's warm state between sessions)."""
-    from drafter import spot
+    from drafter import warm
 
     results = {}
     for mode in ("warm", "cold"):
         root = tmp_path / mode
         a = _session(0, 1, _free_port(), "a", root, _cfg(max_steps=2, interval=100), _Stream())
         if mode == "cold":
-            spot._WARM.clear()
+            warm.WARM.clear()
         b = _session(0, 1, _free_port(), "b", root, _cfg(max_steps=4, interval=100), _Stream(start=2))
         assert (a.warm, b.warm) == (False, mode == "warm") and b.start_step == 2 and b.end_step == 4
         results[mode] = (b.losses, _checkpoint_weights(root, 4))

@@ -18,7 +18,6 @@ import math
 import os
 import platform
 import random
-import socket
 import tempfile
 import threading
 import time
@@ -31,14 +30,9 @@ from drafter.model_config import ModelConfig
 from drafter.packing import FeatureSample
 from drafter.spot import PreemptFlag, SessionSpec, SpotConfig, run_session
 from drafter.ttt import TTTConfig
+from tlt.ports import free_port
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _LongTailStream:

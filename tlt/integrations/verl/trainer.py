@@ -34,6 +34,7 @@ import ray
 from tlt.integrations.verl import runtime
 from tlt.integrations.verl.config import TLTConfig, from_verl
 from tlt.integrations.verl.server import PORT_SPAN
+from tlt.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +111,6 @@ def trainer_class():
             n_replicas = max(1, config.trainer.n_gpus_per_node * config.trainer.nnodes)
             train = self.tlt.drafter.train and self.tlt.coordinator.enable
             if train:
-                from tlt.simloop import free_port
-
                 address = f"tcp://{node_ip}:{free_port()}"
                 cc = self.tlt.coordinator
                 with open(out / "tlt_coordinator.log", "ab") as log_file:
