@@ -169,14 +169,16 @@ class Coordinator:
             return
         self._ctx.destroy(linger=0)
 
-    def serve_forever(self) -> None:
-        """Run until SIGINT/SIGTERM (standalone use; call from the main thread)."""
+    def serve_forever(self, until: Callable[[], bool] | None = None) -> None:
+        """Run until SIGINT/SIGTERM or ``until()`` (checked every 0.5 s); standalone use, from the
+        main thread."""
         done = threading.Event()
         previous = {sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.start()
             while not done.wait(0.5) and self._thread is not None and self._thread.is_alive():
-                pass
+                if until is not None and until():
+                    break
         finally:
             self.stop()
             for sig, handler in previous.items():

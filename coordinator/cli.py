@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import zmq
 
@@ -31,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--stop-timeout-s", type=float, default=dp.stop_timeout_s,
                    help="seconds a training worker has to ack STOP before it is marked LOST")
     p.add_argument("--max-workers", type=int, default=dp.max_workers)
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop when the process that started this one exits (even if it was killed)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="level of the coordinator's own log")
     return p
@@ -44,8 +47,17 @@ def serve_args(a: argparse.Namespace) -> None:
     cfg = CoordinatorConfig(bind=a.bind, heartbeat_interval_s=a.heartbeat_ms / 1000, liveness=a.liveness,
                             policy=PolicyConfig(idle_threshold=a.idle_threshold,
                                                 stop_timeout_s=a.stop_timeout_s, max_workers=a.max_workers))
+    until = None
+    if a.exit_with_parent:
+        parent = os.getppid()
+
+        def until() -> bool:  # reparented: the parent is gone
+            if os.getppid() == parent:
+                return False
+            log.warning("parent process %d exited: stopping", parent)
+            return True
     try:
-        Coordinator(cfg).serve_forever()
+        Coordinator(cfg).serve_forever(until)
     except zmq.ZMQError as e:
         raise ValueError(f"cannot serve on {cfg.bind}: {e}") from None
 

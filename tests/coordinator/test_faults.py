@@ -223,3 +223,38 @@ def test_import_coordinator_pulls_no_torch_and_nothing_of_ours():
                        env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_standalone_coordinator_exits_with_its_parent():
+    """``--exit-with-parent`` (the verl trainer starts it so): a parent killed with -9 leaves no
+    orphaned coordinator behind."""
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "c = subprocess.Popen([sys.executable, '-m', 'coordinator', '--bind', 'tcp://127.0.0.1:0',"
+        " '--exit-with-parent'])\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(600)\n")], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        time.sleep(1.0)  # the child is serving
+        os.kill(child, 0)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            try:  # reap it if it became our zombie (it is reparented to init, normally)
+                os.waitpid(child, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the coordinator outlived its parent by 10 s")
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -118,7 +118,8 @@ def trainer_class():
                         [sys.executable, "-m", "coordinator", "--bind", address,
                          "--heartbeat-ms", str(int(cc.heartbeat_s * 1000)), "--liveness", str(cc.liveness),
                          "--idle-threshold", str(self.tlt.spot.min_idle),
-                         "--stop-timeout-s", str(cc.done_timeout_s)], stdout=log_file, stderr=log_file)
+                         "--stop-timeout-s", str(cc.done_timeout_s), "--exit-with-parent"],
+                        stdout=log_file, stderr=log_file)
                 weakref.finalize(self, _stop_process, self._coord_proc)  # also when init fails
                 (out / "tlt_coordinator.pid").write_text(f"{self._coord_proc.pid}\n")
                 self._driver = DriverClient(address, timeout_s=cc.done_timeout_s)
