@@ -30,7 +30,9 @@ drafter).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import functools
 import logging
 from typing import Any
 
@@ -85,15 +87,11 @@ class TLTHttpEngine(AsyncHttpServerAdapter):
     makes. (SGLang 0.5.23 declares ``begin_weight_update`` / ``end_weight_update`` abstract, so
     verl 0.9.1's own client cannot even be constructed against it.)"""
 
-    @property
+    @functools.cached_property
     def api(self) -> PushAPI:
-        if getattr(self, "_tlt_api", None) is None:
-            self._tlt_api = push_api()
-        return self._tlt_api
+        return push_api()
 
     async def update_weights_from_tensor(self, req, fields: dict[str, Any] | None = None) -> dict[str, Any]:
-        import base64
-
         extra = self.api.policy_fields() if fields is None else fields
         payload = {"serialized_named_tensors": [base64.b64encode(t).decode("utf-8")
                                                 for t in req.serialized_named_tensors],
