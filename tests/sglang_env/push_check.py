@@ -23,16 +23,9 @@ import base64
 import dataclasses
 import json
 import os
-import socket
 import sys
 
 from tests.sglang_env import cpu_env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _parse(endpoint: str, body: dict):
@@ -76,9 +69,9 @@ async def _serve(calls: list):
     app.router.add_route("*", "/{tail:.*}", handle)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = _free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, port
+    site = web.TCPSite(runner, "127.0.0.1", 0)  # the kernel picks the port: no race with other tests
+    await site.start()
+    return runner, runner.addresses[0][1]
 
 
 def _adapter(port: int, model_path: str):
@@ -185,9 +178,7 @@ def main() -> None:
     # through torch's own shared-memory reductions (same serializer, same request bodies).
     patch_torch.monkey_patch_torch_reductions = lambda: None
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{out}.store")
     try:
         import sglang
 
