@@ -2,10 +2,10 @@
 
 Call :func:`activate` first thing in the process (before torch's inductor or transformers'
 processors are imported): it records in torch that triton is absent (torch caches that answer),
-then makes ``triton`` and ``torchvision`` importable as inert stubs (every submodule and name is a
-placeholder: SGLang's modules import, none of their kernels can run), hides a ``torchcodec``
-whose native library does not load with this torch, and puts the SGLang install first on
-``sys.path``.
+then makes ``triton``, ``torchvision`` and ``sgl_kernel`` importable as inert stubs (every
+submodule and name is a placeholder: SGLang's modules import, none of their kernels can run),
+hides a ``torchcodec`` whose native library does not load with this torch, and puts the SGLang
+install first on ``sys.path``.
 """
 
 from __future__ import annotations
