@@ -2,8 +2,9 @@
 
 Owns registration, in this order: the CPU platform and its shims (only when
 ``VERL_PLATFORM=cpu``), the ``tlt`` rollout backend (replica + worker-side adapter), TLT's
-adapter for verl's ``sglang`` rollout (target-only policy pushes) and the ``tlt`` trainer mode. verl only DEBUG-logs a plugin that fails to load, so a failure here prints
-its traceback to stderr and is remembered: the ``tlt`` trainer refuses to start with it.
+adapter for verl's ``sglang`` rollout (target-only policy pushes) and the ``tlt`` trainer mode.
+verl only DEBUG-logs a plugin that fails to load, so a failure here prints its traceback to
+stderr and is remembered: the ``tlt`` trainer refuses to start with it.
 """
 
 from __future__ import annotations
