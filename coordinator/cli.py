@@ -47,17 +47,16 @@ def serve_args(a: argparse.Namespace) -> None:
     cfg = CoordinatorConfig(bind=a.bind, heartbeat_interval_s=a.heartbeat_ms / 1000, liveness=a.liveness,
                             policy=PolicyConfig(idle_threshold=a.idle_threshold,
                                                 stop_timeout_s=a.stop_timeout_s, max_workers=a.max_workers))
-    until = None
-    if a.exit_with_parent:
-        parent = os.getppid()
+    parent = os.getppid()
 
-        def until() -> bool:  # reparented: the parent is gone
-            if os.getppid() == parent:
-                return False
-            log.warning("parent process %d exited: stopping", parent)
-            return True
+    def parent_gone() -> bool:  # reparented: the process that started this one exited
+        if os.getppid() == parent:
+            return False
+        log.warning("parent process %d exited: stopping", parent)
+        return True
+
     try:
-        Coordinator(cfg).serve_forever(until)
+        Coordinator(cfg).serve_forever(parent_gone if a.exit_with_parent else None)
     except zmq.ZMQError as e:
         raise ValueError(f"cannot serve on {cfg.bind}: {e}") from None
 
