@@ -326,8 +326,7 @@ class Coordinator:
                 reason = e.detail.get("reason")
                 log.log(logging.INFO if reason in ("disconnect", "reregistered") else logging.WARNING,
                         "worker %s LOST (%s)", e.worker_id, reason)
-        for e in d.events:
-            if e.kind == "accept":
+            elif e.kind == "accept":
                 log.info("worker %s TRAINING (session %s)", e.worker_id, e.detail.get("session"))
             elif e.kind == "stopped":
                 log.info("worker %s stopped training (session %s, %s)", e.worker_id, e.detail.get("session"),

@@ -1,8 +1,9 @@
 """Warm state of a spot trainer: one rank's training state kept in process memory between sessions.
 
 Owns the snapshot taken when a session ends (this rank's local shards of the drafter's weights and
-of its optimizer state, plain tensors detached from the ended process group) and its restoration
-into the next session's freshly sharded drafter. ``drafter.spot`` decides when a snapshot may be
+of its optimizer state, plain tensors detached from the ended process group, kept in host memory so
+an accelerator's memory goes back to rollout) and its restoration into the next session's freshly
+sharded drafter. ``drafter.spot`` decides when a snapshot may be
 used (every rank agrees nothing changed); this module only copies.
 """
 
@@ -22,8 +23,8 @@ class Warm:
     step: int
     world_size: int
     rank: int
-    params: list[torch.Tensor]  # local shards, in parameter order
-    optim: list[dict[str, tuple[bool, torch.Tensor]]]  # per parameter: name -> (is DTensor, local)
+    params: list[torch.Tensor]  # local shards on the host, in parameter order
+    optim: list[dict[str, tuple[bool, torch.device, torch.Tensor]]]  # name -> (is DTensor, its device, local)
     samples: int
 
 
@@ -32,13 +33,13 @@ WARM: dict[str, Warm] = {}  # checkpoint root -> this process's last session sta
 
 def snapshot(d: nn.Module, opt: torch.optim.Optimizer, step: int, world_size: int, rank: int,
              samples: int) -> Warm:
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
+    def host(t):
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
 
     params = list(d.parameters())
-    optim = [{k: (isinstance(v, DTensor), local(v).detach().clone()) for k, v in opt.state.get(p, {}).items()
+    optim = [{k: (isinstance(v, DTensor), v.device, host(v)) for k, v in opt.state.get(p, {}).items()
               if isinstance(v, torch.Tensor)} for p in params]
-    return Warm(step, world_size, rank, [local(p).detach().clone() for p in params], optim, samples)
+    return Warm(step, world_size, rank, [host(p) for p in params], optim, samples)
 
 
 def _locals(d: nn.Module) -> list[torch.Tensor]:
@@ -58,5 +59,5 @@ def restore(w: Warm, d: nn.Module, opt: torch.optim.Optimizer) -> None:
         for dst, src in zip(locals_, w.params):
             dst.copy_(src)
     for p, state in zip(params, w.optim):
-        opt.state[p] = {k: DTensor.from_local(v.clone(), p.device_mesh, p.placements) if dt else v.clone()
-                        for k, (dt, v) in state.items()}
+        opt.state[p] = {k: DTensor.from_local(v.to(dev, copy=True), p.device_mesh, p.placements) if dt
+                        else v.to(dev, copy=True) for k, (dt, dev, v) in state.items()}

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
                          r.end_step, r.preempt_latency_s * 1e3, r.stop_latency_s * 1e3)
     ms = 1e3
     result = {"bench": "preempt", "quick": bool(args.quick), "seed": args.seed, "sessions": sessions,
-              "world_size": 1, "hidden": hidden, "token_budget": budget, "interval": 4, "chunk_s": CHUNK_S,
+              "world_size": 1, "hidden": hidden, "token_budget": budget, "interval": cfgs["chunked"].interval, "chunk_s": CHUNK_S,
               "seconds": time.monotonic() - t_start, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "machine": platform.machine(),
               "loadavg_1m_end": os.getloadavg()[0]}  # a busy shared host inflates every number

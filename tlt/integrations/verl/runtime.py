@@ -1,9 +1,10 @@
 """What the trainer hands to the replicas it launches, in the trainer's (TaskRunner) process.
 
 Owns one small record: the validated TLT config, the coordinator's address, the shared
-spot-checkpoint directory, the run directory, the rendezvous base port and the seed. verl constructs the
-replica objects itself (``LLMServerManager``) with its own arguments only, so the trainer
-publishes this before it builds them and :class:`TLTReplica` reads it when launching servers.
+spot-checkpoint directory, the run directory, the rendezvous base port and the seed. verl
+constructs the replica objects itself (``LLMServerManager``) with its own arguments only, so the
+trainer publishes this before it builds them and :class:`TLTReplica` reads it when launching
+servers.
 """
 
 from __future__ import annotations
