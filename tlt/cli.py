@@ -117,6 +117,18 @@ def _cmd_bench(a: argparse.Namespace) -> None:
         print(f"wrote {a.json}")
 
 
+def _cmd_doctor(a: argparse.Namespace) -> None:
+    from tlt.integrations.sglang import doctor
+
+    r = doctor.report()
+    print("\n".join(doctor.lines(r)))
+    if a.json:
+        Path(a.json).write_text(json.dumps(r, indent=2))
+        print(f"wrote {a.json}")
+    if r["hooks_missing"] or r["errors"]:
+        sys.exit(1)
+
+
 def _cmd_demo(a: argparse.Namespace) -> None:
     from tlt.demo import run_demo, summary_lines
 
@@ -216,6 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(s)
     s.set_defaults(fn=_cmd_coordinator)
 
+    s = sub.add_parser("doctor", help="check an integration here: `tlt doctor sglang`",
+                       description="Apply TLT's SGLang hooks in this environment, as every SGLang process "
+                       "does at start, and report the SGLang version and each hook: applied or missing. "
+                       "Exit 1 if any is missing.")
+    s.add_argument("what", choices=["sglang"])
+    s.add_argument("--json", help="also write the report here (keys sglang_version, hooks_applied, hooks_missing)")
+    s.set_defaults(fn=_cmd_doctor)
+
     s = sub.add_parser("bench", help="benchmarks that print side-by-side ratios and write JSON")
     from tlt.bench import BENCHES
 
@@ -223,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="write the result record here")
     s.add_argument("--quick", action="store_true", help="smaller workload (for smoke tests)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--trace", help="sglang-policy: verify trace to replay (recorded here first if the file "
+                   "does not exist; without --trace a fresh one is recorded and not kept)")
     s.set_defaults(fn=_cmd_bench)
 
     s = sub.add_parser("demo", help="the main job: real verl GRPO on CPU, with and without TLT",

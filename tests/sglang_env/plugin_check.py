@@ -1,0 +1,245 @@
+"""TLT's SGLang plugin inside one installed SGLang version (run in its own process).
+
+``python -m tests.sglang_env.plugin_check SITE_DIR OUT_JSON MODEL_DIR TRACE``. SGLang's engine needs
+CUDA, so no server starts; everything else is SGLang's own code:
+
+- the plugin is loaded by SGLang's ``load_plugins()`` from TLT's installed entry point, and
+  ``tlt doctor sglang``'s report is taken after it;
+- the policy is driven through SGLang's real ``AdaptiveController`` (0.5.23: ``init_states`` with
+  the CUDA-graph batch sizes, then ``activate_step_by_batch`` / ``on_verify_complete`` in the
+  overlap scheduler's order; 0.5.12: ``on_verify_complete`` after every verify) over the recorded
+  verify trace, next to SGLang's own policy on the same trace;
+- the lossless guard: real ``ServerArgs`` (a local target config, no GPU needed to resolve),
+  ``SamplingParams.verify`` and the hooked ``Scheduler.set_internal_state``;
+- the idle signal: the hook functions with a stand-in scheduler report to a real coordinator.
+
+Writes what it saw to OUT_JSON; the pytest side asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import types
+
+from tests.sglang_env import cpu_env
+
+
+class _Worker:
+    """Stand-in for SGLang's EAGLE worker: the ``AdaptiveSpecWorker`` protocol, no GPU."""
+
+    def __init__(self, steps: int) -> None:
+        self.speculative_num_steps = steps
+        self.built: dict[int, list[int] | None] = {}
+
+    def build_adaptive_runtime_state(self, speculative_num_steps, speculative_num_draft_tokens, cuda_graph_bs=None):
+        self.built[speculative_num_steps] = cuda_graph_bs
+        return types.SimpleNamespace(speculative_num_steps=speculative_num_steps)
+
+    def apply_runtime_state(self, state) -> None:
+        self.speculative_num_steps = state.speculative_num_steps
+
+
+def _policy_on_trace(version: str, trace, original_cls) -> dict:
+    from sglang.srt.speculative import adaptive_runtime_state as ars
+    from sglang.srt.speculative import adaptive_spec_params as asp
+
+    from tlt.bench.sglang_policy import SGLANG_SPEC_GRAPH_BS, evaluate
+    from tlt.integrations.sglang import sglang_hooks
+    from tlt.integrations.sglang.policy import DEFAULT_SLOTS
+
+    out: dict = {"class_replaced": asp.AdaptiveSpeculativeParams.__name__}
+    if version == "0.5.23":
+        out["candidate_steps"] = asp.resolve_candidate_steps_from_config(None)
+
+        def tlt(clock):
+            worker = _Worker(3)
+            pol = asp.AdaptiveSpeculativeParams(initial_steps=3, cfg_path=None)  # what eagle_worker_v2 builds
+            pol._clock = clock
+            ctl = ars.AdaptiveController(worker, pol)
+            ctl.init_states(cuda_graph_bs=list(SGLANG_SPEC_GRAPH_BS))
+            out["graph_bs_per_step"] = {str(k): v for k, v in sorted(worker.built.items())}
+            out["policy_type"] = type(pol).__name__
+            return _Driven(ctl, worker, pol)
+
+        def sglang_own(clock):
+            worker = _Worker(3)
+            ctl = ars.AdaptiveController(worker, original_cls(initial_steps=3, cfg_path=_slots_file(DEFAULT_SLOTS)))
+            ctl.init_states(cuda_graph_bs=list(SGLANG_SPEC_GRAPH_BS))
+            return _Driven(ctl, worker, None)
+    else:
+        def tlt(clock):
+            worker = _Worker(3)
+            ctl = ars.AdaptiveController(worker, config_path=None)  # builds the (replaced) params class
+            ctl.params._clock = clock
+            ctl.init_states()
+            out["policy_type"] = type(ctl.params).__name__
+            out["candidate_steps"] = ctl.params.candidate_steps
+            return _Driven(ctl, worker, ctl.params, per_verify=True)
+
+        def sglang_own(clock):
+            worker = _Worker(3)
+            ctl = ars.AdaptiveController.__new__(ars.AdaptiveController)
+            ctl.worker, ctl._states = worker, {}
+            ctl.params = original_cls(initial_steps=3, config={"candidate_steps": [1, 2, 3, 5, 7]})
+            ctl.init_states()
+            return _Driven(ctl, worker, None, per_verify=True)
+    slots = DEFAULT_SLOTS if version == "0.5.23" else sglang_hooks.policy._positive(DEFAULT_SLOTS)
+    for name, make in (("tlt", tlt), ("sglang_own", sglang_own)):
+        ev = evaluate(trace, slots, rollouts=16, requests=32, seed=0, make_policy=make,
+                      overlap=version == "0.5.23")  # 0.5.12's EAGLE worker feeds its policy in the step
+        out[name] = {"pct_of_oracle": ev["policy_pct_of_oracle"], "goodput": ev["goodput_tok_s"]}
+    return out
+
+
+class _Driven:
+    """Exposes a real AdaptiveController as the bench's (get_steps_for_batch, on_verify_complete)."""
+
+    def __init__(self, ctl, worker, policy, per_verify: bool = False) -> None:
+        self.ctl, self.worker, self.policy, self.per_verify = ctl, worker, policy, per_verify
+
+    def set_cuda_graph_bs(self, bs) -> None:
+        pass  # init_states already did, as SGLang does
+
+    def get_steps_for_batch(self, batch_size: int) -> int:
+        if not self.per_verify:
+            self.ctl.activate_step_by_batch(batch_size)
+        return self.worker.speculative_num_steps
+
+    def on_verify_complete(self, accepts, batch_size) -> None:
+        if self.per_verify:
+            self.ctl.on_verify_complete(accepts)
+        else:
+            self.ctl.on_verify_complete(accepts, batch_size)
+
+    def stats(self):
+        return self.policy.stats() if self.policy is not None and hasattr(self.policy, "stats") else None
+
+
+def _slots_file(slots) -> str:
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tlt-slots-{os.getpid()}.json")
+    with open(path, "w") as f:
+        json.dump(slots, f)
+    return path
+
+
+def _server_args(version: str, model: str, **kw):
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model, device="cuda", speculative_algorithm="EAGLE",
+                      speculative_draft_model_path=model, **kw)
+    if version == "0.5.23":
+        args.resolve_once()
+    return args
+
+
+def _refused(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _guard(version: str, model: str) -> dict:
+    from sglang.srt.managers.io_struct import SetInternalStateReq
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    out: dict = {}
+    out["threshold_single"] = _refused(lambda: _server_args(version, model, speculative_accept_threshold_single=0.9))
+    out["threshold_acc"] = _refused(lambda: _server_args(version, model, speculative_accept_threshold_acc=0.5))
+    os.environ["SGLANG_SIMULATE_ACC_LEN"] = "3"
+    out["simulate_acc_len"] = _refused(lambda: _server_args(version, model))
+    del os.environ["SGLANG_SIMULATE_ACC_LEN"]
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logging.getLogger("tlt.integrations.sglang.sglang_hooks").addHandler(handler)
+    _server_args(version, model)  # lossless, max-running-requests left to SGLang: accepted, warned
+    out["lossless_accepted"] = True
+    out["warned_default_cap"] = any("max_running_requests" in m for m in records)
+    records.clear()
+    _server_args(version, model, max_running_requests=256)
+    out["warned_with_explicit_cap"] = any("max_running_requests" in m for m in records)
+    out["min_p"] = _refused(lambda: SamplingParams(min_p=0.1).verify(100))
+    out["greedy_ok"] = _refused(lambda: SamplingParams(temperature=0).verify(100)) is None
+    out["sampled_ok"] = _refused(lambda: SamplingParams(temperature=0.7, top_p=0.9).verify(100)) is None
+    os.environ["SGLANG_NGRAM_FORCE_GREEDY_VERIFY"] = "1"
+    from tlt.integrations.sglang import sglang_hooks
+
+    sglang_hooks._server["algorithm"] = "NGRAM"  # what an NGRAM server's args hook records
+    out["forced_greedy_sampled"] = _refused(lambda: SamplingParams(temperature=0.7).verify(100))
+    out["forced_greedy_greedy_ok"] = _refused(lambda: SamplingParams(temperature=0).verify(100)) is None
+    del os.environ["SGLANG_NGRAM_FORCE_GREEDY_VERIFY"]
+    sglang_hooks._server["algorithm"] = None
+    out["min_p_without_spec_ok"] = _refused(lambda: SamplingParams(min_p=0.1).verify(100)) is None
+    # run time: the hooked method refuses before SGLang's own code (which needs a live scheduler) runs
+    res = Scheduler.set_internal_state(object(), SetInternalStateReq(
+        server_args={"speculative_accept_threshold_single": 0.5}))
+    out["internal_state_refused"] = res.updated is False
+    return out
+
+
+def _idle() -> dict:
+    from coordinator.broker import Coordinator, CoordinatorConfig
+    from coordinator.policy import PolicyConfig
+    from tlt.integrations.sglang import sglang_hooks
+
+    coord = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval_s=0.05,
+                                          policy=PolicyConfig(idle_threshold=8))).start()
+    os.environ.update(TLT_COORDINATOR=coord.endpoint, TLT_WORKER_ID="sglang-test")
+    sched = types.SimpleNamespace(tp_rank=0, running_batch=types.SimpleNamespace(reqs=[1, 2]), waiting_queue=[])
+    seen = []
+
+    def wait(state: str) -> bool:
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            snap = coord.snapshot().get("sglang-test")
+            if snap and snap[0].value == state:
+                seen.append(state)
+                return True
+            time.sleep(0.02)
+        return False
+
+    sglang_hooks.idle_after_batch(None, sched, None, None)
+    busy = wait("BUSY")
+    sched.running_batch.reqs = []
+    sglang_hooks.idle_after_on_idle(None, sched)
+    idle = wait("IDLE")
+    sched.waiting_queue = [3]
+    sglang_hooks.idle_after_batch(None, sched, None, None)
+    busy2 = wait("BUSY")
+    coord.stop()
+    return {"busy": busy, "idle": idle, "busy_again": busy2, "seen": seen}
+
+
+def main(site: str, out_path: str, model: str, trace_path: str) -> None:
+    cpu_env.activate(site)
+    import sglang
+    from sglang.srt.speculative import adaptive_spec_params as asp
+
+    original = asp.AdaptiveSpeculativeParams  # SGLang's own policy, kept before the plugin replaces it
+    from sglang.srt.plugins import load_plugins
+
+    from tlt.integrations.sglang import doctor
+
+    load_plugins()  # SGLang's loader: finds TLT's entry point, runs it, applies the hooks
+    version = sglang.__version__
+    result = {"sglang_version": version, "doctor": doctor.report()}
+    from tlt.bench.sglang_policy import parse_trace
+
+    with open(trace_path) as f:
+        trace = parse_trace(json.load(f))
+    result["policy"] = _policy_on_trace(version, trace, original)
+    result["guard"] = _guard(version, model)
+    result["idle"] = _idle()
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
