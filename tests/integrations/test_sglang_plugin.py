@@ -82,6 +82,9 @@ def test_plugin_inside_sglang(version, model_path, tmp_path):
     assert g["warned_default_cap"] and not g["warned_with_explicit_cap"]
 
     assert r["idle"]["seen"] == ["BUSY", "IDLE", "BUSY"]
+    # the n-gram fallback's and EAGLE's server arguments resolve in real SGLang, our cap kept
+    assert r["speculation"] == {"ngram": {"speculative_algorithm": "NGRAM", "max_running_requests": 128},
+                                "eagle": {"speculative_algorithm": "EAGLE", "max_running_requests": 128}}
 
 
 def test_plugin_failure_stops_the_process(tmp_path):

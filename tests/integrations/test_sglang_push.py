@@ -52,3 +52,5 @@ def test_policy_pushes_target_only_and_draft_pushes_draft_only(version, model_pa
         assert r["policy_calls"][0] == "begin_weight_update" and r["policy_calls"][-1] == "end_weight_update"
         assert r["draft_calls"][0] == "pause_generation" and r["draft_calls"][-1] == "continue_generation"
     assert "weight_version" in r["draft_fields"]
+    # n-gram fallback: each step's corpus replaces the previous one, bodies parse as SGLang's own
+    assert r["corpus_calls"] == ["add_external_corpus", "add_external_corpus", "remove_external_corpus"]

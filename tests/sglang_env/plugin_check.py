@@ -136,6 +136,25 @@ def _server_args(version: str, model: str, **kw):
     return args
 
 
+def _speculation(version: str, model: str) -> dict:
+    """TLT's step-boundary server arguments are valid SGLang arguments (both algorithms)."""
+    from sglang.srt.server_args import ServerArgs
+
+    from tlt.integrations.sglang.speculation import server_args
+
+    out = {}
+    for name, drafter in (("ngram", None), ("eagle", model)):
+        args = ServerArgs(model_path=model, device="cuda", **server_args(drafter, max_running_requests=128))
+        if version == "0.5.23":
+            args.resolve_once()
+            from sglang.srt.arg_groups.overrides import resolution_result
+
+            out[name] = {k: resolution_result(args, k) for k in ("speculative_algorithm", "max_running_requests")}
+        else:
+            out[name] = {k: getattr(args, k) for k in ("speculative_algorithm", "max_running_requests")}
+    return out
+
+
 def _refused(fn) -> str | None:
     try:
         fn()
@@ -236,6 +255,7 @@ def main(site: str, out_path: str, model: str, trace_path: str) -> None:
         trace = parse_trace(json.load(f))
     result["policy"] = _policy_on_trace(version, trace, original)
     result["guard"] = _guard(version, model)
+    result["speculation"] = _speculation(version, model)
     result["idle"] = _idle()
     with open(out_path, "w") as f:
         json.dump(result, f, indent=2, default=str)

@@ -36,6 +36,8 @@ def _parse(endpoint: str, body: dict):
            "begin_weight_update": getattr(io, "BeginWeightUpdateReqInput", None),
            "end_weight_update": getattr(io, "EndWeightUpdateReqInput", None),
            "pause_generation": io.PauseGenerationReqInput,
+           "add_external_corpus": io.AddExternalCorpusReqInput,
+           "remove_external_corpus": io.RemoveExternalCorpusReqInput,
            "continue_generation": io.ContinueGenerationReqInput}.get(endpoint)
     if cls is None:
         return None
@@ -105,7 +107,10 @@ async def _main(model_path: str) -> dict:
         policy_calls, calls[:] = list(calls), []
         draft = {"model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4)}
         await adapter.update_draft_weights(iter(draft.items()), version=3)
-        draft_calls = list(calls)
+        draft_calls, calls[:] = list(calls), []
+        await adapter.rotate_ngram_corpus(0, ["12 + 7 = 19", ""])
+        await adapter.rotate_ngram_corpus(1, ["3 * 4 = 12"])
+        corpus_calls = list(calls)
     finally:
         await runner.cleanup()
 
@@ -136,7 +141,11 @@ async def _main(model_path: str) -> dict:
     else:
         assert dbody["load_format"] == DRAFT_LOADER and not dbody.get("disable_draft_model"), dbody.keys()
         assert dseq == ["update_weights_from_tensor"], dseq
+    assert corpus_calls == [("add_external_corpus", {"corpus_id": "tlt-step-0", "documents": ["12 + 7 = 19"]}),
+                            ("add_external_corpus", {"corpus_id": "tlt-step-1", "documents": ["3 * 4 = 12"]}),
+                            ("remove_external_corpus", {"corpus_id": "tlt-step-0"})], corpus_calls
     return {"api": dataclasses.asdict(api), "policy_calls": seq, "draft_calls": dseq,
+            "corpus_calls": [c[0] for c in corpus_calls],
             "policy_fields": sorted(set(updates[0]) - {"serialized_named_tensors"}),
             "draft_fields": sorted(set(dbody) - {"serialized_named_tensors"}),
             "draft_loader": _check_draft_loader()}

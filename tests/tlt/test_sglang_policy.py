@@ -177,3 +177,17 @@ def test_bench_records_a_trace_then_replays_it(tmp_path, capsys):
     assert main(["-q", "bench", "sglang-policy", "--quick", "--trace", str(trace)]) == 0
     assert trace.stat().st_mtime_ns == before
     assert "of the per-batch-size oracle" in capsys.readouterr().out
+
+
+def test_ngram_until_the_first_drafter_then_one_restart():
+    from tlt.integrations.sglang.speculation import next_server_args, server_args
+
+    first = server_args(None, max_running_requests=256)
+    assert first["speculative_algorithm"] == "NGRAM" and first["max_running_requests"] == 256
+    assert next_server_args(first, None, max_running_requests=256) is None  # still no drafter: keep it
+    eagle = next_server_args(first, "/ckpt/drafter-1", max_running_requests=256)
+    assert eagle["speculative_algorithm"] == "EAGLE" and eagle["speculative_draft_model_path"] == "/ckpt/drafter-1"
+    assert eagle["speculative_eagle_topk"] == 1 and eagle["speculative_adaptive"] is True
+    assert next_server_args(eagle, "/ckpt/drafter-7", max_running_requests=256) is None  # hot-pushed, no restart
+    with pytest.raises(ValueError, match="max_running_requests"):
+        server_args(None, max_running_requests=0)

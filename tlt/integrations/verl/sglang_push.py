@@ -110,6 +110,12 @@ class TLTHttpEngine(AsyncHttpServerAdapter):
     async def continue_generation(self) -> dict[str, Any]:
         return await self._make_async_request("continue_generation", {})
 
+    async def add_external_corpus(self, corpus_id: str, documents: list[str]) -> dict[str, Any]:
+        return await self._make_async_request("add_external_corpus", {"corpus_id": corpus_id, "documents": documents})
+
+    async def remove_external_corpus(self, corpus_id: str) -> dict[str, Any]:
+        return await self._make_async_request("remove_external_corpus", {"corpus_id": corpus_id})
+
 
 class _WithFields:
     """The engine as SGLang's ``update_weights`` helper sees it, posting these fields instead."""
@@ -143,6 +149,20 @@ class TLTSGLangServerAdapter(ServerAdapter):
         finally:
             if session:
                 await self._engine.end_weight_update()
+
+    async def rotate_ngram_corpus(self, step: int, documents: list[str]) -> None:
+        """Before the first drafter (NGRAM speculation): give the server the previous step's
+        responses as external corpus ``tlt-step-<step>`` and drop the one before. SGLang's n-gram
+        trie already holds the running requests' tokens, so GRPO siblings draft from each other."""
+        await self._init_server_adapter()
+        if not self._leads_pushes():
+            return
+        docs = [d for d in documents if d]
+        if docs:
+            await self._engine.add_external_corpus(f"tlt-step-{step}", docs)
+        if step > 0:
+            await self._engine.remove_external_corpus(f"tlt-step-{step - 1}")
+        log.info("replica %s: n-gram corpus for step %d (%d responses)", self.replica_rank, step, len(docs))
 
     async def update_draft_weights(self, weights, version: int) -> None:
         """A new drafter (SGLang draft-model names), into the draft model only, labelled
