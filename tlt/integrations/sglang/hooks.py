@@ -3,9 +3,9 @@
 Owns the hook table (:data:`TABLE`: version -> hooks), installing it through SGLang's own
 ``HookRegistry`` and checking the result. SGLang only logs a hook whose target does not resolve,
 so :func:`install` applies the registry itself and then looks at every target: a hook is *applied*
-when the attribute SGLang's code will call now is TLT's (a class replaced by TLT's class, or a
-wrapper whose ``__wrapped__`` chain holds the original). Anything else is *missing*, and
-:func:`install` raises :class:`HooksMissing`.
+when what SGLang's code will call there is TLT's (the class itself for a class replacement, else a
+registry wrapper holding TLT's hook, possibly under other wrappers). Anything else is *missing*,
+and :func:`install` raises :class:`HooksMissing`.
 
 Versions: the table has an entry per supported SGLang release (0.5.12, 0.5.23); another version
 uses the entry of the newest supported release not above it, with a warning (and ``tlt doctor
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
 import logging
 import pkgutil
 from collections.abc import Callable
@@ -32,11 +33,6 @@ class Hook:
     kind: str  # "replace" | "before" | "after" | "around"
     impl: str  # "module:attr" of TLT's hook (imported only when installed)
     why: str
-
-    @property
-    def name(self) -> str:
-        return self.target.rsplit(".", 2)[-2] + "." + self.target.rsplit(".", 1)[-1] \
-            if self.target.count(".") >= 2 else self.target
 
 
 _H = "tlt.integrations.sglang.sglang_hooks"
@@ -114,7 +110,10 @@ def register(hooks: tuple[Hook, ...]) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for h in hooks:
-        HookRegistry.register(h.target, _impl(h), HookType[h.kind.upper()])
+        impl = _impl(h)
+        if any(fn is impl for _, fn, _ in getattr(HookRegistry, "_hooks", {}).get(h.target, ())):
+            continue  # already registered in this process (the plugin ran before the doctor)
+        HookRegistry.register(h.target, impl, HookType[h.kind.upper()])
 
 
 def landed(h: Hook) -> bool:

@@ -37,15 +37,12 @@ from __future__ import annotations
 import bisect
 import collections
 import json
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout.strategy import Arm
 from rollout.tuner import BegMab, TunerConfig
-
-log = logging.getLogger(__name__)
 
 # Every slot offers 0 (off): speculating is a learned decision at every batch size. Deep chains
 # only while few requests run; at larger batches verified tokens cost compute, so only short chains
@@ -186,11 +183,6 @@ class StepPolicy:
             if bs == batch_size and max_accepted <= steps:
                 return steps
         return None
-
-    def reset_clock(self) -> None:
-        """Forget the last verify stamp (call after an idle period: the gap is not a step)."""
-        self._last_verify = None
-        self._pending.clear()
 
     def stats(self) -> dict[str, Any]:
         return {"verifies": self.verifies, "learned": self.learned, "tuner": self.tuner.stats()}
