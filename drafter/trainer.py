@@ -2,8 +2,11 @@
 
 Owns the optimizer schedule, packed mini-batches, evaluation (top-1/top-3 accuracy and the
 estimated accept length of a greedy chain) and the warm-up checkpoint directory: drafter weights
-(safetensors + config) plus ``trainer_state.pt`` (optimizer, step, RNG). Every save replaces the
-directory's files atomically, so a crash leaves the previous complete checkpoint.
+(safetensors + config) plus the training state under ``trainer_state/`` in the spot trainer's
+format (:mod:`drafter.checkpoint`: DCP, selective — weights and optimizer, never the target —
+committed by rename, the last one kept). Weights and state are each replaced atomically, the state
+first, so a crash leaves the previous complete checkpoint; a resume reads weights and optimizer
+from the same state. Epoch order is a function of (seed, epoch), so a resume replays it exactly.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from drafter import checkpoint as ckpt
 from drafter.eagle import Drafter
 from drafter.packing import FeatureSample, pack, pack_by_budget
 from drafter.ttt import StepStats, TTTConfig, ttt_forward
 
 log = logging.getLogger(__name__)
-STATE_NAME = "trainer_state.pt"
+STATE_NAME = "trainer_state"  # DCP checkpoints (drafter.checkpoint layout), newest kept
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,31 +84,28 @@ def train(drafter: Drafter, samples: Sequence[FeatureSample], cfg: TrainConfig, 
         raise ValueError("no training samples: the data produced no response tokens")
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    start, epoch_pos = 0, 0
-    rng = random.Random(cfg.seed)
-    if resume and out_dir is not None and (out_dir / STATE_NAME).is_file():
-        state = torch.load(out_dir / STATE_NAME, weights_only=False)
-        drafter.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start, epoch_pos = state["step"], state["epoch_pos"]
-        rng.setstate(state["epoch_rng"])
-        log.info("resumed from step %d in %s", start, out_dir)
+    state = ckpt.TrainState(drafter, opt, frozen=(drafter.embed_weight, drafter.target_head_weight),
+                            progress={"epoch": 0, "epoch_pos": 0})
+    if resume and out_dir is not None and ckpt.latest(out_dir / STATE_NAME) is not None:
+        ckpt.load(out_dir / STATE_NAME, {"train": state})
+        log.info("resumed from step %d in %s", state.step, out_dir)
+    start, epoch, epoch_pos = state.step, state.progress["epoch"], state.progress["epoch_pos"]
 
-    def new_epoch() -> tuple[object, list[list[FeatureSample]]]:
-        state = rng.getstate()  # replaying this shuffle restores the epoch on resume
+    def epoch_batches(e: int) -> list[list[FeatureSample]]:
         shuffled = list(samples)
-        rng.shuffle(shuffled)
-        return state, pack_by_budget(shuffled, cfg.token_budget)
+        random.Random(cfg.seed * 1_000_003 + e).shuffle(shuffled)
+        return pack_by_budget(shuffled, cfg.token_budget)
 
-    epoch_rng, epoch = new_epoch()
+    batches = epoch_batches(epoch)
     losses: list[float] = []
     drafter.train()
     bar = tqdm(range(start, cfg.max_steps), desc="train drafter", disable=not progress,
                initial=start, total=cfg.max_steps)
     for step in bar:
-        if epoch_pos >= len(epoch):
-            (epoch_rng, epoch), epoch_pos = new_epoch(), 0
-        batch = pack(epoch[epoch_pos])
+        if epoch_pos >= len(batches):
+            epoch, epoch_pos = epoch + 1, 0
+            batches = epoch_batches(epoch)
+        batch = pack(batches[epoch_pos])
         epoch_pos += 1
         for g in opt.param_groups:
             g["lr"] = cfg.lr_at(step)
@@ -119,24 +120,25 @@ def train(drafter: Drafter, samples: Sequence[FeatureSample], cfg: TrainConfig, 
         bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{stats.accuracy(0):.2f}")
         done = step + 1
         if out_dir is not None and (done % cfg.save_every == 0 or done == cfg.max_steps):
-            save_checkpoint(drafter, opt, out_dir, extra,
-                            {"step": done, "epoch_rng": epoch_rng, "epoch_pos": epoch_pos})
+            state.step, state.progress = done, {"epoch": epoch, "epoch_pos": epoch_pos}
+            save_checkpoint(drafter, state, out_dir, extra)
     return losses
 
 
-def save_checkpoint(drafter: Drafter, opt: torch.optim.Optimizer, out_dir: Path,
-                    extra: dict | None, progress_state: dict) -> None:
-    """Write weights, config and trainer state to a temp dir, then move each file into place.
+def save_checkpoint(drafter: Drafter, state: ckpt.TrainState, out_dir: Path, extra: dict | None) -> None:
+    """Commit the training state (DCP, rename), drop older states, then move the weights in place.
 
-    ``trainer_state.pt`` holds the weights too, so resuming never pairs an optimizer state with
-    weights from another step even if a crash falls between two of the moves.
+    The state holds the weights too, so resuming never pairs an optimizer state with weights from
+    another step even if a crash falls between the two commits.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    root = out_dir / STATE_NAME
+    ckpt.save_sync(root, state.step, {"train": state})
+    for old in ckpt.complete_steps(root)[:-1]:
+        shutil.rmtree(ckpt.step_dir(root, old), ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=out_dir))
     try:
-        drafter.save(tmp, extra={"step": progress_state["step"], **(extra or {})})
-        torch.save({"model": drafter.state_dict(), "optimizer": opt.state_dict(), **progress_state},
-                   tmp / STATE_NAME)
+        drafter.save(tmp, extra={"step": state.step, **(extra or {})})
         for f in tmp.iterdir():
             os.replace(f, out_dir / f.name)
     finally:

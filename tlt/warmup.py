@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from drafter.eagle import Drafter, DrafterConfig, METHODS, read_config, vocab_by_frequency
 from drafter.packing import FeatureSample
+from drafter.checkpoint import latest
 from drafter.trainer import STATE_NAME, TrainConfig, evaluate, train
 from rollout.generate import SamplingParams, generate
 from rollout.target import TargetModel
@@ -65,7 +66,7 @@ def _check_out_dir(cfg: WarmupConfig) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
     if cfg.resume:
-        if not (out / STATE_NAME).is_file():
+        if latest(out / STATE_NAME) is None:
             raise ValueError(f"--resume: no checkpoint ({STATE_NAME}) in {out}")
         saved = read_config(out)
         if saved.method != cfg.method:
