@@ -57,10 +57,7 @@ class EagleProposer:
     def finish(self, rids: Sequence[int]) -> None:
         gone = set(rids)
         keep = [k for k, r in enumerate(self.rows) if r not in gone]
-        for new, old in enumerate(keep):
-            if new != old:
-                self.cache.k[:, new] = self.cache.k[:, old]
-                self.cache.v[:, new] = self.cache.v[:, old]
+        self.cache.compact_rows(keep)
         self.rows = [self.rows[k] for k in keep]
         for r in gone:
             for d in (self.seen, self.queue_tokens, self.queue_feats):

@@ -149,7 +149,7 @@ class RolloutEngine:
             finished = [r for k, r in enumerate(rows) if k not in kept]
             if finished and self.proposer is not None:
                 self.proposer.finish(finished)  # proposers compact their own rows the same way
-            self._compact_rows(keep)
+            self.cache.compact_rows(keep)
             rows = [rows[k] for k in keep]
             if not rows:
                 break
@@ -217,13 +217,12 @@ class RolloutEngine:
         out = self.target(ids, roots[:, None] + depth, CachedBackend(self.cache, slots, mask),
                           capture=self._capture)
         res = verify(out.logits, tree, [plist[r] for r in rows], [gens[r] for r in rows])
-        # Move accepted nodes' keys/values to the slots right after the root.
-        for k, nodes in enumerate(res.nodes):
-            for d, node in enumerate(nodes):
-                src, dst = int(roots[k]) + 1 + node, int(roots[k]) + 1 + d
-                if src != dst:
-                    self.cache.k[:, k, :, dst] = self.cache.k[:, k, :, src]
-                    self.cache.v[:, k, :, dst] = self.cache.v[:, k, :, src]
+        # Move accepted nodes' keys/values to the slots right after the root, in one batched copy.
+        moves = [(k, node, d) for k, nodes in enumerate(res.nodes) for d, node in enumerate(nodes) if node != d]
+        if moves:
+            mv = torch.tensor(moves, device=self.device)  # [N, 3]: row, accepted node, its depth
+            base = roots[mv[:, 0]] + 1
+            self.cache.move_slots(mv[:, 0], base + mv[:, 1], base + mv[:, 2])
         feats = self._features(out)
         hidden = None if feats is None else [feats[k, [0] + [1 + j for j in nodes]]
                                              for k, nodes in enumerate(res.nodes)]
@@ -241,12 +240,6 @@ class RolloutEngine:
         acc = [len(t) for t in res.tokens] if rec.sd else []
         return res.tokens, lps, hidden, rec, acc
 
-    def _compact_rows(self, keep: list[int]) -> None:
-        """Cache rows of the kept requests become rows 0..len(keep)-1 (order preserved)."""
-        for new, old in enumerate(keep):
-            if new != old:
-                self.cache.k[:, new] = self.cache.k[:, old]
-                self.cache.v[:, new] = self.cache.v[:, old]
 
 
 def _logprobs(logits: torch.Tensor, tokens: Sequence[int], p: SamplingParams) -> list[float]:

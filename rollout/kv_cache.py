@@ -30,6 +30,24 @@ class StaticKVCache:
         self.k[layer, : k.shape[0]].scatter_(2, idx, k)
         self.v[layer, : k.shape[0]].scatter_(2, idx, v)
 
+    def compact_rows(self, keep: list[int]) -> None:
+        """Rows ``keep`` become rows 0..len(keep)-1, order kept (finished requests retired): one
+        batched copy of the rows that move, shared by the target's and the drafter's caches."""
+        moved = [(new, old) for new, old in enumerate(keep) if new != old]
+        if not moved:
+            return
+        dst = torch.tensor([n for n, _ in moved], device=self.k.device)
+        src = torch.tensor([o for _, o in moved], device=self.k.device)
+        self.k[:, dst] = self.k[:, src]  # the right side is gathered before the write
+        self.v[:, dst] = self.v[:, src]
+
+    def move_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per (row, src slot, dst slot) triple, copy the keys/values (all layers) from src to dst.
+        rows, src, dst: [N] long, no two pairs writing one slot; sources are read before writing."""
+        if rows.numel():
+            self.k[:, rows, :, dst] = self.k[:, rows, :, src]
+            self.v[:, rows, :, dst] = self.v[:, rows, :, src]
+
 
 class CachedBackend:
     """Writes this step's keys/values to cache slots, then attends over the first ``S`` slots."""
