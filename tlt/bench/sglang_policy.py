@@ -73,11 +73,11 @@ def record_trace(*, quick: bool, seed: int) -> dict:
     tok = TextTokenizer.from_pretrained(target_dir)
     drafter = Drafter.load(drafter_dir, model.embed_weight, model.lm_head.weight)
     batches, steps_grid, new = ((1, 4), (0, 1, 3), 24) if quick else (RECORD_BATCHES, RECORD_STEPS, 160)
+    rounds = 1 if quick else 5
     prompts = [tok.chat_prompt([{"role": "user", "content": p.prompt}])
-               for p in make_corpus(3 * max(batches), CorpusConfig(seed=seed + 99))]
+               for p in make_corpus(rounds * max(batches), CorpusConfig(seed=seed + 99))]
     max_len = max(map(len, prompts)) + new + 1
     out: dict[str, dict[str, list]] = {str(b): {str(s): [] for s in steps_grid} for b in batches}
-    rounds = 1 if quick else 3
     for r in range(rounds):  # interleaved rounds: machine drift hits every cell alike
         for bs in batches:
             for s in (steps_grid if r % 2 == 0 else steps_grid[::-1]):
