@@ -71,7 +71,8 @@ class EagleProposer:
         if arm.is_off or b == 0:
             return DraftTree.empty(b, self.device)
         root = self._catch_up()  # [B, H] output of each request's last pair
-        base = torch.tensor([self.seen[r] for r in self.rows], device=self.device)  # [B]
+        base_host = [self.seen[r] for r in self.rows]
+        base, base_max = torch.tensor(base_host, device=self.device), max(base_host)  # [B]
         k = arm.topk
         d = self.drafter
         logp = d.logits(root).float().log_softmax(-1)  # [B, Vd]
@@ -96,7 +97,7 @@ class EagleProposer:
             own[:, torch.arange(k), torch.arange(k)] = True
             exp_anc = torch.cat([exp_anc, own], -1)  # [B, k, E + k]
             slots = base[:, None] + e + torch.arange(k, device=self.device)
-            span = int(slots.max()) + 1
+            span = base_max + e + k  # the largest slot + 1, known on the host
             vis = torch.arange(span, device=self.device)[None, None] < base[:, None, None]
             tree_vis = torch.zeros(b, k, span, dtype=torch.bool, device=self.device)
             tree_vis.scatter_(2, (base[:, None, None] + torch.arange(e + k, device=self.device)).expand(b, k, -1),
@@ -123,17 +124,18 @@ class EagleProposer:
         remap.scatter_(1, chosen, torch.arange(n, device=self.device).expand(b, n))
         par = all_parents.gather(1, chosen)
         par = torch.where(par >= 0, remap.gather(1, par.clamp(min=0)), par)
-        assert bool((par < torch.arange(n, device=self.device)).all()), "tree is not topological"
         return DraftTree(all_tokens.gather(1, chosen), par, torch.ones(b, n, dtype=torch.bool, device=self.device))
 
     # ---------------------------------------------------------------- internals
     def _catch_up(self) -> torch.Tensor:
         """Run every queued pair through the drafter; returns the last pair's output [B, H]."""
         b = len(self.rows)
-        lens = torch.tensor([len(self.queue_tokens[r]) for r in self.rows], device=self.device)
-        assert bool((lens > 0).all()), "every running request has at least its last committed token"
-        base = torch.tensor([self.seen[r] for r in self.rows], device=self.device)
-        m = int(lens.max())
+        lens_host = [len(self.queue_tokens[r]) for r in self.rows]
+        assert min(lens_host) > 0, "every running request has at least its last committed token"
+        seen = [self.seen[r] for r in self.rows]
+        lens = torch.tensor(lens_host, device=self.device)
+        base = torch.tensor(seen, device=self.device)
+        m = max(lens_host)
         feats = [torch.cat(self.queue_feats[r]) for r in self.rows]
         ids = torch.zeros(b, m, dtype=torch.long, device=self.device)
         x = torch.zeros(b, m, feats[0].shape[-1], dtype=self.drafter.fc.weight.dtype, device=self.device)
@@ -142,11 +144,11 @@ class EagleProposer:
             ids[i, :n] = torch.tensor(self.queue_tokens[r], device=self.device)
             x[i, :n] = feats[i][:n]
         pos = base[:, None] + torch.arange(m, device=self.device)
-        span = int(pos.max()) + 1
-        mask = to_additive(prefill_mask(lens, span, start=base))
+        span = max(s + n for s, n in zip(seen, lens_host))  # the largest position + 1
+        mask = to_additive(prefill_mask(lens, span, start=base, t=m))
         out = self.drafter(ids, x, pos, CachedBackend(self.cache, pos, mask))
-        for r, n in zip(self.rows, lens.tolist()):
+        for r, n in zip(self.rows, lens_host):
             self.seen[r] += n
             self.queue_tokens[r], self.queue_feats[r] = [], []
-        self.pairs_processed += int(lens.sum())
+        self.pairs_processed += sum(lens_host)
         return out[torch.arange(b, device=self.device), lens - 1]

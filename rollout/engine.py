@@ -212,7 +212,7 @@ class RolloutEngine:
         depth = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=self.device),
                            tree.depths() + 1], 1)
         slots = roots[:, None] + torch.arange(1 + n, device=self.device)
-        span = int(slots.max()) + 1
+        span = max(lengths[r] for r in rows) + n  # the largest slot + 1, known on the host
         mask = to_additive(tree_mask(roots, parents, span))
         out = self.target(ids, roots[:, None] + depth, CachedBackend(self.cache, slots, mask),
                           capture=self._capture)
@@ -236,7 +236,7 @@ class RolloutEngine:
         if sd and self.tuner is not None and self.cfg.arm is None:
             self.tuner.record(b, arm, accepted, seconds)
         rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(len(t) for t in res.tokens), seconds,
-                         int(tree.valid.sum()) if n else 0)
+                         res.drafted)
         acc = [len(t) for t in res.tokens] if rec.sd else []
         return res.tokens, lps, hidden, rec, acc
 

@@ -72,14 +72,16 @@ def to_additive(visible: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
         ~visible, neg)[:, None]
 
 
-def prefill_mask(lengths: torch.Tensor, span: int, start: torch.Tensor | None = None) -> torch.Tensor:
+def prefill_mask(lengths: torch.Tensor, span: int, start: torch.Tensor | None = None,
+                 t: int | None = None) -> torch.Tensor:
     """Visibility for right-padded chunks: row b's token i sits at slot start_b + i.
 
-    lengths: [B] valid tokens per row in this chunk; start: [B] tokens already cached.
+    lengths: [B] valid tokens per row in this chunk; start: [B] tokens already cached; t: the
+    longest chunk if the caller knows it on the host (else read from ``lengths``).
     Returns bool [B, T, S] with T = max(lengths); padded query rows see slot 0 only.
     """
     b = lengths.shape[0]
-    t = int(lengths.max())
+    t = int(lengths.max()) if t is None else t
     start = torch.zeros_like(lengths) if start is None else start
     qpos = start[:, None] + torch.arange(t, device=lengths.device)[None]  # [B, T]
     kpos = torch.arange(span, device=lengths.device)[None, None]  # [1, 1, S]
@@ -100,12 +102,10 @@ def tree_mask(prefix_len: torch.Tensor, parents: torch.Tensor, span: int) -> tor
     """
     b, t = parents.shape
     anc = torch.eye(t, dtype=torch.bool, device=parents.device).expand(b, t, t).clone()
-    for j in range(t):
+    rows = torch.arange(b, device=parents.device)
+    for j in range(1, t):  # node 0 is a child of the prefix; no host reads (nothing waits on the device)
         p = parents[:, j]
-        has = p >= 0
-        if has.any():
-            rows = torch.nonzero(has).squeeze(1)
-            anc[rows, j] |= anc[rows, p[rows]]
+        anc[:, j] |= anc[rows, p.clamp(min=0)] & (p >= 0)[:, None]
     kpos = torch.arange(span, device=parents.device)[None, None]
     visible = kpos < prefix_len[:, None, None]
     off = prefix_len[:, None] + torch.arange(t, device=parents.device)[None]  # [B, T] node slots

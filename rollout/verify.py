@@ -27,6 +27,7 @@ from rollout.generate import SamplingParams, probs_from_logits
 class VerifyResult:
     tokens: list[list[int]]  # committed tokens per request (accepted drafts then the bonus)
     nodes: list[list[int]]  # tree node index of each accepted draft (-1 excluded)
+    drafted: int = 0  # valid draft nodes over the batch
 
 
 def verify(logits: torch.Tensor, tree: DraftTree, params: list[SamplingParams],
@@ -37,10 +38,13 @@ def verify(logits: torch.Tensor, tree: DraftTree, params: list[SamplingParams],
     """
     b, n = tree.tokens.shape
     assert logits.shape[:2] == (b, 1 + n), (tuple(logits.shape), b, n)
-    toks = tree.tokens.tolist()
-    parents = tree.parents.tolist()
-    valid = tree.valid.tolist()
-    greedy_choice = logits.argmax(-1).tolist()  # [B, 1 + N]
+    # One device -> host transfer for the whole walk: the argmax at every node, and the tree.
+    host = torch.cat([logits.argmax(-1), tree.tokens.to(logits.device), tree.parents.to(logits.device),
+                      tree.valid.to(logits.device, torch.long)], 1).tolist()  # [B, 1 + 3N]
+    greedy_choice = [r[: 1 + n] for r in host]  # [B, 1 + N]
+    toks = [r[1 + n: 1 + 2 * n] for r in host]
+    parents = [r[1 + 2 * n: 1 + 3 * n] for r in host]
+    valid = [r[1 + 3 * n:] for r in host]
     out_tokens: list[list[int]] = []
     out_nodes: list[list[int]] = []
     for i in range(b):
@@ -66,4 +70,4 @@ def verify(logits: torch.Tensor, tree: DraftTree, params: list[SamplingParams],
             cur = nxt
         out_tokens.append(committed)
         out_nodes.append(nodes)
-    return VerifyResult(out_tokens, out_nodes)
+    return VerifyResult(out_tokens, out_nodes, sum(map(sum, valid)))

@@ -158,3 +158,36 @@ def test_bad_requests_are_clear_errors(setup):
         eng.generate([[]], params[0])
     with pytest.raises(ValueError, match="strategy"):
         RolloutEngine(model, EngineConfig(), proposer=NgramProposer())
+
+
+def test_host_syncs_per_step_stay_within_budget():
+    """Greedy: one device -> host read per plain step (the committed tokens), a few per
+    speculative step (catch-up and tree included); prefill reads are amortised."""
+    import torch
+
+    from drafter.eagle import Drafter, DrafterConfig
+    from drafter.model_config import ModelConfig
+    from rollout.eagle_proposer import EagleProposer
+    from rollout.engine import EngineConfig, RolloutEngine
+    from rollout.generate import SamplingParams
+    from rollout.host_syncs import count_host_syncs
+    from rollout.strategy import Arm
+    from rollout.target import TargetModel
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    target = TargetModel(cfg).eval()
+    drafter = Drafter(DrafterConfig.for_target(cfg), target.embed_weight, target.lm_head.weight).eval()
+    prompts = [[1 + i, 2, 3 + i] for i in range(4)]
+    per_step = {}
+    for name, arm in (("ar", None), ("sd", Arm(3, 1, 3))):
+        eng = RolloutEngine(target, EngineConfig(max_batch=4, max_len=64, arm=arm, elastic_threshold=4),
+                            proposer=EagleProposer(drafter, max_batch=4, max_len=80) if arm else None)
+        with count_host_syncs() as count:
+            res = eng.generate(prompts, SamplingParams(max_new_tokens=40))
+        with count_host_syncs() as prefill:  # one token: the prefill alone, no step
+            assert not eng.generate(prompts, SamplingParams(max_new_tokens=1)).steps
+        per_step[name] = (count.total - prefill.total) / len(res.steps)
+    assert per_step["ar"] <= 1.0, per_step
+    assert per_step["sd"] <= 3.0, per_step

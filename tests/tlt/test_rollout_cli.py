@@ -64,6 +64,9 @@ def test_bench_rollout_quick(tmp_path, monkeypatch, capsys):
     r = json.loads(rec.read_text())
     assert r["variants"]["AR"]["speedup_vs_ar"] == 1.0
     assert all(v["lossless"] for v in r["by_batch"].values())
+    assert set(r["workloads"]) == {"long_tail", "ngram_siblings", "random_drafter"}
+    assert all(w["adaptive_vs_ar"] > 0 for w in r["workloads"].values())
+    assert r["host_syncs_per_step"]["ar"] <= 2 and r["host_syncs_per_step"]["sd"] <= 3
     assert "reproduced the AR tokens exactly" in capsys.readouterr().out
 
 

@@ -3,7 +3,13 @@
 The workload: 64 requests (16 arithmetic prompts x 4 GRPO samples) on the trained tiny target,
 with lognormal response lengths (the long tail), greedy so every variant must reproduce the AR
 tokens exactly (checked: a mismatch fails the bench). A drafter is warmed up on the target's own
-rollouts first (cached). Also measures SD speedup vs AR at batch 1 / 8 / 32 with a fixed chain.
+rollouts first (cached). Also measures SD speedup vs AR at batch 1 / 8 / 32 with a fixed chain,
+and host syncs (device -> host reads, :mod:`rollout.host_syncs`) per plain and per speculative step.
+
+``workloads.<name>.adaptive_vs_ar`` (tokens/s of the adaptive engine over AR's, same run):
+``long_tail`` — EAGLE + BEG-MAB; ``ngram_siblings`` — the n-gram drafter over the GRPO siblings +
+BEG-MAB; ``random_drafter`` — an untrained EAGLE drafter + BEG-MAB, the worst case (it almost never
+drafts the right token, so the tuner must learn to turn speculation off).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from drafter.trainer import TrainConfig
 from rollout.eagle_proposer import EagleProposer
 from rollout.engine import EngineConfig, RolloutEngine
 from rollout.generate import SamplingParams
+from rollout.host_syncs import count_host_syncs
 from rollout.ngram import NgramProposer
 from rollout.strategy import Arm
 from rollout.target import TargetModel
@@ -94,6 +101,10 @@ def run(args: argparse.Namespace) -> dict:
 
     variants["n-gram + BEG-MAB"] = lambda: engine(proposer=NgramProposer(), tuner=mab())
     variants["EAGLE + BEG-MAB"] = lambda: engine(proposer=eagle(), tuner=mab())
+    torch.manual_seed(args.seed)
+    untrained = Drafter(drafter.config, model.embed_weight, model.lm_head.weight)
+    variants["random drafter + BEG-MAB"] = lambda: engine(
+        proposer=EagleProposer(untrained, max_batch=bs, max_len=max_len + 64), tuner=mab())
     variants["EAGLE + BEG-MAB, SD always on"] = lambda: engine(proposer=eagle(), tuner=mab(), threshold=bs)
     rows, ref = {}, None
     repeats = 1 if quick else 3
@@ -138,6 +149,16 @@ def run(args: argparse.Namespace) -> dict:
         by_batch[b] = {"ar_s": ar_s, "sd_s": sd_s, "speedup": ar_s / sd_s,
                        "mean_accept_length": sum(outs["SD"].accept_lengths) / len(outs["SD"].accept_lengths),
                        "lossless": outs["SD"].outputs == outs["AR"].outputs}
+    syncs = {}
+    for name, arm in (("ar", None), ("sd", Arm(3, 1, 3))):  # greedy, batch 8, 64 new tokens
+        eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=max_len, arm=arm, elastic_threshold=8),
+                            proposer=EagleProposer(drafter, max_batch=8, max_len=max_len + 64) if arm else None)
+        with count_host_syncs() as count:
+            res = eng.generate(prompts[:8], [SamplingParams(max_new_tokens=64)] * 8)
+        syncs[name] = count.total / len(res.steps)
+    workloads = {"long_tail": "EAGLE + BEG-MAB", "ngram_siblings": "n-gram + BEG-MAB",
+                 "random_drafter": "random drafter + BEG-MAB"}
+    workloads = {w: {"variant": v, "adaptive_vs_ar": rows[v]["speedup_vs_ar"]} for w, v in workloads.items()}
     lines = [f"rollout bench ({repeats} interleaved repeats, medians): {bs} requests ({n_prompts} prompts x {n_samples}), response lengths "
              f"{min(p.max_new_tokens for p in params)}..{max(p.max_new_tokens for p in params)} (lognormal), "
              f"greedy, target {target_dir.name}; every variant reproduced the AR tokens exactly"]
@@ -150,10 +171,13 @@ def run(args: argparse.Namespace) -> dict:
                  f"vs default static {ENGINE_DEFAULT}: {tuned / rows[f'EAGLE static {ENGINE_DEFAULT}']['tokens_per_s']:.2f}x, "
                  f"vs SD always on: {tuned / rows['EAGLE + BEG-MAB, SD always on']['tokens_per_s']:.2f}x, "
                  f"vs AR: {tuned / ar:.2f}x")
+    lines.append("  adaptive vs AR: " + ", ".join(f"{w} {r['adaptive_vs_ar']:.2f}x" for w, r in workloads.items())
+                 + f"; host syncs per step: plain {syncs['ar']:.2f}, speculative {syncs['sd']:.2f} (greedy, incl. prefill)")
     for b, r in by_batch.items():
         lines.append(f"  batch {b:2d}: SD {chain} vs AR {r['speedup']:.2f}x (AL {r['mean_accept_length']:.2f}, "
                      f"lossless {r['lossless']})")
     return {"bench": "rollout", "quick": quick, "requests": bs, "repeats": repeats, "variants": rows, "best_static": best_static,
-            "by_batch": by_batch, "target": str(target_dir), "drafter": str(drafter_dir),
+            "by_batch": by_batch, "workloads": workloads,
+            "host_syncs_per_step": syncs, "target": str(target_dir), "drafter": str(drafter_dir),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
             "summary": lines}
