@@ -241,7 +241,6 @@ class RolloutEngine:
         return res.tokens, lps, hidden, rec, acc
 
 
-
 def _logprobs(logits: torch.Tensor, tokens: Sequence[int], p: SamplingParams) -> list[float]:
     """log softmax(logits / T)[token] per committed token; logits: [n, V], row i produced tokens[i]."""
     t = p.temperature if p.temperature > 0 else 1.0

@@ -191,3 +191,28 @@ def test_host_syncs_per_step_stay_within_budget():
         per_step[name] = (count.total - prefill.total) / len(res.steps)
     assert per_step["ar"] <= 1.0, per_step
     assert per_step["sd"] <= 3.0, per_step
+
+
+def test_eagle_trees_are_topological():
+    """The proposer's trees list every parent before its children (the verifier and the tree mask
+    rely on it; checked here rather than by a device read per step)."""
+    import torch
+
+    from drafter.eagle import Drafter, DrafterConfig
+    from drafter.model_config import ModelConfig
+    from rollout.eagle_proposer import EagleProposer
+    from rollout.strategy import Arm
+    from rollout.target import TargetModel
+
+    torch.manual_seed(1)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    target = TargetModel(cfg).eval()
+    drafter = Drafter(DrafterConfig.for_target(cfg), target.embed_weight, target.lm_head.weight).eval()
+    for arm in (Arm(4, 2, 8), Arm(5, 4, 16), Arm(3, 3, 9)):
+        prop = EagleProposer(drafter, max_batch=3, max_len=64)
+        prop.start([0, 1, 2], [0, 0, 1], [[1, 2, 3], [4, 5], [6, 7, 8, 9]], [torch.randn(n - 1, 32) for n in (3, 2, 4)])  # features of all but the last prompt token
+        tree = prop.propose([0, 1, 2], arm)
+        idx = torch.arange(tree.parents.shape[1])
+        assert tree.parents.shape == (3, arm.tokens_to_verify)
+        assert bool((tree.parents < idx).all()) and bool((tree.parents >= -1).all())
