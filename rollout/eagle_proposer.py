@@ -18,7 +18,7 @@ import torch
 
 from drafter.eagle import Drafter
 from rollout.draft_tree import DraftTree
-from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
+from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, swap_remove, to_additive
 from rollout.strategy import Arm
 
 
@@ -56,8 +56,8 @@ class EagleProposer:
 
     def finish(self, rids: Sequence[int]) -> None:
         gone = set(rids)
-        keep = [k for k, r in enumerate(self.rows) if r not in gone]
-        self.cache.compact_rows(keep)
+        keep = swap_remove(len(self.rows), {k for k, r in enumerate(self.rows) if r in gone})
+        self.cache.compact_rows(keep)  # the engine's row order (rollout.kv_cache.swap_remove)
         self.rows = [self.rows[k] for k in keep]
         for r in gone:
             for d in (self.seen, self.queue_tokens, self.queue_feats):

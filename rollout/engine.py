@@ -3,8 +3,8 @@
 Owns the step loop over a shrinking batch (the long tail): right-padded prefill, then steps that
 each run one target pass over ``[last committed token] + draft tree`` per running request on the
 static KV cache, verify losslessly, compact the accepted nodes' keys/values into place and retire
-finished requests (swap-remove of cache rows). Plain decoding is the same step with an empty
-tree. Speculation is elastic: on only while running requests <= ``elastic_threshold``; the
+finished requests (swap-remove of cache rows: survivors from the end fill the holes). Plain
+decoding is the same step with an empty tree. Speculation is elastic: on only while running requests <= ``elastic_threshold``; the
 strategy comes from the BEG-MAB tuner (or a fixed arm); proposers are fed every committed token
 and feature even while speculation is off, so switching on costs only the drafter's catch-up.
 """
@@ -19,7 +19,7 @@ import torch
 
 from rollout.draft_tree import DraftTree, Proposer
 from rollout.generate import SamplingParams
-from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive, tree_mask
+from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, swap_remove, to_additive, tree_mask
 from rollout.strategy import Arm
 from rollout.target import TargetModel
 from rollout.verify import verify
@@ -133,7 +133,7 @@ class RolloutEngine:
             # Commit what the last step produced; retire finished requests.
             if self.proposer is not None:
                 self.proposer.accept(list(rows), last, hidden_last)
-            keep = []
+            gone: set[int] = set()
             for k, r in enumerate(rows):
                 p = plist[r]
                 for tok, lp in zip(last[k], last_lp[k]):
@@ -143,12 +143,11 @@ class RolloutEngine:
                     if tok in p.stop_ids or len(outputs[r]) >= p.max_new_tokens:
                         break
                 done = outputs[r][-1] in p.stop_ids or len(outputs[r]) >= p.max_new_tokens
-                if not done:
-                    keep.append(k)
-            kept = set(keep)
-            finished = [r for k, r in enumerate(rows) if k not in kept]
-            if finished and self.proposer is not None:
-                self.proposer.finish(finished)  # proposers compact their own rows the same way
+                if done:
+                    gone.add(k)
+            if gone and self.proposer is not None:
+                self.proposer.finish([rows[k] for k in sorted(gone)])  # same swap_remove order
+            keep = swap_remove(len(rows), gone)
             self.cache.compact_rows(keep)
             rows = [rows[k] for k in keep]
             if not rows:
@@ -224,8 +223,12 @@ class RolloutEngine:
             base = roots[mv[:, 0]] + 1
             self.cache.move_slots(mv[:, 0], base + mv[:, 1], base + mv[:, 2])
         feats = self._features(out)
-        hidden = None if feats is None else [feats[k, [0] + [1 + j for j in nodes]]
-                                             for k, nodes in enumerate(res.nodes)]
+        hidden = None
+        if feats is not None:  # each request's features at its root and accepted nodes, one gather
+            sizes = [1 + len(nodes) for nodes in res.nodes]
+            rows_i = torch.tensor([k for k, size in enumerate(sizes) for _ in range(size)], device=self.device)
+            cols_i = torch.tensor([c for nodes in res.nodes for c in (0, *(1 + j for j in nodes))], device=self.device)
+            hidden = list(feats[rows_i, cols_i].split(sizes))
         lps = [_logprobs(out.logits[k, [0] + [1 + j for j in nodes]], res.tokens[k], plist[r])
                if self.cfg.logprobs else [0.0] * len(res.tokens[k])
                for k, (r, nodes) in enumerate(zip(rows, res.nodes))]

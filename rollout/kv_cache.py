@@ -31,8 +31,8 @@ class StaticKVCache:
         self.v[layer, : k.shape[0]].scatter_(2, idx, v)
 
     def compact_rows(self, keep: list[int]) -> None:
-        """Rows ``keep`` become rows 0..len(keep)-1, order kept (finished requests retired): one
-        batched copy of the rows that move, shared by the target's and the drafter's caches."""
+        """Row ``keep[i]`` becomes row ``i`` (finished requests retired, see :func:`swap_remove`):
+        one batched copy of the rows that move, shared by the target's and the drafter's caches."""
         moved = [(new, old) for new, old in enumerate(keep) if new != old]
         if not moved:
             return
@@ -47,6 +47,16 @@ class StaticKVCache:
         if rows.numel():
             self.k[:, rows, :, dst] = self.k[:, rows, :, src]
             self.v[:, rows, :, dst] = self.v[:, rows, :, src]
+
+
+def swap_remove(n: int, gone: set[int]) -> list[int]:
+    """New row order after retiring rows ``gone`` of ``n``: ``keep[i]`` is the old row that row
+    ``i`` holds. Survivors past the new end fill the holes, so only as many rows move as holes lie
+    below the new end (an order-preserving shift would move every row after the first hole).
+    The engine and its proposers apply the same order to their caches and row lists."""
+    m = n - len(gone)
+    tail = iter(j for j in range(m, n) if j not in gone)
+    return [next(tail) if i in gone else i for i in range(m)]
 
 
 class CachedBackend:

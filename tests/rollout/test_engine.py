@@ -216,3 +216,17 @@ def test_eagle_trees_are_topological():
         idx = torch.arange(tree.parents.shape[1])
         assert tree.parents.shape == (3, arm.tokens_to_verify)
         assert bool((tree.parents < idx).all()) and bool((tree.parents >= -1).all())
+
+
+def test_swap_remove_moves_only_rows_that_fill_holes():
+    import torch
+
+    from rollout.kv_cache import StaticKVCache, swap_remove
+
+    assert swap_remove(6, {0, 2}) == [4, 1, 5, 3]  # survivors 4 and 5 fill holes 0 and 2
+    assert swap_remove(5, {3, 4}) == [0, 1, 2]  # holes past the new end: nothing moves
+    assert swap_remove(3, {0, 1, 2}) == [] and swap_remove(2, set()) == [0, 1]
+    cache = StaticKVCache(1, 6, 1, 4, 2)
+    cache.k[:, :, 0, 0, 0] = torch.arange(6.0)
+    cache.compact_rows(swap_remove(6, {0, 2}))
+    assert cache.k[0, :4, 0, 0, 0].tolist() == [4.0, 1.0, 5.0, 3.0]
