@@ -274,12 +274,7 @@ class AsyncCheckpointer:
             fl.done.set()
 
     def _prune(self) -> None:
-        steps = complete_steps(self.root)
-        for s in steps[:-self.keep_last]:
-            path = step_dir(self.root, s)
-            trash = path.with_suffix(TRASH_SUFFIX)
-            os.replace(path, trash)  # atomic: a kill mid-delete leaves only trash behind
-            shutil.rmtree(trash, ignore_errors=True)
+        prune(self.root, self.keep_last)
 
     def wait_staged(self) -> float:
         """Block until the in-flight snapshot is copied; call before mutating the saved tensors.
@@ -339,6 +334,15 @@ def _commit(tmp: Path, final: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
+
+
+def prune(root: str | Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints under ``root``."""
+    for s in complete_steps(root)[:-keep_last]:
+        path = step_dir(root, s)
+        trash = path.with_suffix(TRASH_SUFFIX)
+        os.replace(path, trash)  # atomic: a kill mid-delete leaves only trash behind
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def save_sync(root: str | Path, step: int, state: dict[str, Any], *,

@@ -134,8 +134,7 @@ def save_checkpoint(drafter: Drafter, state: ckpt.TrainState, out_dir: Path, ext
     out_dir.mkdir(parents=True, exist_ok=True)
     root = out_dir / STATE_NAME
     ckpt.save_sync(root, state.step, {"train": state})
-    for old in ckpt.complete_steps(root)[:-1]:
-        shutil.rmtree(ckpt.step_dir(root, old), ignore_errors=True)
+    ckpt.prune(root, keep_last=1)
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=out_dir))
     try:
         drafter.save(tmp, extra={"step": state.step, **(extra or {})})

@@ -109,11 +109,11 @@ def test_plugin_failure_stops_the_process(tmp_path):
 
 
 def test_doctor_without_sglang_says_how_to_install():
-    p = subprocess.run([sys.executable, "-m", "tlt", "doctor", "sglang"], capture_output=True, text=True, cwd=ROOT,
-                       timeout=120)
     try:
         import sglang  # noqa: F401
         pytest.skip("SGLang is importable in this environment")
     except ImportError:
         pass
+    p = subprocess.run([sys.executable, "-m", "tlt", "doctor", "sglang"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
     assert p.returncode == 2 and "SGLang is not importable" in p.stderr

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 import types
 
@@ -120,10 +121,9 @@ class _Driven:
 
 
 def _slots_file(slots) -> str:
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tlt-slots-{os.getpid()}.json")
-    with open(path, "w") as f:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(slots, f)
-    return path
+    return f.name
 
 
 def _server_args(version: str, model: str, **kw):

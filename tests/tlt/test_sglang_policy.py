@@ -191,3 +191,31 @@ def test_ngram_until_the_first_drafter_then_one_restart():
     assert next_server_args(eagle, "/ckpt/drafter-7", max_running_requests=256) is None  # hot-pushed, no restart
     with pytest.raises(ValueError, match="max_running_requests"):
         server_args(None, max_running_requests=0)
+
+
+def test_hook_table_per_version():
+    from tlt.integrations.sglang import hooks
+
+    assert hooks.table_for("0.5.12")[0] == "0.5.12" and hooks.table_for("0.5.23")[0] == "0.5.23"
+    assert hooks.table_for("0.5.18")[0] == "0.5.12"  # between: the newest supported release not above it
+    assert hooks.table_for("0.6.0")[0] == "0.5.23"
+    assert hooks.table_for("0.5.0")[0] == "0.5.12"  # older than any: the oldest table
+    assert {h.target for h in hooks.TABLE["0.5.23"]()} > {h.target for h in hooks._common()}
+
+
+def test_plugin_switched_off_by_environment(monkeypatch):
+    """TLT_SGLANG_PLUGIN=0: load() returns before touching SGLang (here SGLang is not even
+    importable, so with the plugin on the same call ends the process)."""
+    from tlt.integrations.sglang import plugin
+
+    try:
+        import sglang  # noqa: F401
+        pytest.skip("SGLang is importable in this environment")
+    except ImportError:
+        pass
+    monkeypatch.setenv("TLT_SGLANG_PLUGIN", "0")
+    assert plugin.load() is None
+    monkeypatch.setenv("TLT_SGLANG_PLUGIN", "1")
+    with pytest.raises(SystemExit) as e:
+        plugin.load()
+    assert e.value.code == 1

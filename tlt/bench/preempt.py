@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> dict:
                          r.end_step, r.preempt_latency_s * 1e3, r.stop_latency_s * 1e3)
     ms = 1e3
     result = {"bench": "preempt", "quick": bool(args.quick), "seed": args.seed, "sessions": sessions,
-              "world_size": 1, "hidden": hidden, "token_budget": budget, "interval": cfgs["chunked"].interval, "chunk_s": CHUNK_S,
+              "world_size": 1, "hidden": hidden, "token_budget": budget, "interval": cfgs["chunked"].interval,
+              "chunk_s": CHUNK_S,
               "seconds": time.monotonic() - t_start, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "machine": platform.machine(),
               "loadavg_1m_end": os.getloadavg()[0]}  # a busy shared host inflates every number
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
     result["exit_p99_ratio_micro_over_chunked"] = a["exit_p99_s"] / b["exit_p99_s"]
     result["summary"] = [
         (f"preempt bench: {sessions} x 2 spot sessions (1-rank gloo, EAGLE H={hidden}, {budget} tokens per "
-         f"micro-step, TTT 2, checkpoint every 4 steps), flag raised at a random time while training;"
+         f"micro-step, TTT 2, checkpoint every {result['interval']} steps), flag raised at a random time while training;"
          f" stop checks per micro-step vs per ~{CHUNK_S * ms:.0f} ms chunk (tlt.spot.preempt_s)"),
         *(f"  {m:10s} between checks p50 {r['check_interval_p50_s'] * ms:6.1f} ms | flag -> loop exit p50 "
           f"{r['exit_p50_s'] * ms:6.1f} ms p99 {r['exit_p99_s'] * ms:6.1f} ms max {r['exit_max_s'] * ms:6.1f} ms"

@@ -101,6 +101,8 @@ def run(args: argparse.Namespace) -> dict:
 
     variants["n-gram + BEG-MAB"] = lambda: engine(proposer=NgramProposer(), tuner=mab())
     variants["EAGLE + BEG-MAB"] = lambda: engine(proposer=eagle(), tuner=mab())
+    # the cost of the drafter being there at all: it is fed every step, speculation never on
+    variants["EAGLE proposer, SD off"] = lambda: engine(arm=Arm.off(), proposer=eagle())
     torch.manual_seed(args.seed)
     untrained = Drafter(drafter.config, model.embed_weight, model.lm_head.weight)
     variants["random drafter + BEG-MAB"] = lambda: engine(

@@ -30,17 +30,14 @@ def report() -> dict[str, Any]:
                          "(pip install 'tlt[sglang]' on a GPU machine)") from None
     from tlt.integrations.sglang import hooks
 
-    version = hooks.sglang_version()
-    table_version, table = hooks.table_for(version)
-    errors: list[str] = []
     try:
-        hooks.register(table)
-        from sglang.srt.plugins.hook_registry import HookRegistry
-
-        HookRegistry.apply_hooks()
+        version, table_version, table, applied, missing = hooks.apply()
+        errors: list[str] = []
     except Exception as e:  # noqa: BLE001 - reported, not raised: the doctor explains
-        errors.append(f"{type(e).__name__}: {e}")
-    applied, missing = hooks.status(table)
+        version = hooks.sglang_version()
+        table_version, table = hooks.table_for(version)
+        errors = [f"{type(e).__name__}: {e}"]
+        applied, missing = hooks.status(table)
     return {"sglang_version": version, "table": table_version, "entry_point": entry_point(),
             "hooks_applied": applied, "hooks_missing": missing, "errors": errors,
             "hooks": [{"target": h.target, "kind": h.kind, "why": h.why, "applied": h.target in applied}

@@ -150,20 +150,23 @@ def status(hooks: tuple[Hook, ...]) -> tuple[list[str], list[str]]:
     return applied, [h.target for h in hooks if h.target not in applied]
 
 
-def install() -> dict[str, Any]:
-    """Register TLT's hooks for the installed SGLang, apply them, verify; raise if any is missing."""
+def apply() -> tuple[str, str, tuple[Hook, ...], list[str], list[str]]:
+    """Register this SGLang's hook table and apply it, as every SGLang process does at start.
+    Returns (SGLang version, table version, hooks, applied targets, missing targets)."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     version = sglang_version()
     table_version, hooks = table_for(version)
     register(hooks)
     HookRegistry.apply_hooks()  # idempotent; SGLang applies again after every plugin ran
-    applied, missing = status(hooks)
-    report = {"sglang_version": version, "table": table_version, "hooks_applied": applied,
-              "hooks_missing": missing}
+    return (version, table_version, hooks, *status(hooks))
+
+
+def install() -> None:
+    """:func:`apply`, then raise :class:`HooksMissing` if any hook did not land."""
+    version, table_version, _, applied, missing = apply()
     if missing:
         raise HooksMissing(f"TLT's SGLang plugin: {len(missing)} hook(s) did not land on SGLang {version} "
                            f"(table {table_version}): {', '.join(missing)}. This SGLang is not supported "
                            f"as installed; run `tlt doctor sglang` for details")
     log.info("TLT hooks applied on SGLang %s: %d", version, len(applied))
-    return report

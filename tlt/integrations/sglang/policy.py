@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -58,6 +59,7 @@ SlotsConfig = Mapping[str, Mapping[str, Any]]  # SGLang's adaptive-config JSON a
 MAX_GAP_S = 2.0  # a longer pause between verify calls is idle time, not a step
 
 
+@functools.cache  # called per verify in SGLang's scheduler: build each arm once
 def arm_of(steps: int) -> Arm:
     """SGLang's step count as a tuner arm: a chain of ``steps`` drafts, or off for 0."""
     return Arm.off() if steps == 0 else Arm(steps, 1, steps)
@@ -219,15 +221,13 @@ class EmaCompatPolicy(StepPolicy):
             slots = {k: tuple(sorted({*v, initial_steps})) for k, v in slots.items()}
         super().__init__(slots, initial_steps, **kw)
         self.candidate_steps = list(self.candidate_steps_all)
-        self.min_steps, self.max_steps = self.candidate_steps[0], self.candidate_steps[-1]
-        self._pending.append((0, self.current_steps))  # the step count SGLang starts with
 
     def update(self, num_correct_drafts_per_req: list[int]) -> bool:
         bs = len(num_correct_drafts_per_req)
         if not bs:
             return False
-        if self._pending and self._pending[0][0] == 0:  # the initial state ran at any batch size
-            self._pending[0] = (bs, self._pending[0][1])
+        if not self._pending:  # the first verify ran with the step count SGLang started with
+            self._pending.append((bs, self.current_steps))
         old = self.current_steps
         self.observe(num_correct_drafts_per_req, bs)
         return self.choose(bs) != old
