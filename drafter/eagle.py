@@ -132,7 +132,20 @@ class _Eagle3Layer(nn.Module):
 
 
 class Drafter(nn.Module):
-    """One drafting step over a sequence: ``(token, feature) -> next feature``; ``logits()`` reads it."""
+    """One drafting step over a sequence: ``(token, feature) -> next feature``; ``logits()`` reads it.
+
+    ``Drafter(cfg, ...)`` builds the class of ``cfg.method`` (:class:`EagleDrafter` or
+    :class:`Eagle3Drafter`); everything that differs between the methods lives in those two
+    classes, so callers never switch on the method name.
+    """
+
+    feature_layers: tuple[int, ...] = ()  # target layers whose inputs form the feature; () = last hidden
+    regresses_features = True  # its features are the target's: training may regress them (drafter.ttt)
+
+    def __new__(cls, cfg: DrafterConfig, *args: Any, **kwargs: Any) -> "Drafter":
+        if cls is Drafter:
+            cls = EagleDrafter if cfg.method == "eagle" else Eagle3Drafter
+        return super().__new__(cls)
 
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor,
                  target_head_weight: torch.Tensor) -> None:
@@ -146,58 +159,37 @@ class Drafter(nn.Module):
         self.__dict__["embed_weight"] = embed_weight
         self.__dict__["target_head_weight"] = target_head_weight
         self.rotary = RotaryEmbedding(cfg.layer)
-        if cfg.method == "eagle":
-            self.fc = nn.Linear(2 * h, h, bias=False)
-            self.layers = nn.ModuleList([_EagleLayer(cfg.layer)])
-        else:
-            self.fc = nn.Linear(len(cfg.aux_layers) * h, h, bias=False)
-            self.layers = nn.ModuleList([_Eagle3Layer(cfg.layer)])
-            self.norm = RMSNorm(h, cfg.layer.rms_norm_eps)
-            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
-            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-            self.register_buffer("t2d", torch.ones(cfg.target_vocab_size, dtype=torch.bool))
 
     @property
     def input_feature_size(self) -> int:
         """Width of the target feature at step 0 (H for EAGLE, 3H for EAGLE-3)."""
-        return self.fc.in_features if self.config.method == "eagle3" else self.config.layer.hidden_size
+        return self.config.layer.hidden_size
+
+    def training_feature(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """The target feature the drafter is trained on, from the post-norm last hidden state
+        [.., H] and the concatenated aux layers [.., 3H] (None when not captured)."""
+        return hidden
 
     def forward(self, input_ids: torch.Tensor, feature: torch.Tensor, position_ids: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
         # input_ids, position_ids: [B, T]; feature: [B, T, H] (or [B, T, 3H] target aux at step 0)
         # -> next feature [B, T, H]
-        emb = nn.functional.embedding(input_ids, self.embed_weight).to(feature.dtype)
-        cos, sin = self.rotary(position_ids, feature.dtype)
-        if self.config.method == "eagle":
-            return self.layers[0](self.fc(torch.cat([emb, feature], dim=-1)), cos, sin, backend)
-        if feature.shape[-1] != self.config.layer.hidden_size:
-            feature = self.fc(feature)
-        return self.layers[0](emb, feature, cos, sin, backend)
+        raise NotImplementedError
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
-        # feature: [..., H] -> [..., V] (EAGLE, target head) or [..., Vd] (EAGLE-3, own head)
-        if self.config.method == "eagle":
-            return feature @ self.target_head_weight.t().to(feature.dtype)
-        return self.lm_head(self.norm(feature))
+        # feature: [..., H] -> [..., V] (target vocabulary, or the drafter's own)
+        raise NotImplementedError
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        """Map ids of the drafter's vocabulary to target ids (identity for EAGLE)."""
-        return ids + self.d2t[ids] if self.config.method == "eagle3" else ids
+        """Map ids of the drafter's vocabulary to target ids (identity when they are the same)."""
+        return ids
 
     def target_logits_to_draft(self, logits: torch.Tensor) -> torch.Tensor:
         """Select the draft-vocabulary columns of target logits [..., V] -> [..., Vd]."""
-        if self.config.method == "eagle":
-            return logits
-        return logits[..., torch.arange(self.config.draft_vocab_size, device=logits.device) + self.d2t]
+        return logits
 
-    def set_vocab_map(self, draft_to_target_ids: torch.Tensor) -> None:
-        """Install the draft vocabulary given as sorted target ids [Vd]."""
-        ids = draft_to_target_ids.to(self.d2t.device)
-        if ids.shape != self.d2t.shape:
-            raise ValueError(f"draft vocab map has {ids.numel()} ids, config says {self.d2t.numel()}")
-        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
-        self.t2d.zero_()
-        self.t2d[ids] = True
+    def fit_vocab(self, token_counts: torch.Tensor) -> None:
+        """Choose the draft vocabulary from target token counts [V] (no-op: EAGLE has none)."""
 
     # ------------------------------------------------------------------ checkpoint I/O
     def save(self, path: str | Path, *, extra: dict[str, Any] | None = None) -> None:
@@ -218,6 +210,79 @@ class Drafter(nn.Module):
             raise ValueError(f"{path}: drafter checkpoint does not match its config "
                              f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
         return model.to(embed_weight.device)
+
+
+class EagleDrafter(Drafter):
+    """EAGLE: ``fc([embed ; feature])`` feeds one decoder layer; logits through the target's head."""
+
+    def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, target_head_weight: torch.Tensor) -> None:
+        super().__init__(cfg, embed_weight, target_head_weight)
+        h = cfg.layer.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layers = nn.ModuleList([_EagleLayer(cfg.layer)])
+
+    def forward(self, input_ids, feature, position_ids, backend):
+        emb = nn.functional.embedding(input_ids, self.embed_weight).to(feature.dtype)
+        cos, sin = self.rotary(position_ids, feature.dtype)
+        return self.layers[0](self.fc(torch.cat([emb, feature], dim=-1)), cos, sin, backend)
+
+    def logits(self, feature):
+        return feature @ self.target_head_weight.t().to(feature.dtype)
+
+
+class Eagle3Drafter(Drafter):
+    """EAGLE-3: the target's low/mid/high layer inputs, fused by ``fc`` at step 0, and the embedding
+    feed a layer over ``[embed ; hidden]``; own head over a draft vocabulary (``d2t`` / ``t2d``)."""
+
+    regresses_features = False
+
+    def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, target_head_weight: torch.Tensor) -> None:
+        super().__init__(cfg, embed_weight, target_head_weight)
+        h = cfg.layer.hidden_size
+        self.feature_layers = cfg.aux_layers
+        self.fc = nn.Linear(len(cfg.aux_layers) * h, h, bias=False)
+        self.layers = nn.ModuleList([_Eagle3Layer(cfg.layer)])
+        self.norm = RMSNorm(h, cfg.layer.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.target_vocab_size, dtype=torch.bool))
+
+    @property
+    def input_feature_size(self) -> int:
+        return self.fc.in_features
+
+    def training_feature(self, hidden, aux):
+        if aux is None:
+            raise ValueError("EAGLE-3 trains on the target's aux layers; capture them (aux_layers)")
+        return aux
+
+    def forward(self, input_ids, feature, position_ids, backend):
+        emb = nn.functional.embedding(input_ids, self.embed_weight).to(feature.dtype)
+        cos, sin = self.rotary(position_ids, feature.dtype)
+        if feature.shape[-1] != self.config.layer.hidden_size:
+            feature = self.fc(feature)
+        return self.layers[0](emb, feature, cos, sin, backend)
+
+    def logits(self, feature):
+        return self.lm_head(self.norm(feature))
+
+    def draft_to_target(self, ids):
+        return ids + self.d2t[ids]
+
+    def target_logits_to_draft(self, logits):
+        return logits[..., torch.arange(self.config.draft_vocab_size, device=logits.device) + self.d2t]
+
+    def fit_vocab(self, token_counts: torch.Tensor) -> None:
+        self.set_vocab_map(vocab_by_frequency(token_counts, self.config.draft_vocab_size))
+
+    def set_vocab_map(self, draft_to_target_ids: torch.Tensor) -> None:
+        """Install the draft vocabulary given as sorted target ids [Vd]."""
+        ids = draft_to_target_ids.to(self.d2t.device)
+        if ids.shape != self.d2t.shape:
+            raise ValueError(f"draft vocab map has {ids.numel()} ids, config says {self.d2t.numel()}")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
 
 
 def read_config(path: str | Path) -> DrafterConfig:

@@ -361,7 +361,7 @@ class SpotTrainer:
         sums = torch.tensor(st.count + [float(s.detach()) for s in st.loss_sum], dtype=torch.float64)
         dist.all_reduce(sums)  # [steps counts ; steps loss sums], over all ranks
         counts, loss_sums = sums[:n].tolist(), sums[n:].tolist()
-        ttt = ttt.for_method(d.config.method)
+        ttt = ttt.for_drafter(d)
         world = self.spec.world_size
         loss = 0.0 * sum(st.loss_sum)  # in the graph even when no position counts (empty chunk)
         global_loss = 0.0

@@ -39,9 +39,9 @@ class TTTConfig:
         if self.loss not in LOSSES:
             raise ValueError(f"loss={self.loss!r}; use one of {LOSSES}")
 
-    def for_method(self, method: str) -> "TTTConfig":
-        """EAGLE-3's features live in the drafter's own space: nothing to regress, CE only."""
-        return dataclasses.replace(self, loss="ce") if method == "eagle3" else self
+    def for_drafter(self, drafter: Drafter) -> "TTTConfig":
+        """CE only for drafters whose features live in their own space (EAGLE-3): nothing to regress."""
+        return self if drafter.regresses_features else dataclasses.replace(self, loss="ce")
 
 
 @dataclasses.dataclass
@@ -88,13 +88,12 @@ def _shift(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def ttt_forward(drafter: Drafter, batch: Batch, cfg: TTTConfig) -> StepStats:
     """Run ``cfg.steps`` self-feeding steps over ``batch``; see the module docstring."""
-    cfg = cfg.for_method(drafter.config.method)
+    cfg = cfg.for_drafter(drafter)
     b, t = batch.input_ids.shape
     ar = torch.arange(t, device=batch.input_ids.device).expand(b, t)
     backend = batch.backend()
     head = drafter.target_head_weight
-    feat = batch.aux if drafter.config.method == "eagle3" else batch.hidden
-    feat = feat.to(head.dtype)
+    feat = drafter.training_feature(batch.hidden, batch.aux).to(head.dtype)
     alive = torch.ones(b, t, dtype=torch.bool, device=ar.device)  # chain still fully accepted
     stats = StepStats([], [], [], [], 0, 0)
     for j in range(cfg.steps):

@@ -1,9 +1,9 @@
 """The flat draft-tree record: the only contract between proposers and the verifier.
 
 Owns :class:`DraftTree` (per request: draft tokens, each node's parent, a validity mask; nodes in
-topological order, node ``-1`` being the last verified token) and the :class:`Proposer` protocol
-implemented by the EAGLE drafter and the model-free n-gram drafter. Proposers only propose; the
-verifier only verifies.
+topological order, node ``-1`` being the last verified token), :class:`ProposerInput` (the one
+record a proposer receives) and the :class:`Proposer` protocol implemented by the EAGLE / EAGLE-3
+drafters and the model-free n-gram drafter. Proposers only propose; the verifier only verifies.
 """
 
 from __future__ import annotations
@@ -50,35 +50,49 @@ class DraftTree:
 
     def depths(self) -> torch.Tensor:
         """[B, N] depth of each node, 0 for children of the last verified token."""
-        depth = torch.zeros_like(self.parents)
-        for j in range(self.num_nodes):
-            p = self.parents[:, j]
-            depth[:, j] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None]).squeeze(1) + 1, 0)
-        return depth
+        return tree_depths(self.parents)
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth (0 for children of the prefix) of each node; parents: [B, T] -> [B, T]."""
+    depth = torch.zeros_like(parents)
+    for j in range(parents.shape[1]):
+        p = parents[:, j]
+        depth[:, j] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None]).squeeze(1) + 1, 0)
+    return depth
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposerInput:
+    """Everything a proposer receives, once per speculative step (flat, as in vLLM v1's proposers).
+
+    The engine hands over references, never copies: nothing is fed to a proposer while speculation
+    is off, so an attached proposer costs plain decoding nothing; on its next proposal it catches up
+    from these (tokens and features committed since its last call). Requests are indexed by request
+    id ``r`` (0..n-1 within one ``generate`` call); cache rows by ``i``.
+    """
+
+    generation: int  # one value per engine ``generate`` call: a new value means all-new requests
+    rows: tuple[int, ...]  # request id in each running cache row, in the engine's row order
+    tokens: Sequence[Sequence[int]]  # per request id (finished ones too): prompt + committed tokens
+    prompt_lens: Sequence[int]  # per request id
+    groups: Sequence[int]  # per request id: GRPO group (requests sampled from one prompt)
+    # [max_batch, S, F] target features by cache row i and position t, the feature that predicted
+    # token t + 1; valid for t < len(tokens[rows[i]]) - 1. None for model-free proposers.
+    features: torch.Tensor | None
+    arm: Arm
 
 
 class Proposer(Protocol):
-    """Drafts candidate continuations for running requests.
+    """Drafts candidate continuations for running requests: ``propose`` is the whole contract.
 
-    The engine calls ``start`` when requests enter, ``accept`` after every verify or decode step
-    with the tokens each request committed, ``finish`` when a request ends (its output may still
-    inform its GRPO siblings), and ``propose`` before a speculative step. ``features[i][k]`` is
-    the target hidden state (EAGLE feature, [F]) at the position that predicted ``tokens[i][k]``;
-    model-free proposers set ``feature_layers = None`` and get ``features=None``. Otherwise
-    ``feature_layers`` lists the target layers whose inputs are concatenated (EAGLE-3), or is
-    empty for the post-norm last hidden state (EAGLE). ``start`` gets the features of prompt
-    positions ``0..P-2`` (those predicting prompt tokens ``1..P-1``). Requests keep the order in
-    which they were started; ``finish`` removes them without reordering the rest.
+    ``feature_layers`` says which target features the proposer reads: ``None`` for none (model-free,
+    ``ProposerInput.features`` is None), ``()`` for the post-norm last hidden state (EAGLE), or the
+    target layers whose inputs are concatenated (EAGLE-3). Rows of a generation only ever leave
+    (finished requests, swap-removed by :func:`rollout.kv_cache.swap_remove`); a proposer with
+    per-row state maps its old rows to ``ProposerInput.rows`` by request id.
     """
 
     feature_layers: tuple[int, ...] | None
 
-    def start(self, rids: Sequence[int], groups: Sequence[int], prompts: Sequence[Sequence[int]],
-              features: Sequence[torch.Tensor] | None = None) -> None: ...
-
-    def accept(self, rids: Sequence[int], tokens: Sequence[Sequence[int]],
-               features: Sequence[torch.Tensor] | None = None) -> None: ...
-
-    def finish(self, rids: Sequence[int]) -> None: ...
-
-    def propose(self, rids: Sequence[int], arm: Arm) -> DraftTree: ...
+    def propose(self, inp: ProposerInput) -> DraftTree: ...

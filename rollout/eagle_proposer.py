@@ -1,25 +1,24 @@
-"""EAGLE / EAGLE-3 drafting inside the rollout engine: catch-up and EAGLE-2 dynamic trees.
+"""EAGLE / EAGLE-3 drafting inside the rollout engine: lazy catch-up and EAGLE-2 dynamic trees.
 
 Owns the drafter's own static KV cache (one row per running request, in the engine's row order)
-and the per-request queue of (token, target feature) pairs the drafter has not seen yet. Pairs
-follow the training convention: the feature that predicted token ``x`` is paired with ``x``; the
-pair at position ``t`` is ``(x_{t+1}, f_t)``. Pairs are queued even while speculation is off and
-are processed lazily, once, right before the next proposal (the elastic switch only costs the
-drafter what it missed). Proposal: from the last pair's output, expand the ``topk`` best tokens,
-then at each further level expand the ``topk`` best candidates by cumulative draft log-prob; keep
-the ``tokens_to_verify`` best of all candidates (EAGLE-2). ``topk == 1`` is a plain chain.
+and how far each request's (token, target feature) pairs went through it. Pairs follow the
+training convention: the feature that predicted token ``x`` is paired with ``x``; the pair at
+position ``t`` is ``(x_{t+1}, f_t)``. Nothing is fed while speculation is off: on each proposal
+the pairs committed since the last one are read from the engine's token lists and feature buffer
+(:class:`~rollout.draft_tree.ProposerInput`) and run through the drafter in one batched pass, so
+the elastic switch costs only what the drafter missed. Proposal: from the last pair's output,
+expand the ``topk`` best tokens, then at each further level expand the ``topk`` best candidates by
+cumulative draft log-prob; keep the ``tokens_to_verify`` best of all candidates (EAGLE-2).
+``topk == 1`` is a plain chain.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from drafter.eagle import Drafter
-from rollout.draft_tree import DraftTree
-from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, swap_remove, to_additive
-from rollout.strategy import Arm
+from rollout.draft_tree import DraftTree, ProposerInput
+from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
 
 
 class EagleProposer:
@@ -27,50 +26,23 @@ class EagleProposer:
         cfg = drafter.config.layer
         self.drafter = drafter.eval()
         self.device = drafter.embed_weight.device
-        self.feature_layers = drafter.config.aux_layers if drafter.config.method == "eagle3" else ()
+        self.feature_layers = drafter.feature_layers
         self.cache = StaticKVCache(1, max_batch, cfg.num_key_value_heads, max_len, cfg.head_dim,
                                    dtype=drafter.fc.weight.dtype, device=self.device)
-        self.rows: list[int] = []
+        self.generation: int | None = None
+        self.rows: list[int] = []  # request id per drafter cache row
         self.seen: dict[int, int] = {}  # pairs in the drafter cache per request
-        self.queue_tokens: dict[int, list[int]] = {}
-        self.queue_feats: dict[int, list[torch.Tensor]] = {}
         self.pairs_processed = 0  # total catch-up work, for tests and metrics
 
-    # ---------------------------------------------------------------- Proposer protocol
-    def start(self, rids: Sequence[int], groups: Sequence[int], prompts: Sequence[Sequence[int]],
-              features: Sequence[torch.Tensor] | None = None) -> None:
-        if features is None:
-            raise ValueError("EagleProposer needs target features (engine passes them)")
-        for rid, prompt, feat in zip(rids, prompts, features):
-            self.rows.append(rid)
-            self.seen[rid] = 0
-            self.queue_tokens[rid] = list(prompt[1:])
-            self.queue_feats[rid] = [feat]
-
-    def accept(self, rids: Sequence[int], tokens: Sequence[Sequence[int]],
-               features: Sequence[torch.Tensor] | None = None) -> None:
-        assert features is not None, "EAGLE pairs need the target features of committed tokens"
-        for rid, toks, feat in zip(rids, tokens, features):
-            self.queue_tokens[rid] += list(toks)
-            self.queue_feats[rid].append(feat[: len(toks)])
-
-    def finish(self, rids: Sequence[int]) -> None:
-        gone = set(rids)
-        keep = swap_remove(len(self.rows), {k for k, r in enumerate(self.rows) if r in gone})
-        self.cache.compact_rows(keep)  # the engine's row order (rollout.kv_cache.swap_remove)
-        self.rows = [self.rows[k] for k in keep]
-        for r in gone:
-            for d in (self.seen, self.queue_tokens, self.queue_feats):
-                d.pop(r, None)
-
     @torch.no_grad()
-    def propose(self, rids: Sequence[int], arm: Arm) -> DraftTree:
-        if list(rids) != self.rows:
-            raise ValueError("propose() rows differ from the started/finished order")
-        b = len(self.rows)
+    def propose(self, inp: ProposerInput) -> DraftTree:
+        b, arm = len(inp.rows), inp.arm
         if arm.is_off or b == 0:
             return DraftTree.empty(b, self.device)
-        root = self._catch_up()  # [B, H] output of each request's last pair
+        if inp.features is None:
+            raise ValueError("EagleProposer needs the target features (ProposerInput.features)")
+        self._follow_rows(inp)
+        root = self._catch_up(inp)  # [B, H] output of each request's last pair
         base_host = [self.seen[r] for r in self.rows]
         base, base_max = torch.tensor(base_host, device=self.device), max(base_host)  # [B]
         k = arm.topk
@@ -127,28 +99,39 @@ class EagleProposer:
         return DraftTree(all_tokens.gather(1, chosen), par, torch.ones(b, n, dtype=torch.bool, device=self.device))
 
     # ---------------------------------------------------------------- internals
-    def _catch_up(self) -> torch.Tensor:
-        """Run every queued pair through the drafter; returns the last pair's output [B, H]."""
+    def _follow_rows(self, inp: ProposerInput) -> None:
+        """Bring the drafter cache rows into the engine's order: a new generation starts empty;
+        otherwise rows of finished requests are dropped by one compaction."""
+        if inp.generation != self.generation:
+            self.generation, self.rows, self.seen = inp.generation, list(inp.rows), dict.fromkeys(inp.rows, 0)
+            return
+        if list(inp.rows) == self.rows:
+            return
+        where = {r: i for i, r in enumerate(self.rows)}
+        keep = [where[r] for r in inp.rows]  # KeyError = a request that was never started
+        self.cache.compact_rows(keep)
+        self.rows = list(inp.rows)
+        self.seen = {r: self.seen[r] for r in self.rows}
+
+    def _catch_up(self, inp: ProposerInput) -> torch.Tensor:
+        """Run every pair not yet seen through the drafter; returns the last pair's output [B, H]."""
         b = len(self.rows)
-        lens_host = [len(self.queue_tokens[r]) for r in self.rows]
-        assert min(lens_host) > 0, "every running request has at least its last committed token"
         seen = [self.seen[r] for r in self.rows]
+        ends = [len(inp.tokens[r]) - 1 for r in self.rows]  # pairs available: positions < end
+        lens_host = [e - s for s, e in zip(seen, ends)]
+        assert min(lens_host) > 0, "every running request committed a token since its last proposal"
+        m = max(lens_host)
+        ids = torch.tensor([list(inp.tokens[r][s + 1: e + 1]) + [0] * (m - e + s)
+                            for r, s, e in zip(self.rows, seen, ends)], device=self.device)  # [B, m]
         lens = torch.tensor(lens_host, device=self.device)
         base = torch.tensor(seen, device=self.device)
-        m = max(lens_host)
-        feats = [torch.cat(self.queue_feats[r]) for r in self.rows]
-        ids = torch.zeros(b, m, dtype=torch.long, device=self.device)
-        x = torch.zeros(b, m, feats[0].shape[-1], dtype=self.drafter.fc.weight.dtype, device=self.device)
-        for i, r in enumerate(self.rows):
-            n = len(self.queue_tokens[r])
-            ids[i, :n] = torch.tensor(self.queue_tokens[r], device=self.device)
-            x[i, :n] = feats[i][:n]
-        pos = base[:, None] + torch.arange(m, device=self.device)
-        span = max(s + n for s, n in zip(seen, lens_host))  # the largest position + 1
+        pos = base[:, None] + torch.arange(m, device=self.device)  # [B, m]
+        feats = inp.features  # [max_batch, S, F]
+        x = feats[torch.arange(b, device=self.device)[:, None], pos.clamp(max=feats.shape[1] - 1)]
+        span = max(ends)  # the largest position + 1
         mask = to_additive(prefill_mask(lens, span, start=base, t=m))
-        out = self.drafter(ids, x, pos, CachedBackend(self.cache, pos, mask))
-        for r, n in zip(self.rows, lens_host):
-            self.seen[r] += n
-            self.queue_tokens[r], self.queue_feats[r] = [], []
+        out = self.drafter(ids, x.to(self.drafter.fc.weight.dtype), pos, CachedBackend(self.cache, pos, mask))
+        for r, e in zip(self.rows, ends):
+            self.seen[r] = e
         self.pairs_processed += sum(lens_host)
         return out[torch.arange(b, device=self.device), lens - 1]

@@ -4,9 +4,12 @@ Owns the step loop over a shrinking batch (the long tail): right-padded prefill,
 each run one target pass over ``[last committed token] + draft tree`` per running request on the
 static KV cache, verify losslessly, compact the accepted nodes' keys/values into place and retire
 finished requests (swap-remove of cache rows: survivors from the end fill the holes). Plain
-decoding is the same step with an empty tree. Speculation is elastic: on only while running requests <= ``elastic_threshold``; the
-strategy comes from the BEG-MAB tuner (or a fixed arm); proposers are fed every committed token
-and feature even while speculation is off, so switching on costs only the drafter's catch-up.
+decoding is the same step with an empty tree. Speculation is elastic: the BEG-MAB tuner picks
+the strategy per step, its "off" arm included at every batch size (so where speculation stops
+paying is learned), optionally capped by ``elastic_threshold``; or a fixed arm. Nothing is handed
+to the proposer while speculation is off: the engine keeps each request's tokens and writes the
+target features into a buffer laid out like the KV cache (rows, positions), and a proposer reads
+what it missed from there (:class:`~rollout.draft_tree.ProposerInput`) when it is next asked.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from typing import Protocol, Sequence
 
 import torch
 
-from rollout.draft_tree import DraftTree, Proposer
+from rollout.draft_tree import DraftTree, Proposer, ProposerInput
 from rollout.generate import SamplingParams
-from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, swap_remove, to_additive, tree_mask
+from rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, swap_remove, to_additive, tree_mask
 from rollout.strategy import Arm
 from rollout.target import TargetModel
 from rollout.verify import verify
@@ -36,7 +39,9 @@ class EngineConfig:
     max_batch: int = 64
     max_len: int = 2048  # prompt + new tokens per request
     max_draft_tokens: int = 64  # largest draft tree (extra KV slots per request)
-    elastic_threshold: int = 32  # speculate only while running requests <= this
+    # speculate only while running requests <= this; None: at any batch size where the tuner's
+    # arms (its "off" arm is in every bucket) find it pays -- the learned threshold
+    elastic_threshold: int | None = None
     arm: Arm | None = None  # fixed strategy; None = ask the tuner
     seed: int = 0
     logprobs: bool = False  # also return each response token's log-probability
@@ -48,8 +53,8 @@ class EngineConfig:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
         if self.arm is not None and self.arm.tokens_to_verify > self.max_draft_tokens:
             raise ValueError(f"arm {self.arm} verifies more than max_draft_tokens={self.max_draft_tokens}")
-        if self.elastic_threshold < 0:
-            raise ValueError(f"elastic_threshold must be >= 0, got {self.elastic_threshold}")
+        if self.elastic_threshold is not None and self.elastic_threshold < 0:
+            raise ValueError(f"elastic_threshold must be None or >= 0, got {self.elastic_threshold}")
 
 
 @dataclasses.dataclass
@@ -89,6 +94,8 @@ class RolloutEngine:
         self.cache = StaticKVCache(mc.num_hidden_layers, cfg.max_batch, mc.num_key_value_heads,
                                    cfg.max_len + cfg.max_draft_tokens, mc.head_dim, dtype=target.embed_weight.dtype,
                                    device=self.device)
+        self._features_buf: torch.Tensor | None = None  # [max_batch, slots, F], allocated on first use
+        self._generation = 0
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -114,47 +121,38 @@ class RolloutEngine:
         seeds = list(seeds) if seeds is not None else [self.cfg.seed * 1_000_003 + i for i in range(n)]
         gens = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
         rows = list(range(n))  # running request id per cache row
-        outputs: list[list[int]] = [[] for _ in range(n)]
+        seqs = [list(map(int, p)) for p in prompts]  # prompt + committed tokens (the last one's KV is pending)
+        plens = [len(p) for p in prompts]
         logprobs: list[list[float]] = [[] for _ in range(n)]
-        lengths = [len(p) for p in prompts]  # committed tokens incl. the pending last one
-
-        first, first_lp, features = self._prefill(prompts, plist, gens)
-        self._pending = dict(enumerate(first))  # last committed token: its KV is not cached yet
-        if self.proposer is not None:
-            # Prompt position t's feature predicted prompt token t + 1; the last one predicted `first`.
-            self.proposer.start(rows, groups, [list(p) for p in prompts],
-                                [f[:-1] for f in features] if features else None)
+        self._generation += 1
+        first, first_lp = self._prefill(prompts, plist, gens)
         steps: list[StepRecord] = []
         accept_lengths: list[int] = []
         last = [[t] for t in first]
         last_lp = [[x] for x in first_lp]
-        hidden_last = [f[-1:] for f in features] if features else None
         while rows:
             # Commit what the last step produced; retire finished requests.
-            if self.proposer is not None:
-                self.proposer.accept(list(rows), last, hidden_last)
             gone: set[int] = set()
             for k, r in enumerate(rows):
-                p = plist[r]
+                p, seq = plist[r], seqs[r]
                 for tok, lp in zip(last[k], last_lp[k]):
-                    outputs[r].append(tok)
+                    seq.append(tok)
                     logprobs[r].append(lp)
-                    lengths[r] += 1
-                    if tok in p.stop_ids or len(outputs[r]) >= p.max_new_tokens:
+                    if tok in p.stop_ids or len(seq) - plens[r] >= p.max_new_tokens:
+                        gone.add(k)
                         break
-                done = outputs[r][-1] in p.stop_ids or len(outputs[r]) >= p.max_new_tokens
-                if done:
-                    gone.add(k)
-            if gone and self.proposer is not None:
-                self.proposer.finish([rows[k] for k in sorted(gone)])  # same swap_remove order
             keep = swap_remove(len(rows), gone)
             self.cache.compact_rows(keep)
+            if self._features_buf is not None:
+                compact_rows((self._features_buf,), keep)
             rows = [rows[k] for k in keep]
             if not rows:
                 break
-            last, last_lp, hidden_last, rec, acc = self._step(rows, lengths, plist, gens)
+            inp = ProposerInput(self._generation, tuple(rows), seqs, plens, groups, self._features_buf, Arm.off())
+            last, last_lp, rec, acc = self._step(inp, plist, gens)
             steps.append(rec)
             accept_lengths += acc
+        outputs = [seq[plen:] for seq, plen in zip(seqs, plens)]
         return RolloutResult(outputs, steps, accept_lengths, time.perf_counter() - t_start, logprobs)
 
     # ------------------------------------------------------------------ internals
@@ -175,9 +173,14 @@ class RolloutEngine:
                 first_lp.append(_logprobs(logits, [first[-1]], plist[i])[0])
             else:
                 first_lp.append(0.0)
-        # The pending first token's KV is written by the next step (as its tree root).
+        # The pending first token's KV (and feature) is written by the next step, as its tree root.
         feats = self._features(out)
-        return first, first_lp, None if feats is None else [feats[i, : len(p)] for i, p in enumerate(prompts)]
+        if feats is not None:
+            if self._features_buf is None or self._features_buf.shape[-1] != feats.shape[-1]:
+                self._features_buf = torch.zeros(self.cfg.max_batch, self.cache.max_len, feats.shape[-1],
+                                                 dtype=feats.dtype, device=self.device)
+            self._features_buf[: len(prompts), :t] = feats
+        return first, first_lp
 
     @property
     def _capture(self) -> tuple[int, ...]:
@@ -191,49 +194,54 @@ class RolloutEngine:
             return None
         return torch.cat([out.aux[i] for i in layers], -1) if layers else out.hidden
 
-    def _step(self, rows, lengths, plist, gens):
+    def _speculate(self, b: int) -> bool:
+        cap = self.cfg.elastic_threshold
+        return self.proposer is not None and (cap is None or b <= cap)
+
+    def _step(self, inp: ProposerInput, plist, gens):
+        rows = inp.rows
         b = len(rows)
-        sd = self.proposer is not None and b <= self.cfg.elastic_threshold
+        sd = self._speculate(b)
         arm = Arm.off()
         if sd:
             arm = self.cfg.arm if self.cfg.arm is not None else self.tuner.choose(b)
         t0 = time.perf_counter()
-        tree = self.proposer.propose(rows, arm) if sd and not arm.is_off else DraftTree.empty(b, self.device)
-        tree = DraftTree(tree.tokens.to(self.device), tree.parents.to(self.device), tree.valid.to(self.device))
+        if sd and not arm.is_off:
+            tree = self.proposer.propose(dataclasses.replace(inp, arm=arm))
+            tree = DraftTree(tree.tokens.to(self.device), tree.parents.to(self.device), tree.valid.to(self.device))
+        else:
+            tree = DraftTree.empty(b, self.device)
         n = tree.num_nodes
         assert n <= self.cfg.max_draft_tokens, f"proposer drafted {n} > max_draft_tokens nodes"
-        cur = torch.tensor([lengths[r] for r in rows], device=self.device)  # committed incl. pending
-        roots = cur - 1
-        last_tok = torch.tensor([self._pending[r] for r in rows], device=self.device)
+        lengths = [len(inp.tokens[r]) for r in rows]  # committed incl. the pending one
+        roots = torch.tensor(lengths, device=self.device) - 1
+        last_tok = torch.tensor([inp.tokens[r][-1] for r in rows], device=self.device)
         ids = torch.cat([last_tok[:, None], tree.tokens], 1)  # [B, 1 + N]
         parents = torch.cat([torch.full((b, 1), -1, device=self.device), tree.parents + 1], 1)
         parents[:, 1:] = torch.where(tree.valid, parents[:, 1:], -1)
         depth = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=self.device),
                            tree.depths() + 1], 1)
         slots = roots[:, None] + torch.arange(1 + n, device=self.device)
-        span = max(lengths[r] for r in rows) + n  # the largest slot + 1, known on the host
+        span = max(lengths) + n  # the largest slot + 1, known on the host
         mask = to_additive(tree_mask(roots, parents, span))
         out = self.target(ids, roots[:, None] + depth, CachedBackend(self.cache, slots, mask),
                           capture=self._capture)
+        feats = self._features(out)
+        if feats is not None:  # laid out like the KV cache: row, slot
+            self._features_buf[torch.arange(b, device=self.device)[:, None], slots] = feats
         res = verify(out.logits, tree, [plist[r] for r in rows], [gens[r] for r in rows])
-        # Move accepted nodes' keys/values to the slots right after the root, in one batched copy.
+        # Move accepted nodes' keys/values (and features) right after the root, one batched copy.
         moves = [(k, node, d) for k, nodes in enumerate(res.nodes) for d, node in enumerate(nodes) if node != d]
         if moves:
             mv = torch.tensor(moves, device=self.device)  # [N, 3]: row, accepted node, its depth
             base = roots[mv[:, 0]] + 1
-            self.cache.move_slots(mv[:, 0], base + mv[:, 1], base + mv[:, 2])
-        feats = self._features(out)
-        hidden = None
-        if feats is not None:  # each request's features at its root and accepted nodes, one gather
-            sizes = [1 + len(nodes) for nodes in res.nodes]
-            rows_i = torch.tensor([k for k, size in enumerate(sizes) for _ in range(size)], device=self.device)
-            cols_i = torch.tensor([c for nodes in res.nodes for c in (0, *(1 + j for j in nodes))], device=self.device)
-            hidden = list(feats[rows_i, cols_i].split(sizes))
+            src, dst = base + mv[:, 1], base + mv[:, 2]
+            self.cache.move_slots(mv[:, 0], src, dst)
+            if feats is not None:
+                self._features_buf[mv[:, 0], dst] = self._features_buf[mv[:, 0], src]
         lps = [_logprobs(out.logits[k, [0] + [1 + j for j in nodes]], res.tokens[k], plist[r])
                if self.cfg.logprobs else [0.0] * len(res.tokens[k])
                for k, (r, nodes) in enumerate(zip(rows, res.nodes))]
-        for k, r in enumerate(rows):
-            self._pending[r] = res.tokens[k][-1]
         seconds = time.perf_counter() - t0
         accepted = sum(len(x) for x in res.nodes)
         if sd and self.tuner is not None and self.cfg.arm is None:
@@ -241,7 +249,7 @@ class RolloutEngine:
         rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(len(t) for t in res.tokens), seconds,
                          res.drafted)
         acc = [len(t) for t in res.tokens] if rec.sd else []
-        return res.tokens, lps, hidden, rec, acc
+        return res.tokens, lps, rec, acc
 
 
 def _logprobs(logits: torch.Tensor, tokens: Sequence[int], p: SamplingParams) -> list[float]:

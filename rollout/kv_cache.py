@@ -31,15 +31,8 @@ class StaticKVCache:
         self.v[layer, : k.shape[0]].scatter_(2, idx, v)
 
     def compact_rows(self, keep: list[int]) -> None:
-        """Row ``keep[i]`` becomes row ``i`` (finished requests retired, see :func:`swap_remove`):
-        one batched copy of the rows that move, shared by the target's and the drafter's caches."""
-        moved = [(new, old) for new, old in enumerate(keep) if new != old]
-        if not moved:
-            return
-        dst = torch.tensor([n for n, _ in moved], device=self.k.device)
-        src = torch.tensor([o for _, o in moved], device=self.k.device)
-        self.k[:, dst] = self.k[:, src]  # the right side is gathered before the write
-        self.v[:, dst] = self.v[:, src]
+        """Row ``keep[i]`` becomes row ``i`` (finished requests retired, see :func:`swap_remove`)."""
+        compact_rows((self.k, self.v), keep, dim=1)
 
     def move_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Per (row, src slot, dst slot) triple, copy the keys/values (all layers) from src to dst.
@@ -47,6 +40,19 @@ class StaticKVCache:
         if rows.numel():
             self.k[:, rows, :, dst] = self.k[:, rows, :, src]
             self.v[:, rows, :, dst] = self.v[:, rows, :, src]
+
+
+def compact_rows(tensors: tuple[torch.Tensor, ...], keep: list[int], dim: int = 0) -> None:
+    """Row ``keep[i]`` (index along ``dim``) becomes row ``i`` in every tensor: one batched copy of
+    the rows that move. The one row-compaction routine of the target's and the drafter's caches and
+    the engine's feature buffer; ``keep`` may be any selection (a source is read before writing)."""
+    moved = [(new, old) for new, old in enumerate(keep) if new != old]
+    if not moved:
+        return
+    dst = torch.tensor([n for n, _ in moved], device=tensors[0].device)
+    src = torch.tensor([o for _, o in moved], device=tensors[0].device)
+    for t in tensors:
+        t.index_copy_(dim, dst, t.index_select(dim, src))
 
 
 def swap_remove(n: int, gone: set[int]) -> list[int]:
@@ -122,12 +128,3 @@ def tree_mask(prefix_len: torch.Tensor, parents: torch.Tensor, span: int) -> tor
     tree_slots = torch.zeros(b, t, span, dtype=torch.bool, device=parents.device)
     tree_slots.scatter_(2, off[:, None, :].expand(b, t, t), anc)
     return visible | tree_slots
-
-
-def tree_depths(parents: torch.Tensor) -> torch.Tensor:
-    """Depth (0 for children of the prefix) of each node; parents: [B, T] -> [B, T]."""
-    depth = torch.zeros_like(parents)
-    for j in range(parents.shape[1]):
-        p = parents[:, j]
-        depth[:, j] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None]).squeeze(1) + 1, 0)
-    return depth

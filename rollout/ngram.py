@@ -47,7 +47,12 @@ Tree
 
 Lifetime
 --------
-``start`` indexes the prompt (siblings with equal prompts share one prompt index); ``accept``
+Inside the engine, :meth:`NgramProposer.propose` gets a
+:class:`~rollout.draft_tree.ProposerInput` and brings the index up to date from it first: a new
+generation starts over, new requests are started, tokens committed since the last proposal are
+accepted (so nothing is indexed while speculation is off, and siblings' tokens are stamped per
+proposal rather than per step), and requests that left the running rows are finished. The index
+API below is public for replays (:mod:`rollout.ngram_eval`): ``start`` indexes the prompt (siblings with equal prompts share one prompt index); ``accept``
 indexes each committed token (``max_n - min_n + 1`` dict appends per token); ``finish`` freezes
 a request, whose sequence stays a source for its siblings. When the last running request of a
 group finishes, the group's data are dropped (``drop_finished_groups=True``, the default; with
@@ -64,7 +69,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from rollout.draft_tree import DraftTree
+from rollout.draft_tree import DraftTree, ProposerInput
 from rollout.strategy import Arm
 
 logger = logging.getLogger(__name__)
@@ -152,6 +157,8 @@ class NgramProposer:
         self._reqs: dict[int, _Seq] = {}
         self._groups: dict[int, _Group] = {}
         self._clock = 0
+        self._generation: int | None = None  # ProposerInput.generation being followed
+        self._live: set[int] = set()  # its requests started and not finished
 
     # --- lifetime ---------------------------------------------------------------------------
 
@@ -212,6 +219,7 @@ class NgramProposer:
         """Forget everything (e.g. between RL steps)."""
         self._reqs.clear()
         self._groups.clear()
+        self._generation, self._live = None, set()
 
     @property
     def num_requests(self) -> int:
@@ -220,7 +228,29 @@ class NgramProposer:
 
     # --- proposing --------------------------------------------------------------------------
 
-    def propose(self, rids: Sequence[int], arm: Arm) -> DraftTree:
+    def propose(self, inp: ProposerInput) -> DraftTree:
+        """The engine's entry point: update the index from ``inp``, then draft for its rows."""
+        if inp.arm.is_off:
+            return DraftTree.empty(len(inp.rows))
+        if inp.generation != self._generation:
+            self.reset()
+            self._generation = inp.generation
+            every = range(len(inp.tokens))
+            self.start(list(every), [inp.groups[r] for r in every],
+                       [inp.tokens[r][: inp.prompt_lens[r]] for r in every])
+            self._live = set(every)
+        running = set(inp.rows)
+        for r in sorted(self._live):  # running requests and those that finished since the last call
+            seq = self._reqs[r]
+            if len(inp.tokens[r]) > len(seq.tokens):
+                self._append(seq, list(inp.tokens[r][len(seq.tokens):]), index_prompt=False)
+            if r not in running:
+                self._live.discard(r)
+                self.finish([r])
+        return self.draft(inp.rows, inp.arm)
+
+    def draft(self, rids: Sequence[int], arm: Arm) -> DraftTree:
+        """Trees for requests ``rids`` from the index as it stands."""
         if arm.is_off:
             return DraftTree.empty(len(rids))
         drafts = [self._draft(self._running(rid, "propose"), arm) for rid in rids]

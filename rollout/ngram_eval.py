@@ -119,7 +119,7 @@ def measure_accept_length(groups: Sequence[Group] | Mapping[int, Group], arm: Ar
                 if not done[r]:
                     first.setdefault(gids[r], r)
             live = list(first.values())
-        tree = proposer.propose(live, arm)  # [B, N]
+        tree = proposer.draft(live, arm)  # [B, N]
         commits = []
         for i, r in enumerate(live):
             rest = targets[r][pos[r]:]

@@ -211,8 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--arm", help="fixed strategy DEPTH,TOPK,TOKENS_TO_VERIFY (default: BEG-MAB tuner)")
     s.add_argument("--no-sd", action="store_true", help="plain autoregressive decoding")
-    s.add_argument("--elastic-threshold", type=int, default=32,
-                   help="speculate only while at most this many requests run (default 32)")
+    s.add_argument("--elastic-threshold", type=int, default=None,
+                   help="speculate only while at most this many requests run (default: no cap, the "
+                        "tuner learns per batch size where speculation stops paying)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=_cmd_rollout)
 

@@ -42,7 +42,7 @@ class RolloutJob:
     top_k: int = 0
     arm: Arm | None = None  # fixed strategy; None = BEG-MAB
     no_sd: bool = False
-    elastic_threshold: int = 32
+    elastic_threshold: int | None = None  # None: learned by the tuner
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from drafter.eagle import Drafter, DrafterConfig, METHODS, read_config, vocab_by_frequency
+from drafter.eagle import Drafter, DrafterConfig, METHODS, read_config
 from drafter.packing import FeatureSample
 from drafter.checkpoint import latest
 from drafter.trainer import STATE_NAME, TrainConfig, evaluate, train
@@ -167,10 +167,9 @@ def run_warmup(cfg: WarmupConfig, *, progress: bool = True) -> dict:
 
     torch.manual_seed(cfg.train.seed)
     drafter = Drafter(dcfg, model.embed_weight, model.lm_head.weight)
-    if dcfg.method == "eagle3" and not cfg.resume:
-        counts = torch.bincount(torch.cat([s.input_ids[s.loss_mask] for s in train_set]),
-                                minlength=dcfg.target_vocab_size)
-        drafter.set_vocab_map(vocab_by_frequency(counts, dcfg.draft_vocab_size))
+    if not cfg.resume:
+        drafter.fit_vocab(torch.bincount(torch.cat([s.input_ids[s.loss_mask] for s in train_set]),
+                                         minlength=dcfg.target_vocab_size))
     ttt = cfg.train.ttt
     before = _metrics(evaluate(drafter, held, ttt))
     log.info("untrained drafter: held-out top-1 %.3f, accept length %.2f", before["top1"],

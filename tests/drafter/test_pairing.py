@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from drafter.eagle import Drafter, DrafterConfig
+from drafter.eagle import DrafterConfig, EagleDrafter
 from drafter.packing import FeatureSample, pack, pad
 from drafter.ttt import TTTConfig, ttt_forward
 from tests.drafter.test_packing import tiny_target_cfg
@@ -27,7 +27,7 @@ def _sequence(n: int, seed: int):
     return x, f
 
 
-class Oracle(Drafter):
+class Oracle(EagleDrafter):
     def bind(self, samples):
         """(x_{t+1}, code of f_t) -> f_{t+1} for every position of every sample."""
         self.table = {(int(s.input_ids[t + 1]), round(float(s.hidden[t, 0]))): s.hidden[t + 1]

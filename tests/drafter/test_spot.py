@@ -72,7 +72,7 @@ def _reference(micro: list[int], cfg: SpotConfig, method: str = "eagle"):
     torch.manual_seed(cfg.seed)
     d = Drafter(dcfg, embed, head)
     opt = torch.optim.AdamW(d.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    ttt = cfg.ttt.for_method(method)
+    ttt = cfg.ttt.for_drafter(d)
     stream, losses, weights = _Stream(aux=method == "eagle3"), [], []
     for m in micro:
         total = 0.0

@@ -51,21 +51,12 @@ class CorruptOracle:
     def __init__(self, ref, seed=0):
         self.ref, self.rng = ref, random.Random(seed)
 
-    def start(self, rids, groups, prompts, features=None):
-        self.pos = {r: 0 for r in rids}
-
-    def accept(self, rids, tokens, features=None):
-        for r, t in zip(rids, tokens):
-            self.pos[r] += len(t)
-
-    def finish(self, rids):
-        pass
-
-    def propose(self, rids, arm):
-        rows, pars = [], []
-        for r in rids:
+    def propose(self, inp):
+        rows, pars, arm = [], [], inp.arm
+        for r in inp.rows:
             toks, par, prev = [], [], -1
-            for x in self.ref[r][self.pos[r]: self.pos[r] + arm.depth]:
+            pos = len(inp.tokens[r]) - inp.prompt_lens[r]  # committed response tokens
+            for x in self.ref[r][pos: pos + arm.depth]:
                 if arm.topk > 1 and self.rng.random() < 0.4:
                     toks.append(x + 1)
                     par.append(prev)
@@ -127,9 +118,9 @@ def test_elastic_switch_catches_up_only_what_was_missed(setup, warm_drafters):
     catch_ups = []
     real = prop._catch_up
 
-    def spy():
-        catch_ups.append({r: len(prop.queue_tokens[r]) for r in prop.rows})
-        return real()
+    def spy(inp):
+        catch_ups.append({r: len(inp.tokens[r]) - 1 - prop.seen[r] for r in prop.rows})
+        return real(inp)
 
     prop._catch_up = spy
     arm = Arm(3, 1, 3)
@@ -200,6 +191,7 @@ def test_eagle_trees_are_topological():
 
     from drafter.eagle import Drafter, DrafterConfig
     from drafter.model_config import ModelConfig
+    from rollout.draft_tree import ProposerInput
     from rollout.eagle_proposer import EagleProposer
     from rollout.strategy import Arm
     from rollout.target import TargetModel
@@ -209,10 +201,11 @@ def test_eagle_trees_are_topological():
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     target = TargetModel(cfg).eval()
     drafter = Drafter(DrafterConfig.for_target(cfg), target.embed_weight, target.lm_head.weight).eval()
-    for arm in (Arm(4, 2, 8), Arm(5, 4, 16), Arm(3, 3, 9)):
+    tokens = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    features = torch.randn(3, 8, 32)  # [rows, positions, F]: position t predicted token t + 1
+    for g, arm in enumerate((Arm(4, 2, 8), Arm(5, 4, 16), Arm(3, 3, 9))):
         prop = EagleProposer(drafter, max_batch=3, max_len=64)
-        prop.start([0, 1, 2], [0, 0, 1], [[1, 2, 3], [4, 5], [6, 7, 8, 9]], [torch.randn(n - 1, 32) for n in (3, 2, 4)])  # features of all but the last prompt token
-        tree = prop.propose([0, 1, 2], arm)
+        tree = prop.propose(ProposerInput(g, (0, 1, 2), tokens, [2, 1, 3], [0, 0, 1], features, arm))
         idx = torch.arange(tree.parents.shape[1])
         assert tree.parents.shape == (3, arm.tokens_to_verify)
         assert bool((tree.parents < idx).all()) and bool((tree.parents >= -1).all())

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from rollout.draft_tree import DraftTree
+from rollout.draft_tree import DraftTree, ProposerInput
 from rollout.ngram import NgramConfig, NgramProposer
 from rollout.ngram_eval import greedy_accept, measure_accept_length
 from rollout.strategy import Arm
@@ -35,7 +35,7 @@ def run(requests, arm: Arm = CHAIN3, ask: int = 0, **cfg) -> DraftTree:
         prop.start([rid], [gid], [prompt])
         if out:
             prop.accept([rid], [out])
-    return prop.propose([ask], arm)
+    return prop.draft([ask], arm)
 
 
 # --- matching rules, table-driven: (name, requests, arm, config, expected chain) ---------------------
@@ -113,7 +113,7 @@ def test_longer_match_outranks_frequency_in_tree():
 def test_batch_padding_and_no_match_row():
     prop = NgramProposer()
     prop.start([0, 1, 2], [0, 1, 2], [[5, 6, 7, 8, 5, 6], P, [1, 2, 1]])
-    tree = prop.propose([0, 1, 2], Arm(3, 1, 3))
+    tree = prop.draft([0, 1, 2], Arm(3, 1, 3))
     assert tree.tokens.shape == (3, 3)  # padded to the largest tree in the batch
     assert chain(tree, 0) == [7, 8, 5] and chain(tree, 2) == [2, 1]
     assert not tree.valid[1].any()  # no match: no node at all, never a guess
@@ -123,14 +123,14 @@ def test_batch_padding_and_no_match_row():
 def test_arm_off_gives_empty_tree():
     prop = NgramProposer()
     prop.start([0, 1], [0, 0], [[5, 6, 5], [5, 6, 5]])
-    tree = prop.propose([0, 1], Arm.off())
+    tree = prop.draft([0, 1], Arm.off())
     assert tree.tokens.shape == (2, 0) and tree.valid.dtype == torch.bool
 
 
 def test_propose_order_follows_rids():
     prop = NgramProposer()
     prop.start([3, 4], [0, 1], [[1, 2, 1], [7, 8, 7]])
-    tree = prop.propose([4, 3], Arm(1, 1, 1))
+    tree = prop.draft([4, 3], Arm(1, 1, 1))
     assert chain(tree, 0) == [8] and chain(tree, 1) == [2]
 
 
@@ -142,14 +142,14 @@ def test_finish_keeps_sibling_data_until_group_done():
     prop.accept([1], [[10, 11, 12]])
     prop.finish([1])
     prop.accept([0], [[10]])
-    assert chain(prop.propose([0], CHAIN3)) == [11, 12]
+    assert chain(prop.draft([0], CHAIN3)) == [11, 12]
     with pytest.raises(ValueError, match="finished"):
         prop.accept([1], [[3]])
     prop.finish([0])  # last one of group 7: the group is dropped
     assert prop.num_requests == 0
     prop.start([2], [7], [P])  # same group id, fresh group
     prop.accept([2], [[10]])
-    assert chain(prop.propose([2], CHAIN3)) == []
+    assert chain(prop.draft([2], CHAIN3)) == []
 
 
 def test_keep_finished_groups_then_clear():
@@ -159,11 +159,11 @@ def test_keep_finished_groups_then_clear():
     prop.finish([0])
     prop.start([1], [7], [P])  # a late sibling still sees the finished one
     prop.accept([1], [[10]])
-    assert chain(prop.propose([1], CHAIN3)) == [11, 12]
+    assert chain(prop.draft([1], CHAIN3)) == [11, 12]
     prop.clear_group(7)
     assert prop.num_requests == 0
     with pytest.raises(ValueError, match="unknown request"):
-        prop.propose([1], CHAIN3)
+        prop.draft([1], CHAIN3)
     with pytest.raises(ValueError, match="unknown group"):
         prop.clear_group(7)
     prop.start([0], [3], [P])
@@ -175,7 +175,25 @@ def test_accept_takes_tensors_and_ignores_features():
     prop = NgramProposer()
     prop.start([0], [0], [torch.tensor(P)])
     prop.accept([0], [torch.tensor([1, 2, 3, 1])], features=[torch.zeros(2, 4)])
-    assert chain(prop.propose([0], CHAIN3)) == [2, 3, 1]
+    assert chain(prop.draft([0], CHAIN3)) == [2, 3, 1]
+
+
+def test_propose_follows_the_engine_input():
+    """propose(ProposerInput) indexes what was committed since its last call, finishes requests that
+    left the rows (their output still serves siblings) and starts over on a new generation."""
+    prop = NgramProposer()
+    tokens = [P + [10, 11, 12], P + [10]]  # request 0 ran ahead of its sibling 1
+    arm = CHAIN3
+    assert prop.num_requests == 0
+    tree = prop.propose(ProposerInput(1, (0, 1), tokens, [3, 3], [7, 7], None, arm))
+    assert chain(tree, 1) == [11, 12]  # from the sibling's output
+    tokens[0] += [13]
+    tokens[1] += [11]
+    tree = prop.propose(ProposerInput(1, (1,), tokens, [3, 3], [7, 7], None, arm))  # 0 finished
+    assert chain(tree) == [12, 13]  # the finished sibling's last token was indexed
+    assert prop.propose(ProposerInput(1, (1,), tokens, [3, 3], [7, 7], None, Arm.off())).num_nodes == 0
+    tree = prop.propose(ProposerInput(2, (0,), [P + [10]], [3], [7], None, arm))  # new generation
+    assert chain(tree) == [] and prop.num_requests == 1
 
 
 @pytest.mark.parametrize("call,match", [
@@ -185,7 +203,7 @@ def test_accept_takes_tensors_and_ignores_features():
     (lambda p: p.accept([9], [[1]]), "unknown request"),
     (lambda p: p.accept([0], [[1], [2]]), "token lists"),
     (lambda p: p.finish([9]), "unknown request"),
-    (lambda p: p.propose([9], CHAIN3), "unknown request"),
+    (lambda p: p.draft([9], CHAIN3), "unknown request"),
 ])
 def test_api_errors(call, match):
     prop = NgramProposer()
@@ -240,7 +258,7 @@ def test_random_traffic_invariants(seed):
     for _ in range(25):
         rids = rng.sample(list(groups), 5)
         arm = Arm(d := rng.randint(1, 4), k := rng.randint(1, 3), rng.randint(1, k + (d - 1) * k * k))
-        tree = prop.propose(rids, arm)
+        tree = prop.draft(rids, arm)
         assert tree.tokens.dtype == tree.parents.dtype == torch.long and tree.valid.dtype == torch.bool
         assert tree.tokens.device.type == "cpu" and tree.tokens.shape[0] == len(rids)
         idx = torch.arange(tree.num_nodes)

@@ -43,16 +43,6 @@ class TopTree:
     def __init__(self, model):
         self.model, self.memo = model, {}
 
-    def start(self, rids, groups, prompts, features=None):
-        self.ctx = {r: list(p) for r, p in zip(rids, prompts)}
-
-    def accept(self, rids, tokens, features=None):
-        for r, t in zip(rids, tokens):
-            self.ctx[r] += list(t)
-
-    def finish(self, rids):
-        pass
-
     @torch.no_grad()
     def _draft(self, ctx: tuple) -> list[int]:
         if ctx not in self.memo:
@@ -61,8 +51,8 @@ class TopTree:
             self.memo[ctx] = [p1[0], kids[0], p1[1], kids[1]]
         return self.memo[ctx]
 
-    def propose(self, rids, arm):
-        rows = [self._draft(tuple(self.ctx[r])) for r in rids]
+    def propose(self, inp):
+        rows = [self._draft(tuple(inp.tokens[r])) for r in inp.rows]
         tree = DraftTree.chains(rows)
         tree.parents[:] = torch.tensor([-1, 0, -1, 2])
         return tree

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive, tree_depths, tree_mask
+from rollout.draft_tree import tree_depths
+from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive, tree_mask
 from rollout.target import TargetModel
 from tests.hf import hf_model
 

@@ -49,6 +49,8 @@ def feed(tuner: BegMab, reward: dict[Arm, float], steps: int, rng: random.Random
     ({"buckets": ((2, A, B),)}, "buckets"),
     ({"epsilon": -0.1}, "epsilon"),
     ({"epsilon": 1.5}, "epsilon"),
+    ({"explore_gap": 0.0}, "explore_gap"),
+    ({"explore_gap": 1.5}, "explore_gap"),
     ({"window": 0}, "window"),
     ({"window": 2.5}, "window"),
     ({"seed": "0"}, "seed"),
@@ -70,8 +72,8 @@ def test_config_is_frozen_keyword_only_and_normalises_lists():
 
 def test_default_config_follows_the_paper_and_can_explore():
     cfg = TunerConfig.default()
-    assert [mx for mx, _ in cfg.buckets] == [2, 8, 16, 32]
-    for mx, arms in cfg.buckets:
+    assert [mx for mx, _ in cfg.buckets] == [12, 24, 40, 64]
+    for mx, arms in cfg.buckets:  # "off" everywhere: where speculation stops paying is learned
         assert OFF in arms and len(arms) >= 3, f"bucket <= {mx} cannot explore"
     assert 0 < cfg.epsilon < 1 and cfg.window >= 8
     ttv = [max(a.tokens_to_verify for a in arms) for _, arms in cfg.buckets]
@@ -83,7 +85,7 @@ def test_default_config_follows_the_paper_and_can_explore():
 
 def test_bucket_lookup_including_beyond_the_last_bucket():
     tuner = BegMab(TunerConfig.default())
-    got = [tuner.bucket_index(bs) for bs in (1, 2, 3, 8, 9, 16, 17, 32, 33, 1000)]
+    got = [tuner.bucket_index(bs) for bs in (1, 12, 13, 24, 25, 40, 41, 64, 65, 1000)]
     assert got == [0, 0, 1, 1, 2, 2, 3, 3, 3, 3]
     assert tuner.arms(500) == TunerConfig.default().buckets[-1][1]
     with pytest.raises(ValueError, match="batch_size"):
@@ -112,7 +114,7 @@ def test_untried_arms_are_tried_first_round_robin():
 
 def test_epsilon_keeps_exploring_uniformly():
     eps, k, n = 0.2, 4, 1000
-    tuner = BegMab(one_bucket(A, B, C, OFF, epsilon=eps, seed=3))
+    tuner = BegMab(one_bucket(A, B, C, OFF, epsilon=eps, explore_gap=1.0, seed=3))
     rng = random.Random(1)
     reward = {A: 1.0, B: 4.0, C: 2.0, OFF: 0.5}
     feed(tuner, reward, 4, rng)  # every arm once
@@ -121,6 +123,26 @@ def test_epsilon_keeps_exploring_uniformly():
     expected = eps * (k - 1) / k * n  # 150; binomial sd ~11
     assert abs(non_best - expected) < 45, (non_best, expected)
     assert all(chosen.count(a) > 0.5 * eps / k * n for a in (A, C, OFF))
+
+
+def test_exploration_is_weighted_by_the_gap_so_it_stays_cheap():
+    """Arms far behind the best are re-measured rarely: each non-best arm's weight is
+    min(1, explore_gap / gap), so the expected loss of an exploration step is bounded."""
+    eps, n, g = 0.5, 4000, 0.1
+    tuner = BegMab(one_bucket(A, B, C, OFF, epsilon=eps, explore_gap=g, seed=5))
+    rng = random.Random(2)
+    reward = {A: 1.0, B: 4.0, C: 3.6, OFF: 0.5}  # gaps: A 0.75, C 0.1, OFF 0.875
+    feed(tuner, reward, 4, rng)
+    chosen = feed(tuner, reward, n, rng)
+    w = {B: 1.0, A: g / 0.75, C: 1.0, OFF: g / 0.875}
+    for arm in (A, C, OFF):
+        expected = n * eps * w[arm] / sum(w.values())
+        assert abs(chosen.count(arm) - expected) < 4 * expected ** 0.5 + 5, (arm, chosen.count(arm), expected)
+    loss = sum((1 - reward[a] / reward[B]) for a in chosen) / (n * eps)  # per exploration step
+    assert loss < 3 * g / (1 + 3 * g)
+    uniform = BegMab(one_bucket(A, B, C, OFF, epsilon=eps, explore_gap=1.0, seed=5))
+    feed(uniform, reward, 4, rng)
+    assert sum((1 - reward[a] / reward[B]) for a in feed(uniform, reward, n, rng)) / (n * eps) > 1.5 * loss
 
 
 def test_converges_on_a_noisy_stationary_problem():
@@ -267,11 +289,11 @@ def test_state_dict_round_trip_continues_identically():
 def test_stats_report_counts_and_rewards_per_bucket_and_arm():
     tuner = BegMab(TunerConfig.default())
     stats = tuner.stats()
-    assert list(stats) == ["bs<=2", "bs<=8", "bs<=16", "bs<=32"]
+    assert list(stats) == ["bs<=12", "bs<=24", "bs<=40", "bs<=64"]
     assert all(v == {"count": 0, "chosen": 0, "reward": None} for b in stats.values() for v in b.values())
     arm = tuner.choose(5)
     tuner.record(5, arm, 0, 0.02)
-    entry = tuner.stats()["bs<=8"][str(arm)]
+    entry = tuner.stats()["bs<=12"][str(arm)]
     assert entry["count"] == 1 and entry["chosen"] == 1 and entry["reward"] == pytest.approx(50.0)
 
 

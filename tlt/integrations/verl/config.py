@@ -34,14 +34,14 @@ class DrafterSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpeculationSection:
     enable: bool = True
-    elastic_threshold: int = 32    # speculate only while a replica runs <= this many requests
+    elastic_threshold: int | None = None  # cap: speculate only at <= this many requests; None: learned
     arm: str | None = None         # fixed strategy "DEPTH,TOPK,TOKENS_TO_VERIFY" ("0,0,0" = off); None: BEG-MAB
     ngram: bool = True             # model-free drafts from GRPO siblings until a drafter exists
     max_draft_tokens: int = 64
 
     def check(self, p: str) -> None:
-        if self.elastic_threshold < 0:
-            raise _bad(f"{p}.elastic_threshold", self.elastic_threshold, "use an int >= 0")
+        if self.elastic_threshold is not None and self.elastic_threshold < 0:
+            raise _bad(f"{p}.elastic_threshold", self.elastic_threshold, "use null (learned) or an int >= 0")
         if self.max_draft_tokens < 1:
             raise _bad(f"{p}.max_draft_tokens", self.max_draft_tokens, "use an int >= 1")
         if self.arm is not None:

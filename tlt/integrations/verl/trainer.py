@@ -123,8 +123,7 @@ def trainer_class():
                 weakref.finalize(self, _stop_process, self._coord_proc)  # also when init fails
                 (out / "tlt_coordinator.pid").write_text(f"{self._coord_proc.pid}\n")
                 self._driver = DriverClient(address, timeout_s=cc.done_timeout_s)
-                if self.tlt.drafter.method == "eagle3":
-                    self._aux_layers = _eagle3_layers(self.tlt, config.actor_rollout_ref.model.path)
+                self._aux_layers = _feature_layers(self.tlt, config.actor_rollout_ref.model.path) or None
             base = (self.tlt.spot.base_port or free_port(PORT_SPAN * n_replicas)) if train else 0
             runtime.publish(runtime.Runtime(tlt=self.tlt, coordinator_address=address,
                                             spot_root=spot_root, run_dir=str(out), spot_base_port=base,
@@ -293,12 +292,13 @@ def _stop_process(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
-def _eagle3_layers(tlt: TLTConfig, model_path: str) -> list[int]:
-    """The target layers an EAGLE-3 drafter reads: the warm-up drafter's, else the defaults."""
-    from drafter.eagle import default_aux_layers, read_config
+def _feature_layers(tlt: TLTConfig, model_path: str) -> list[int]:
+    """The target layers the drafter reads besides the last hidden state (EAGLE-3's aux layers,
+    none for EAGLE): the warm-up drafter's, else the method's defaults for this target."""
+    from drafter.eagle import DrafterConfig, read_config
+    from drafter.model_config import ModelConfig
 
     if tlt.drafter.init_path:
         return list(read_config(tlt.drafter.init_path).aux_layers)
-    return list(default_aux_layers(int(json.loads((Path(model_path) / "config.json").read_text())
-                                       ["num_hidden_layers"])))
+    return list(DrafterConfig.for_target(ModelConfig.from_pretrained(model_path), tlt.drafter.method).aux_layers)
 
