@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafter.eagle import METHODS, WEIGHTS_NAME, read_config
+from drafter.eagle import METHODS, WEIGHTS_NAME, DrafterConfig, read_config
 from drafter.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,14 @@ def expected_tensors(method: str, fmt: str, H: int, I: int, n_heads: int, n_kv: 
     """
     _check_choice(method, fmt)
     q, kv = n_heads * head_dim, n_kv * head_dim
-    attn_in = 2 * H if method == "eagle3" else H  # EAGLE-3 layer 0 reads [embed ; hidden]
+    return _BY_METHOD[method].tensors(fmt, H, I, q, kv, V, Vd, n_aux)
+
+
+def _layer_tensors(H: int, I: int, q: int, kv: int, attn_in: int, fc_in: int
+                   ) -> dict[str, tuple[tuple[int, ...], str]]:
     p = "layers.0."
-    spec: dict[str, tuple[tuple[int, ...], str]] = {
-        "fc.weight": ((H, n_aux * H if method == "eagle3" else 2 * H), "float"),
+    return {
+        "fc.weight": ((H, fc_in), "float"),
         p + "self_attn.q_proj.weight": ((q, attn_in), "float"),
         p + "self_attn.k_proj.weight": ((kv, attn_in), "float"),
         p + "self_attn.v_proj.weight": ((kv, attn_in), "float"),
@@ -67,28 +71,86 @@ def expected_tensors(method: str, fmt: str, H: int, I: int, n_heads: int, n_kv: 
         p + "mlp.down_proj.weight": ((H, I), "float"),
         p + "post_attention_layernorm.weight": ((H,), "float"),
     }
-    if method == "eagle":
+
+
+class _EagleExport:
+    """EAGLE-1: fc over [embed ; hidden], no head of its own; SGLang's fc has a bias."""
+
+    def draft_vocab(self, dcfg: DrafterConfig) -> int:
+        return dcfg.target_vocab_size
+
+    def tensors(self, fmt, H, I, q, kv, V, Vd, n_aux):
+        spec = _layer_tensors(H, I, q, kv, attn_in=H, fc_in=2 * H)
         # SGLang's fc has bias=True and would keep a random init without it (section 1); vLLM
         # drops any .bias anyway (section 0), so it is left out there. Layer-0 input_layernorm,
         # norm and lm_head make vLLM raise and are ignored by SGLang: never written.
         if fmt == "sglang":
             spec["fc.bias"] = ((H,), "float")
         return spec
-    spec.update({
-        p + "input_layernorm.weight": ((H,), "float"),
-        p + "hidden_norm.weight": ((H,), "float"),
-        "norm.weight": ((H,), "float"),
-        "lm_head.weight": ((Vd, H), "float"),
-    })
-    # vLLM has no d2t parameter when Vd == V and raises if one is present (section 4). t2d is
-    # skipped by both loaders, so it is never written (d2t alone defines the vocab map).
-    if Vd < V:
-        spec["d2t"] = ((Vd,), "int64")
-    return spec
+
+    def check(self, dcfg, fmt, state, weights, V, Vd) -> None:
+        return None
+
+    def config(self, cfg, dcfg, fmt, target, Vd) -> None:
+        return None
 
 
-def _config_json(method: str, fmt: str, layer: ModelConfig, target: ModelConfig,
-                 aux_layers: tuple[int, ...], draft_vocab: int, dtype: str) -> dict[str, Any]:
+class _Eagle3Export:
+    """EAGLE-3: fc over the aux layers, a layer over [embed ; hidden], own norm, head and d2t."""
+
+    def draft_vocab(self, dcfg: DrafterConfig) -> int:
+        return dcfg.draft_vocab_size
+
+    def tensors(self, fmt, H, I, q, kv, V, Vd, n_aux):
+        spec = _layer_tensors(H, I, q, kv, attn_in=2 * H, fc_in=n_aux * H)  # attention reads [embed ; hidden]
+        p = "layers.0."
+        spec.update({
+            p + "input_layernorm.weight": ((H,), "float"),
+            p + "hidden_norm.weight": ((H,), "float"),
+            "norm.weight": ((H,), "float"),
+            "lm_head.weight": ((Vd, H), "float"),
+        })
+        # vLLM has no d2t parameter when Vd == V and raises if one is present (section 4). t2d is
+        # skipped by both loaders, so it is never written (d2t alone defines the vocab map).
+        if Vd < V:
+            spec["d2t"] = ((Vd,), "int64")
+        return spec
+
+    def check(self, dcfg, fmt, state, weights, V, Vd) -> None:
+        if fmt == "sglang" and min(dcfg.aux_layers) < 1:
+            raise ValueError(f"aux_layers {dcfg.aux_layers}: SGLang cannot capture hidden_states[0] "
+                             "(the embeddings); retrain with aux layers >= 1")
+        d2t = state.get("d2t")
+        if d2t is None:
+            raise ValueError(f"incomplete export: {weights} has no d2t vocab map")
+        ids = torch.arange(d2t.numel()) + d2t.long()  # draft id -> target id
+        if ids.numel() != Vd or ids.min() < 0 or ids.max() >= V or ids.unique().numel() != Vd:
+            raise ValueError(f"{weights}: d2t does not map {Vd} draft ids to distinct target ids")
+        if Vd == V and bool(d2t.any()):
+            raise ValueError("d2t is not the identity but draft vocab == target vocab; the "
+                             "loaders drop d2t in that case (vLLM) - cannot export")
+
+    def config(self, cfg, dcfg, fmt, target, Vd) -> None:
+        aux_layers = dcfg.aux_layers
+        cfg.update(draft_vocab_size=Vd, target_hidden_size=target.hidden_size,
+                   num_aux_hidden_states=len(aux_layers))
+        if fmt == "sglang":
+            # SGLang reads only eagle_config's ids and captures the input of layer id+1 (section 2).
+            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in aux_layers],
+                                   "use_aux_hidden_state": True}
+        else:
+            # vLLM reads the top-level key first, in its own numbering (= HF hidden_states index).
+            # The nested ids key is left out so no runner can fall back to SGLang-numbered ids.
+            cfg["eagle_aux_hidden_state_layer_ids"] = list(aux_layers)
+            cfg["eagle_config"] = {"use_aux_hidden_state": True}
+
+
+_BY_METHOD = {"eagle": _EagleExport(), "eagle3": _Eagle3Export()}
+
+
+def _config_json(dcfg: DrafterConfig, fmt: str, target: ModelConfig, draft_vocab: int,
+                 dtype: str) -> dict[str, Any]:
+    layer = dcfg.layer
     cfg = layer.to_hf_dict()
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "rope_scaling"):
         cfg.pop(key, None)
@@ -101,21 +163,10 @@ def _config_json(method: str, fmt: str, layer: ModelConfig, target: ModelConfig,
     if layer.rope_parameters != target.rope_parameters:
         log.warning("drafter was trained with rope %s; export uses the target's %s",
                     layer.rope_parameters, target.rope_parameters)
-    cfg.update(architectures=ARCHITECTURES[method, fmt], model_type="llama", num_hidden_layers=1,
+    cfg.update(architectures=ARCHITECTURES[dcfg.method, fmt], model_type="llama", num_hidden_layers=1,
                vocab_size=target.vocab_size, hidden_act="silu", tie_word_embeddings=False,
                attention_bias=False, mlp_bias=False, bias=False, torch_dtype=dtype)
-    if method == "eagle3":
-        cfg.update(draft_vocab_size=draft_vocab, target_hidden_size=target.hidden_size,
-                   num_aux_hidden_states=len(aux_layers))
-        if fmt == "sglang":
-            # SGLang reads only eagle_config's ids and captures the input of layer id+1 (section 2).
-            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in aux_layers],
-                                   "use_aux_hidden_state": True}
-        else:
-            # vLLM reads the top-level key first, in its own numbering (= HF hidden_states index).
-            # The nested ids key is left out so no runner can fall back to SGLang-numbered ids.
-            cfg["eagle_aux_hidden_state_layer_ids"] = list(aux_layers)
-            cfg["eagle_config"] = {"use_aux_hidden_state": True}
+    _BY_METHOD[dcfg.method].config(cfg, dcfg, fmt, target, draft_vocab)
     return cfg
 
 
@@ -158,12 +209,8 @@ def export_drafter(drafter_dir: str | Path, target_dir: str | Path, fmt: str,
     state = load_file(str(weights))
 
     lc, torch_dtype = dcfg.layer, DTYPES[dtype]
-    eagle3 = dcfg.method == "eagle3"
-    V = dcfg.target_vocab_size
-    Vd = dcfg.draft_vocab_size if eagle3 else V
-    if eagle3 and fmt == "sglang" and min(dcfg.aux_layers) < 1:
-        raise ValueError(f"aux_layers {dcfg.aux_layers}: SGLang cannot capture hidden_states[0] "
-                         "(the embeddings); retrain with aux layers >= 1")
+    method = _BY_METHOD[dcfg.method]
+    V, Vd = dcfg.target_vocab_size, method.draft_vocab(dcfg)
     spec = expected_tensors(dcfg.method, fmt, lc.hidden_size, lc.intermediate_size,
                             lc.num_attention_heads, lc.num_key_value_heads, lc.head_dim, V, Vd,
                             n_aux=len(dcfg.aux_layers) or 3)
@@ -174,21 +221,12 @@ def export_drafter(drafter_dir: str | Path, target_dir: str | Path, fmt: str,
         elif name in state:
             t = state[name]
             tensors[name] = (t.to(torch_dtype) if kind == "float" else t).contiguous()
-    if eagle3:
-        d2t = state.get("d2t")
-        if d2t is None:
-            raise ValueError(f"incomplete export: {weights} has no d2t vocab map")
-        ids = torch.arange(d2t.numel()) + d2t.long()  # draft id -> target id
-        if ids.numel() != Vd or ids.min() < 0 or ids.max() >= V or ids.unique().numel() != Vd:
-            raise ValueError(f"{weights}: d2t does not map {Vd} draft ids to distinct target ids")
-        if Vd == V and bool(d2t.any()):
-            raise ValueError("d2t is not the identity but draft vocab == target vocab; the "
-                             "loaders drop d2t in that case (vLLM) - cannot export")
+    method.check(dcfg, fmt, state, weights, V, Vd)
     dropped = sorted(set(state) - set(tensors) - {"d2t", "t2d"})
     if dropped:
         log.info("not exported (unused by %s): %s", fmt, dropped)
     _validate(tensors, spec, torch_dtype)
-    config = _config_json(dcfg.method, fmt, lc, target, dcfg.aux_layers, Vd, dtype)
+    config = _config_json(dcfg, fmt, target, Vd, dtype)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
