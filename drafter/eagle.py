@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from drafter.layers import MLP, Attention, AttentionBackend, RMSNorm, RotaryEmbedding
+from drafter.model_core import MLP, Attention, AttentionBackend, RMSNorm, RotaryEmbedding
 from drafter.model_config import ModelConfig
 
 METHODS = ("eagle", "eagle3")

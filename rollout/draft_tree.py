@@ -39,18 +39,24 @@ class DraftTree:
     @classmethod
     def chains(cls, drafts: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> "DraftTree":
         """One chain per request (may differ in length; shorter ones are padded)."""
-        n = max((len(d) for d in drafts), default=0)
-        tokens = torch.zeros(len(drafts), n, dtype=torch.long)
-        valid = torch.zeros(len(drafts), n, dtype=torch.bool)
-        for i, d in enumerate(drafts):
-            tokens[i, : len(d)] = torch.tensor(list(d), dtype=torch.long)
-            valid[i, : len(d)] = True
-        parents = (torch.arange(n) - 1).expand(len(drafts), n).clone()
-        return cls(tokens.to(device), parents.to(device), valid.to(device))
+        tokens = right_pad(drafts, device=device)  # [B, N]
+        n = tokens.shape[1]
+        valid = torch.arange(n, device=device) < torch.tensor([len(d) for d in drafts], device=device)[:, None]
+        parents = (torch.arange(n, device=device) - 1).expand(len(drafts), n).clone()
+        return cls(tokens, parents, valid)
 
     def depths(self) -> torch.Tensor:
         """[B, N] depth of each node, 0 for children of the last verified token."""
         return tree_depths(self.parents)
+
+
+def right_pad(rows: Sequence[Sequence[int]], *, fill: int = 0, width: int | None = None,
+              device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, T] long: row i is ``rows[i]`` followed by ``fill`` (T = the longest row, or ``width``).
+    Built on the host and sent in one copy; the one right-padding routine of the rollout side."""
+    t = max((len(r) for r in rows), default=0) if width is None else width
+    return torch.tensor([[int(x) for x in r] + [fill] * (t - len(r)) for r in rows],
+                        dtype=torch.long, device=device).reshape(len(rows), t)
 
 
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:

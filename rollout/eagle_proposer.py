@@ -6,7 +6,10 @@ training convention: the feature that predicted token ``x`` is paired with ``x``
 position ``t`` is ``(x_{t+1}, f_t)``. Nothing is fed while speculation is off: on each proposal
 the pairs committed since the last one are read from the engine's token lists and feature buffer
 (:class:`~rollout.draft_tree.ProposerInput`) and run through the drafter in one batched pass, so
-the elastic switch costs only what the drafter missed. Proposal: from the last pair's output,
+the elastic switch costs only what the drafter missed -- at most the last ``catch_up_window``
+pairs per request: older ones are skipped and masked out of the drafter's attention (a shorter
+draft context, still lossless), so switching on after a long stretch of plain decoding, or a
+tuner's exploration step, costs a bounded drafter pass instead of a prefill of everything missed. Proposal: from the last pair's output,
 expand the ``topk`` best tokens, then at each further level expand the ``topk`` best candidates by
 cumulative draft log-prob; keep the ``tokens_to_verify`` best of all candidates (EAGLE-2).
 ``topk == 1`` is a plain chain.
@@ -17,12 +20,14 @@ from __future__ import annotations
 import torch
 
 from drafter.eagle import Drafter
-from rollout.draft_tree import DraftTree, ProposerInput
+from rollout.draft_tree import DraftTree, ProposerInput, right_pad
 from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
 
 
 class EagleProposer:
-    def __init__(self, drafter: Drafter, *, max_batch: int, max_len: int) -> None:
+    def __init__(self, drafter: Drafter, *, max_batch: int, max_len: int, catch_up_window: int = 16) -> None:
+        if catch_up_window < 1:
+            raise ValueError(f"catch_up_window={catch_up_window} must be >= 1")
         cfg = drafter.config.layer
         self.drafter = drafter.eval()
         self.device = drafter.embed_weight.device
@@ -31,7 +36,9 @@ class EagleProposer:
                                    dtype=drafter.fc.weight.dtype, device=self.device)
         self.generation: int | None = None
         self.rows: list[int] = []  # request id per drafter cache row
-        self.seen: dict[int, int] = {}  # pairs in the drafter cache per request
+        self.seen: dict[int, int] = {}  # pairs up to this position went through the drafter cache
+        self.floor: dict[int, int] = {}  # positions below were skipped (never visible to the drafter)
+        self.catch_up_window = catch_up_window
         self.pairs_processed = 0  # total catch-up work, for tests and metrics
 
     @torch.no_grad()
@@ -45,6 +52,8 @@ class EagleProposer:
         root = self._catch_up(inp)  # [B, H] output of each request's last pair
         base_host = [self.seen[r] for r in self.rows]
         base, base_max = torch.tensor(base_host, device=self.device), max(base_host)  # [B]
+        floor = torch.tensor([self.floor[r] for r in self.rows], device=self.device)
+        above = self._above_floor(floor, base_max + arm.depth * arm.topk)  # [B, largest span]
         k = arm.topk
         d = self.drafter
         logp = d.logits(root).float().log_softmax(-1)  # [B, Vd]
@@ -70,7 +79,7 @@ class EagleProposer:
             exp_anc = torch.cat([exp_anc, own], -1)  # [B, k, E + k]
             slots = base[:, None] + e + torch.arange(k, device=self.device)
             span = base_max + e + k  # the largest slot + 1, known on the host
-            vis = torch.arange(span, device=self.device)[None, None] < base[:, None, None]
+            vis = (torch.arange(span, device=self.device)[None, None] < base[:, None, None]) & above[:, None, :span]
             tree_vis = torch.zeros(b, k, span, dtype=torch.bool, device=self.device)
             tree_vis.scatter_(2, (base[:, None, None] + torch.arange(e + k, device=self.device)).expand(b, k, -1),
                               exp_anc)
@@ -103,7 +112,8 @@ class EagleProposer:
         """Bring the drafter cache rows into the engine's order: a new generation starts empty;
         otherwise rows of finished requests are dropped by one compaction."""
         if inp.generation != self.generation:
-            self.generation, self.rows, self.seen = inp.generation, list(inp.rows), dict.fromkeys(inp.rows, 0)
+            self.generation, self.rows = inp.generation, list(inp.rows)
+            self.seen, self.floor = dict.fromkeys(inp.rows, 0), dict.fromkeys(inp.rows, 0)
             return
         if list(inp.rows) == self.rows:
             return
@@ -112,26 +122,36 @@ class EagleProposer:
         self.cache.compact_rows(keep)
         self.rows = list(inp.rows)
         self.seen = {r: self.seen[r] for r in self.rows}
+        self.floor = {r: self.floor[r] for r in self.rows}
 
     def _catch_up(self, inp: ProposerInput) -> torch.Tensor:
         """Run every pair not yet seen through the drafter; returns the last pair's output [B, H]."""
         b = len(self.rows)
-        seen = [self.seen[r] for r in self.rows]
         ends = [len(inp.tokens[r]) - 1 for r in self.rows]  # pairs available: positions < end
+        for r, e in zip(self.rows, ends):  # a backlog beyond the window is skipped, not computed
+            if e - self.seen[r] > self.catch_up_window:
+                self.seen[r] = self.floor[r] = e - self.catch_up_window
+        seen = [self.seen[r] for r in self.rows]
         lens_host = [e - s for s, e in zip(seen, ends)]
         assert min(lens_host) > 0, "every running request committed a token since its last proposal"
         m = max(lens_host)
-        ids = torch.tensor([list(inp.tokens[r][s + 1: e + 1]) + [0] * (m - e + s)
-                            for r, s, e in zip(self.rows, seen, ends)], device=self.device)  # [B, m]
+        ids = right_pad([inp.tokens[r][s + 1: e + 1] for r, s, e in zip(self.rows, seen, ends)],
+                        device=self.device)  # [B, m]
         lens = torch.tensor(lens_host, device=self.device)
         base = torch.tensor(seen, device=self.device)
         pos = base[:, None] + torch.arange(m, device=self.device)  # [B, m]
         feats = inp.features  # [max_batch, S, F]
         x = feats[torch.arange(b, device=self.device)[:, None], pos.clamp(max=feats.shape[1] - 1)]
         span = max(ends)  # the largest position + 1
-        mask = to_additive(prefill_mask(lens, span, start=base, t=m))
-        out = self.drafter(ids, x.to(self.drafter.fc.weight.dtype), pos, CachedBackend(self.cache, pos, mask))
+        floor = torch.tensor([self.floor[r] for r in self.rows], device=self.device)
+        visible = prefill_mask(lens, span, start=base, t=m) & self._above_floor(floor, span)[:, None]
+        out = self.drafter(ids, x.to(self.drafter.fc.weight.dtype), pos, CachedBackend(self.cache, pos, to_additive(visible)))
         for r, e in zip(self.rows, ends):
             self.seen[r] = e
         self.pairs_processed += sum(lens_host)
         return out[torch.arange(b, device=self.device), lens - 1]
+
+    def _above_floor(self, floor: torch.Tensor, span: int) -> torch.Tensor:
+        """[B, span] bool: slots at or above each row's floor (skipped pairs stay invisible).
+        floor: [B] long."""
+        return torch.arange(span, device=self.device)[None] >= floor[:, None]

@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from rollout.draft_tree import DraftTree, Proposer, ProposerInput
+from rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from rollout.generate import SamplingParams
 from rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, swap_remove, to_additive, tree_mask
 from rollout.strategy import Arm
@@ -158,12 +158,10 @@ class RolloutEngine:
     # ------------------------------------------------------------------ internals
     def _prefill(self, prompts, plist, gens):
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
-        t = int(lens.max())
-        ids = torch.zeros(len(prompts), t, dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(list(p))
+        ids = right_pad(prompts, device=self.device)  # [B, T]
+        t = ids.shape[1]
         pos = torch.arange(t, device=self.device).expand_as(ids)
-        mask = to_additive(prefill_mask(lens, t))
+        mask = to_additive(prefill_mask(lens, t, t=t))
         out = self.target(ids, pos, CachedBackend(self.cache, pos, mask), capture=self._capture)
         first, first_lp = [], []
         for i, p in enumerate(prompts):

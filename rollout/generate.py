@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from rollout.draft_tree import right_pad
 from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
 from rollout.target import TargetModel
 
@@ -66,9 +67,7 @@ def generate(model: TargetModel, prompts: list[list[int]], params: SamplingParam
     span = int(lengths.max()) + params.max_new_tokens
     cache = StaticKVCache(cfg.num_hidden_layers, b, cfg.num_key_value_heads, span, cfg.head_dim,
                           dtype=model.embed_weight.dtype, device=device)
-    ids = torch.zeros(b, int(lengths.max()), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = torch.tensor(p)
+    ids = right_pad(prompts, device=device)  # [B, T]
     pos = torch.arange(ids.shape[1], device=device).expand_as(ids)
     out = model(ids, pos, CachedBackend(cache, pos, to_additive(prefill_mask(lengths, span))))
     tok = next_token(out.logits[torch.arange(b), lengths - 1], params, generator)

@@ -69,7 +69,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from rollout.draft_tree import DraftTree, ProposerInput
+from rollout.draft_tree import DraftTree, ProposerInput, right_pad
 from rollout.strategy import Arm
 
 logger = logging.getLogger(__name__)
@@ -254,15 +254,9 @@ class NgramProposer:
         if arm.is_off:
             return DraftTree.empty(len(rids))
         drafts = [self._draft(self._running(rid, "propose"), arm) for rid in rids]
-        n = max((len(d) for d in drafts), default=0)
-        tokens = torch.zeros(len(rids), n, dtype=torch.long)  # [B, N]
-        parents = torch.full((len(rids), n), -1, dtype=torch.long)  # [B, N]; padding hangs off the root
-        valid = torch.zeros(len(rids), n, dtype=torch.bool)  # [B, N]
-        for i, d in enumerate(drafts):
-            if d:
-                tokens[i, : len(d)] = torch.tensor([t for t, _ in d], dtype=torch.long)
-                parents[i, : len(d)] = torch.tensor([p for _, p in d], dtype=torch.long)
-                valid[i, : len(d)] = True
+        tokens = right_pad([[t for t, _ in d] for d in drafts])  # [B, N]
+        parents = right_pad([[p for _, p in d] for d in drafts], fill=-1)  # padding hangs off the root
+        valid = right_pad([[1] * len(d) for d in drafts]).bool()
         return DraftTree(tokens, parents, valid)
 
     # --- internals --------------------------------------------------------------------------

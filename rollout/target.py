@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from drafter.layers import AttentionBackend, CausalBackend, DecoderLayer, RMSNorm, RotaryEmbedding
+from drafter.model_core import AttentionBackend, CausalBackend, DecoderLayer, RMSNorm, RotaryEmbedding
 from drafter.model_config import ModelConfig
 
 

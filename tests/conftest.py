@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tlt.corpus import CorpusConfig, make_corpus
-from tlt.target_factory import TargetSpec, ensure_target
+from tlt.demo.corpus import CorpusConfig, make_corpus
+from tlt.demo.target_factory import TargetSpec, ensure_target
 
 # Trains in seconds yet answers with varied, prompt-dependent text.
 SMALL_TRAINED = TargetSpec(hidden_size=64, num_layers=2, intermediate_size=176, train_steps=150,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def _cmd_make_target(a: argparse.Namespace) -> None:
-    from tlt.target_factory import TargetSpec, ensure_target
+    from tlt.demo.target_factory import TargetSpec, ensure_target
 
     spec = TargetSpec(family=a.family, train_steps=a.train_steps, seed=a.seed)
     out = Path(a.out)
@@ -130,7 +130,7 @@ def _cmd_doctor(a: argparse.Namespace) -> None:
 
 
 def _cmd_demo(a: argparse.Namespace) -> None:
-    from tlt.demo import run_demo, summary_lines
+    from tlt.demo.job import run_demo, summary_lines
 
     if not set(a.arms) <= set("ABC") or not a.arms:
         raise ValueError(f"--arms {a.arms!r}: use letters from ABC (A no speculation, B stale drafter, C full TLT)")

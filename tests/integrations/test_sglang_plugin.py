@@ -23,8 +23,8 @@ TRACE = ROOT / "docs" / "bench" / "sglang_trace.json"
 
 @pytest.fixture(scope="module")
 def model_path():
-    from tlt import demo
-    from tlt.target_factory import ensure_target
+    from tlt.demo import job as demo
+    from tlt.demo.target_factory import ensure_target
 
     return ensure_target(demo.QUICK.target, progress=False)
 

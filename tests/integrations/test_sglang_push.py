@@ -26,8 +26,8 @@ ENVS = Path(os.environ.get("TLT_SGLANG_ENVS", ROOT / ".sglang-envs"))
 
 @pytest.fixture(scope="module")
 def model_path():
-    from tlt import demo
-    from tlt.target_factory import ensure_target
+    from tlt.demo import job as demo
+    from tlt.demo.target_factory import ensure_target
 
     return ensure_target(demo.QUICK.target, progress=False)
 

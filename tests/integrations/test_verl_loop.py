@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
 
-from tlt import demo  # noqa: E402
+from tlt.demo import job as demo  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def test_arms_differ_only_in_speculation(quick_demo):
 
 def _verl(tmp_path, *extra, timeout=600):
     size = demo.QUICK
-    from tlt.target_factory import ensure_target
+    from tlt.demo.target_factory import ensure_target
 
     target = ensure_target(size.target, progress=False)
     train = demo.write_parquet(tmp_path / "train.parquet", size.prompts, 7)
@@ -103,7 +103,7 @@ def test_bad_tlt_value_fails_before_ray(tmp_path):
 def _run_and_kill_after_step1(tmp_path, kill, *extra, steps=3):
     """A full-TLT run (n-gram, fresh drafter); ``kill(arm_dir)`` once step 1 is recorded."""
     size = demo.QUICK
-    from tlt.target_factory import ensure_target
+    from tlt.demo.target_factory import ensure_target
 
     target = ensure_target(size.target, progress=False)
     train = demo.write_parquet(tmp_path / "train.parquet", size.prompts, 7)

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
 ray = pytest.importorskip("ray")
 
-from tlt import demo  # noqa: E402
+from tlt.demo import job as demo  # noqa: E402
 from tlt.integrations.verl.config import TLTConfig  # noqa: E402
 from tlt.integrations.verl.server import TLTServer, server_name  # noqa: E402
 
@@ -57,7 +57,7 @@ def _kill_and_wait(server, rank: int, tmp_path) -> None:
 
 def test_restarted_replica_forwards_until_the_next_policy_push(cluster, tmp_path):
     from rollout.target import TargetModel
-    from tlt.target_factory import ensure_target
+    from tlt.demo.target_factory import ensure_target
 
     model = str(ensure_target(demo.QUICK.target, progress=False))
     policy = {k: v.clone() for k, v in TargetModel.from_pretrained(model).state_dict().items()}

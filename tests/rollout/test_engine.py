@@ -15,7 +15,7 @@ from rollout.generate import SamplingParams, generate
 from rollout.ngram import NgramProposer
 from rollout.strategy import Arm
 from rollout.target import TargetModel
-from tlt.corpus import CorpusConfig, make_corpus
+from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.tokenizer import TextTokenizer
 
 ARMS = [Arm(1, 1, 1), Arm(4, 1, 4), Arm(3, 2, 6), Arm(5, 4, 16)]
@@ -110,32 +110,42 @@ def test_greedy_parity_ngram_with_siblings(setup, arm):
     assert res.outputs == ref
 
 
-def test_elastic_switch_catches_up_only_what_was_missed(setup, warm_drafters):
+@pytest.mark.parametrize("window", [16, 10_000])
+def test_elastic_switch_catches_up_only_what_was_missed(setup, warm_drafters, window):
     model, prompts, params = setup
     ref = _ar(model, prompts, params)
     drafter = Drafter.load(warm_drafters["eagle"], model.embed_weight, model.lm_head.weight)
-    prop = EagleProposer(drafter, max_batch=8, max_len=600)
+    prop = EagleProposer(drafter, max_batch=8, max_len=600, catch_up_window=window)
     catch_ups = []
     real = prop._catch_up
 
     def spy(inp):
-        catch_ups.append({r: len(inp.tokens[r]) - 1 - prop.seen[r] for r in prop.rows})
-        return real(inp)
+        missed = {r: len(inp.tokens[r]) - 1 - prop.seen[r] for r in prop.rows}
+        out = real(inp)
+        catch_ups.append((missed, dict(prop.floor)))
+        return out
 
     prop._catch_up = spy
     arm = Arm(3, 1, 3)
     res = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=arm, elastic_threshold=3),
                         proposer=prop).generate(prompts, params)
-    assert res.outputs == ref
+    assert res.outputs == ref  # lossless whatever the drafter saw
     assert all(s.batch <= 3 for s in res.steps if s.sd)
     assert any(s.sd for s in res.steps) and any(not s.sd for s in res.steps)
-    # First SD step: each request catches up everything it missed (prompt and output so far) ...
-    first = catch_ups[0]
-    assert all(n > 20 for n in first.values())
+    # First SD step: each request missed its prompt and output so far; the drafter runs at most
+    # `window` of those pairs (older ones are skipped and stay masked) ...
+    missed, floor = catch_ups[0]
+    assert all(n > 20 for n in missed.values())
+    assert all(f == (n - window if n > window else 0) for f, n in zip(floor.values(), missed.values()))
     # ... afterwards only the tokens the previous step committed (at most depth + 1).
-    assert all(n <= arm.depth + 1 for c in catch_ups[1:] for n in c.values())
+    assert all(n <= arm.depth + 1 for c, _ in catch_ups[1:] for n in c.values())
     total_pairs = sum(len(p) - 1 + len(o) for p, o in zip(prompts, ref))
-    assert prop.pairs_processed <= total_pairs  # nothing is ever recomputed
+    skipped = sum(catch_ups[0][1].values())
+    assert prop.pairs_processed <= total_pairs - skipped  # nothing is ever recomputed
+    if window < 20:
+        assert skipped > 0
+    else:
+        assert skipped == 0
 
 
 def test_bad_requests_are_clear_errors(setup):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tlt.corpus import CorpusConfig, make_corpus
-from tlt.grpo_task import DATA_SOURCE, compute_score, write_parquet
+from tlt.demo.corpus import CorpusConfig, make_corpus
+from tlt.demo.grpo_task import DATA_SOURCE, compute_score, write_parquet
 
 
 def test_reward_rewards_format_lines_and_answer():

@@ -15,7 +15,7 @@ from coordinator.protocol import Promote, Role, Stop
 from drafter.checkpoint import latest
 from drafter.spot import SpotTrainer
 from tlt.ports import free_port
-from tlt.simloop import SimConfig, rollout_samples, target
+from tlt.demo.simloop import SimConfig, rollout_samples, target
 from tlt.spot_agent import AgentConfig, SpotAgent, rendezvous_endpoint
 
 HB = 0.05

@@ -9,7 +9,7 @@ import torch
 
 from rollout.target import TargetModel
 from tlt.cli import main
-from tlt.target_factory import TargetSpec, ensure_target
+from tlt.demo.target_factory import TargetSpec, ensure_target
 from tlt.tokenizer import TextTokenizer
 
 transformers = pytest.importorskip("transformers", reason="needs the [dev] extra")

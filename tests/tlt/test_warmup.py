@@ -86,7 +86,7 @@ def test_bad_data_is_one_clear_error(trained_target, tmp_path, capsys, case, mes
 
 
 def test_target_drafter_mismatch_on_resume(trained_target, chat_prompts, tmp_path, tlt_cache, capsys):
-    from tlt.target_factory import TargetSpec, ensure_target
+    from tlt.demo.target_factory import TargetSpec, ensure_target
 
     out = tmp_path / "d"
     assert _warmup(trained_target, chat_prompts, out, "--max-steps", "2") == 0

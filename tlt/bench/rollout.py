@@ -9,7 +9,9 @@ and host syncs (device -> host reads, :mod:`rollout.host_syncs`) per plain and p
 ``workloads.<name>.adaptive_vs_ar`` (tokens/s of the adaptive engine over AR's, same run):
 ``long_tail`` — EAGLE + BEG-MAB; ``ngram_siblings`` — the n-gram drafter over the GRPO siblings +
 BEG-MAB; ``random_drafter`` — an untrained EAGLE drafter + BEG-MAB, the worst case (it almost never
-drafts the right token, so the tuner must learn to turn speculation off).
+drafts the right token, so the tuner must learn to turn speculation off). Each BEG-MAB variant keeps
+one tuner across its rollouts (an untimed warm-up rollout, then the timed repeats), as a replica
+keeps its tuner across RL steps.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ from rollout.ngram import NgramProposer
 from rollout.strategy import Arm
 from rollout.target import TargetModel
 from rollout.tuner import BegMab, TunerConfig
-from tlt.corpus import CorpusConfig, make_corpus
-from tlt.demo import DEFAULT, QUICK
-from tlt.target_factory import default_cache_dir, ensure_target
+from tlt.demo.corpus import CorpusConfig, make_corpus
+from tlt.demo.job import DEFAULT, QUICK
+from tlt.demo.target_factory import default_cache_dir, ensure_target
 from tlt.tokenizer import TextTokenizer
 from tlt.warmup import WarmupConfig, run_warmup
 
@@ -96,20 +98,27 @@ def run(args: argparse.Namespace) -> dict:
     variants = {"AR": lambda: engine()}
     for arm in STATIC_ARMS:
         variants[f"EAGLE static {arm}"] = lambda arm=arm: engine(arm=arm, proposer=eagle())
-    def mab():
-        return BegMab(TunerConfig.for_device(model.embed_weight.device.type, seed=args.seed))
+    tuners: dict[str, BegMab] = {}
 
-    variants["n-gram + BEG-MAB"] = lambda: engine(proposer=NgramProposer(), tuner=mab())
-    variants["EAGLE + BEG-MAB"] = lambda: engine(proposer=eagle(), tuner=mab())
-    # the cost of the drafter being there at all: it is fed every step, speculation never on
+    def mab(key: str) -> BegMab:  # one tuner per variant, kept across repeats (as across RL steps)
+        if key not in tuners:
+            tuners[key] = BegMab(TunerConfig.for_device(model.embed_weight.device.type, seed=args.seed))
+        return tuners[key]
+
+    variants["n-gram + BEG-MAB"] = lambda: engine(proposer=NgramProposer(), tuner=mab("ngram"))
+    variants["EAGLE + BEG-MAB"] = lambda: engine(proposer=eagle(), tuner=mab("eagle"))
+    # the cost of the drafter being there at all: attached, speculation never on
     variants["EAGLE proposer, SD off"] = lambda: engine(arm=Arm.off(), proposer=eagle())
     torch.manual_seed(args.seed)
     untrained = Drafter(drafter.config, model.embed_weight, model.lm_head.weight)
     variants["random drafter + BEG-MAB"] = lambda: engine(
-        proposer=EagleProposer(untrained, max_batch=bs, max_len=max_len + 64), tuner=mab())
-    variants["EAGLE + BEG-MAB, fixed elastic 32"] = lambda: engine(proposer=eagle(), tuner=mab(), threshold=32)
+        proposer=EagleProposer(untrained, max_batch=bs, max_len=max_len + 64), tuner=mab("random"))
+    variants["EAGLE + BEG-MAB, fixed elastic 32"] = lambda: engine(proposer=eagle(), tuner=mab("elastic32"),
+                                                                   threshold=32)
     rows, ref = {}, None
-    repeats = 1 if quick else 3
+    repeats = 1 if quick else 5
+    for make in variants.values():  # warm-up, not timed: allocator and caches; each tuner's first rollout
+        make().generate(prompts, params, groups)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for rep in range(repeats):  # interleaved, alternating order: drift hits every variant alike
         for name in (list(variants) if rep % 2 == 0 else list(reversed(variants))):
@@ -163,7 +172,8 @@ def run(args: argparse.Namespace) -> dict:
                  "random_drafter": "random drafter + BEG-MAB"}
     workloads = {w: {"variant": v, "adaptive_vs_ar": rows[v]["speedup_vs_ar"]} for w, v in workloads.items()}
     workloads["long_tail"]["adaptive_vs_best_static"] = tuned / rows[best_static]["tokens_per_s"]
-    lines = [f"rollout bench ({repeats} interleaved repeats, medians): {bs} requests ({n_prompts} prompts x {n_samples}), response lengths "
+    lines = [f"rollout bench ({repeats} interleaved repeats after an untimed warm-up of every variant, medians; "
+             f"each BEG-MAB variant keeps its tuner across rollouts, as across RL steps): {bs} requests ({n_prompts} prompts x {n_samples}), response lengths "
              f"{min(p.max_new_tokens for p in params)}..{max(p.max_new_tokens for p in params)} (lognormal), "
              f"greedy, target {target_dir.name}; every variant reproduced the AR tokens exactly"]
     for k, r in rows.items():

@@ -62,9 +62,9 @@ def record_trace(*, quick: bool, seed: int) -> dict:
     from rollout.strategy import Arm
     from rollout.target import TargetModel
     from tlt.bench.rollout import _drafter_dir
-    from tlt.corpus import CorpusConfig, make_corpus
-    from tlt.demo import DEFAULT, QUICK
-    from tlt.target_factory import ensure_target
+    from tlt.demo.corpus import CorpusConfig, make_corpus
+    from tlt.demo.job import DEFAULT, QUICK
+    from tlt.demo.target_factory import ensure_target
     from tlt.tokenizer import TextTokenizer
 
     target_dir = ensure_target((QUICK if quick else DEFAULT).target, progress=False)

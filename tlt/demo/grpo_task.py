@@ -1,7 +1,7 @@
 """The embedded GRPO task: arithmetic chains with a long tail of response lengths, and its reward.
 
 Owns the verl-format prompt files (parquet: ``data_source``, chat ``prompt``, ``reward_model`` with
-the ground truth) built from :mod:`tlt.corpus`, and the rule-based reward verl calls
+the ground truth) built from :mod:`tlt.demo.corpus`, and the rule-based reward verl calls
 (``reward.custom_reward_function.path=<this file>``, ``name=compute_score``): 0 without a
 ``\\boxed{N}`` answer; otherwise 0.2 + 0.5 x (share of step lines ``a op b = c`` whose arithmetic
 is right) + 0.3 if the answer is right. The dense part lets a tiny policy measurably learn within a
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tlt.corpus import CorpusConfig, make_corpus
+from tlt.demo.corpus import CorpusConfig, make_corpus
 
 DATA_SOURCE = "tlt/arith"
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from drafter.export import export_drafter
 from drafter.trainer import TrainConfig
-from tlt.corpus import CorpusConfig, make_corpus
-from tlt.grpo_task import write_parquet
-from tlt.target_factory import TargetSpec, ensure_target
+from tlt.demo.corpus import CorpusConfig, make_corpus
+from tlt.demo.grpo_task import write_parquet
+from tlt.demo.target_factory import TargetSpec, ensure_target
 from tlt.warmup import WarmupConfig, run_warmup
 
 log = logging.getLogger(__name__)

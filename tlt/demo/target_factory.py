@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from drafter.model_config import ModelConfig
 from rollout.target import TargetModel
-from tlt.corpus import CorpusConfig, make_corpus
+from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.tokenizer import TextTokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
