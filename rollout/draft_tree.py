@@ -31,6 +31,16 @@ class DraftTree:
     def num_nodes(self) -> int:
         return int(self.tokens.shape[1])
 
+    def padded_to(self, n: int) -> "DraftTree":
+        """The same tree with invalid nodes appended up to ``n`` nodes (a static step shape)."""
+        extra = n - self.num_nodes
+        if extra <= 0:
+            return self
+        b, dev = self.tokens.shape[0], self.tokens.device
+        return DraftTree(torch.cat([self.tokens, self.tokens.new_zeros(b, extra)], 1),
+                         torch.cat([self.parents, torch.full((b, extra), -1, dtype=torch.long, device=dev)], 1),
+                         torch.cat([self.valid, self.valid.new_zeros(b, extra)], 1))
+
     @classmethod
     def empty(cls, batch: int, device: torch.device | str = "cpu") -> "DraftTree":
         z = torch.zeros(batch, 0, dtype=torch.long, device=device)

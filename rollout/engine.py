@@ -22,9 +22,12 @@ import torch
 
 from rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from rollout.generate import SamplingParams
+from rollout.graphs import DEFAULT_BUCKETS, DEFAULT_CAPTURE_BATCH_SIZES, GraphPlanConfig, plan_graphs
 from rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, swap_remove, to_additive, tree_mask
+from rollout.static_step import StaticTargetStep
 from rollout.strategy import Arm
 from rollout.target import TargetModel
+from rollout.tuner import BegMab
 from rollout.verify import verify
 
 
@@ -45,6 +48,10 @@ class EngineConfig:
     arm: Arm | None = None  # fixed strategy; None = ask the tuner
     seed: int = 0
     logprobs: bool = False  # also return each response token's log-probability
+    # Static step shapes (batch padded to a captured size, tree to the arm's width, attention over
+    # the whole cache): what CUDA graphs need. None: on CUDA only (eager dynamic shapes on CPU).
+    static_shapes: bool | None = None
+    cuda_graphs: bool = True  # with static shapes on CUDA: replay captured graphs (rollout.static_step)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -96,6 +103,15 @@ class RolloutEngine:
                                    device=self.device)
         self._features_buf: torch.Tensor | None = None  # [max_batch, slots, F], allocated on first use
         self._generation = 0
+        static = cfg.static_shapes if cfg.static_shapes is not None else self.device.type == "cuda"
+        self.static_step: StaticTargetStep | None = None
+        if static:
+            sizes = tuple(c for c in DEFAULT_CAPTURE_BATCH_SIZES if c < cfg.max_batch) + (cfg.max_batch,)
+            buckets = tuner.config.buckets if isinstance(tuner, BegMab) else DEFAULT_BUCKETS
+            plan = plan_graphs(GraphPlanConfig(capture_batch_sizes=sizes, buckets=buckets,
+                                               speculate_max_batch=cfg.elastic_threshold))
+            self.static_step = StaticTargetStep(target, self.cache, plan, self._capture,
+                                                self._features_wanted, cuda_graphs=cfg.cuda_graphs)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -185,11 +201,15 @@ class RolloutEngine:
         layers = self.proposer.feature_layers if self.proposer is not None else None
         return tuple(layers or ())
 
+    @property
+    def _features_wanted(self) -> bool:
+        return self.proposer is not None and self.proposer.feature_layers is not None
+
     def _features(self, out) -> torch.Tensor | None:
         """What the proposer pairs with tokens: [B, T, F] post-norm hidden or concatenated layers."""
-        layers = self.proposer.feature_layers if self.proposer is not None else None
-        if layers is None:
+        if not self._features_wanted:
             return None
+        layers = self.proposer.feature_layers
         return torch.cat([out.aux[i] for i in layers], -1) if layers else out.hidden
 
     def _speculate(self, b: int) -> bool:
@@ -209,6 +229,8 @@ class RolloutEngine:
             tree = DraftTree(tree.tokens.to(self.device), tree.parents.to(self.device), tree.valid.to(self.device))
         else:
             tree = DraftTree.empty(b, self.device)
+        if self.static_step is not None:
+            tree = tree.padded_to(arm.tokens_to_verify)
         n = tree.num_nodes
         assert n <= self.cfg.max_draft_tokens, f"proposer drafted {n} > max_draft_tokens nodes"
         lengths = [len(inp.tokens[r]) for r in rows]  # committed incl. the pending one
@@ -220,14 +242,18 @@ class RolloutEngine:
         depth = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=self.device),
                            tree.depths() + 1], 1)
         slots = roots[:, None] + torch.arange(1 + n, device=self.device)
-        span = max(lengths) + n  # the largest slot + 1, known on the host
-        mask = to_additive(tree_mask(roots, parents, span))
-        out = self.target(ids, roots[:, None] + depth, CachedBackend(self.cache, slots, mask),
-                          capture=self._capture)
-        feats = self._features(out)
+        if self.static_step is not None:  # attention over the whole cache: a static shape
+            mask = to_additive(tree_mask(roots, parents, self.cache.max_len))
+            logits, feats = self.static_step(ids, roots[:, None] + depth, slots, mask)
+        else:
+            span = max(lengths) + n  # the largest slot + 1, known on the host
+            mask = to_additive(tree_mask(roots, parents, span))
+            out = self.target(ids, roots[:, None] + depth, CachedBackend(self.cache, slots, mask),
+                              capture=self._capture)
+            logits, feats = out.logits, self._features(out)
         if feats is not None:  # laid out like the KV cache: row, slot
             self._features_buf[torch.arange(b, device=self.device)[:, None], slots] = feats
-        res = verify(out.logits, tree, [plist[r] for r in rows], [gens[r] for r in rows])
+        res = verify(logits, tree, [plist[r] for r in rows], [gens[r] for r in rows])
         # Move accepted nodes' keys/values (and features) right after the root, one batched copy.
         moves = [(k, node, d) for k, nodes in enumerate(res.nodes) for d, node in enumerate(nodes) if node != d]
         if moves:
@@ -237,7 +263,7 @@ class RolloutEngine:
             self.cache.move_slots(mv[:, 0], src, dst)
             if feats is not None:
                 self._features_buf[mv[:, 0], dst] = self._features_buf[mv[:, 0], src]
-        lps = [_logprobs(out.logits[k, [0] + [1 + j for j in nodes]], res.tokens[k], plist[r])
+        lps = [_logprobs(logits[k, [0] + [1 + j for j in nodes]], res.tokens[k], plist[r])
                if self.cfg.logprobs else [0.0] * len(res.tokens[k])
                for k, (r, nodes) in enumerate(zip(rows, res.nodes))]
         seconds = time.perf_counter() - t0

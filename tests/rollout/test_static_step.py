@@ -1,0 +1,84 @@
+"""Static step shapes (what CUDA graphs capture) give exactly the dynamic engine's tokens.
+
+On CPU the static path runs eagerly: batch padded to a captured size (padding rows on free cache
+rows), tree padded with invalid nodes to the arm's width, attention over the whole cache. The
+CUDA-graph replay of the same path is checked by the ``gpu`` test when a device exists.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.eagle import Drafter
+from rollout.draft_tree import DraftTree
+from rollout.eagle_proposer import EagleProposer
+from rollout.engine import EngineConfig, RolloutEngine
+from rollout.generate import SamplingParams
+from rollout.ngram import NgramProposer
+from rollout.strategy import Arm
+from rollout.target import TargetModel
+from rollout.tuner import BegMab, TunerConfig
+from tests.rollout.test_engine import setup  # noqa: F401  (fixture)
+
+
+def _run(model, prompts, params, *, static, arm=None, proposer=None, tuner=None, groups=None, device="cpu"):
+    cfg = EngineConfig(max_batch=8, max_len=512, arm=arm, static_shapes=static, logprobs=True)
+    eng = RolloutEngine(model, cfg, proposer=proposer, tuner=tuner)
+    return eng, eng.generate(prompts, params, groups)
+
+
+def test_padded_tree_adds_only_invalid_root_children():
+    tree = DraftTree.chains([[5, 6], [7]])
+    padded = tree.padded_to(4)
+    assert padded.num_nodes == 4 and tree.padded_to(1) is tree
+    assert padded.valid.tolist() == [[True, True, False, False], [True, False, False, False]]
+    assert padded.parents[:, 2:].eq(-1).all()
+
+
+@pytest.mark.parametrize("kind,arm", [("ar", None), ("eagle", Arm(3, 1, 3)), ("eagle", Arm(4, 2, 8)),
+                                      ("ngram", Arm(4, 2, 8)), ("eagle-mab", None)], ids=str)
+def test_static_shapes_are_token_identical(setup, warm_drafters, kind, arm):  # noqa: F811
+    model, prompts, params = setup
+    prompts, params = prompts[:5], params[:5]  # 5 running requests pad to 8, then shrink: 4, 2, 1
+    ref = _run(model, prompts, params, static=False)[1]
+    groups = [0, 0, 1, 1, 2]
+
+    def proposer():
+        if kind == "ngram":
+            return NgramProposer()
+        drafter = Drafter.load(warm_drafters["eagle"], model.embed_weight, model.lm_head.weight)
+        return EagleProposer(drafter, max_batch=8, max_len=600)
+
+    kw = {}
+    if kind != "ar":
+        kw = {"arm": arm, "proposer": proposer()}
+        if arm is None:
+            kw["tuner"] = BegMab(TunerConfig.for_device("cpu", seed=1))
+    eng, res = _run(model, prompts, params, static=True, groups=groups, **kw)
+    assert eng.static_step is not None and eng.static_step.pool is None  # eager on CPU
+    assert res.outputs == ref.outputs
+    if kind != "ar":
+        assert any(s.sd for s in res.steps)
+    for a, b in zip(res.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+
+
+def test_static_shapes_default_off_on_cpu(setup):  # noqa: F811
+    model, _, _ = setup
+    assert RolloutEngine(model, EngineConfig(max_batch=2, max_len=64)).static_step is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replay_matches_eager(setup, trained_target, warm_drafters):  # noqa: F811
+    _, prompts, params = setup
+    gpu = TargetModel.from_pretrained(trained_target, device="cuda")
+    drafter = Drafter.load(warm_drafters["eagle"], gpu.embed_weight, gpu.lm_head.weight)
+    ref = RolloutEngine(gpu, EngineConfig(max_batch=8, max_len=512, static_shapes=False)).generate(prompts, params)
+    for arm in (None, Arm(3, 1, 3), Arm(4, 2, 8)):
+        eng = RolloutEngine(gpu, EngineConfig(max_batch=8, max_len=512, arm=arm),
+                            proposer=EagleProposer(drafter, max_batch=8, max_len=600) if arm else None)
+        res = eng.generate(prompts, params)
+        assert eng.static_step.pool is not None and eng.static_step.replays == len(res.steps)
+        assert res.outputs == ref.outputs, arm
