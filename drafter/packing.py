@@ -5,8 +5,11 @@ restart per sample, attention never crosses samples), the padded layout used as 
 the attention backends for both, including the training-time-test (TTT) attention where step
 ``j`` sees the step-0 keys causally plus its own keys from steps 1..j on the diagonal.
 
-Kernel: per-document SDPA (the fastest exact option on CPU in torch 2.13; on CUDA it runs the
-same fused SDPA kernels per sample). Later TTT steps use an explicit score matrix.
+Kernel: flash-attn's varlen kernel over the whole packed row when the tensors are on CUDA and
+``flash_attn`` is installed (one launch per layer, ``cu_seqlens`` keep samples apart; later TTT
+steps merge their diagonal keys into its output through the returned log-sum-exp, exactly);
+otherwise per-document SDPA (the fastest exact option on CPU in torch 2.13). Later TTT steps of
+the padded layout use an explicit score matrix.
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+
+try:  # optional CUDA kernel (pip install flash-attn); never needed for correctness
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_varlen_func = None
 
 
 @dataclasses.dataclass
@@ -160,13 +168,44 @@ class PaddedTTTBackend(_TTTBackend):
 
 
 class PackedTTTBackend(_TTTBackend):
-    """One packed row; attention is computed per sample so nothing crosses a boundary."""
+    """One packed row; nothing attends across a sample boundary (flash-attn varlen on CUDA when
+    installed, else per-sample SDPA; ``use_flash=False`` forces the latter)."""
 
-    def __init__(self, cu_seqlens: torch.Tensor) -> None:
+    def __init__(self, cu_seqlens: torch.Tensor, *, use_flash: bool = True) -> None:
         super().__init__()
+        self.cu_seqlens = cu_seqlens
         self.bounds = list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
+        self.use_flash = use_flash and flash_attn_varlen_func is not None
 
     def attend(self, q, k0, v0, diag):
+        if self.use_flash and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            return varlen_ttt_attention(q, k0, v0, diag, self.cu_seqlens)
         outs = [ttt_attention(q[:, :, s:e], k0[:, :, s:e], v0[:, :, s:e],
                               [(k[:, :, s:e], v[:, :, s:e]) for k, v in diag]) for s, e in self.bounds]
         return torch.cat(outs, dim=2)
+
+
+def varlen_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+                         diag: list[tuple[torch.Tensor, torch.Tensor]], cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """:func:`ttt_attention` for one packed row with flash-attn's varlen kernel (CUDA, fp16/bf16).
+
+    q: [1, H, T, D]; k0, v0 and each diag pair: [1, KV, T, D]; cu_seqlens: [D+1] -> [1, H, T, D].
+    Step 0 is causal varlen attention; each later step's same-position key joins the softmax
+    through the kernel's log-sum-exp (an exact merge).
+    """
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    tq, tk, tv = (x[0].transpose(0, 1).contiguous() for x in (q, k0, v0))  # [T, heads, D]
+    out, lse, _ = flash_attn_varlen_func(tq, tk, tv, cu, cu, longest, longest, causal=True,
+                                         return_attn_probs=True)  # out [T, H, D], lse [H, T]
+    if diag:
+        rep, scale = q.shape[1] // k0.shape[1], q.shape[-1] ** -0.5
+        qf = q[0].float()  # [H, T, D]
+        sd = torch.stack([(qf * k[0].float().repeat_interleave(rep, 0)).sum(-1) for k, _ in diag], -1) * scale
+        top = torch.maximum(lse, sd.amax(-1))  # [H, T]
+        w0, wd = (lse - top).exp(), (sd - top[..., None]).exp()  # [H, T], [H, T, j]
+        acc = w0[..., None] * out.float().transpose(0, 1)  # [H, T, D]
+        for m, (_, v) in enumerate(diag):
+            acc = acc + wd[..., m, None] * v[0].float().repeat_interleave(rep, 0)
+        return (acc / (w0 + wd.sum(-1))[..., None]).to(q.dtype)[None]
+    return out.transpose(0, 1)[None]

@@ -115,3 +115,23 @@ def test_positions_restart_per_sample():
     starts = b.cu_seqlens[:-1]
     assert (b.position_ids[0, starts] == 0).all()
     assert b.num_tokens == sum(len(s) for s in samples)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_varlen_ttt_attention_matches_per_document_sdpa():
+    pytest.importorskip("flash_attn", reason="flash-attn is not installed")
+    from drafter.packing import PackedTTTBackend, varlen_ttt_attention
+
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 7, 19, 20, 33])
+    t, h, kv, d = 33, 4, 2, 32
+    q = torch.randn(1, h, t, d, device="cuda", dtype=torch.bfloat16)
+    steps = [(torch.randn(1, kv, t, d, device="cuda", dtype=torch.bfloat16),
+              torch.randn(1, kv, t, d, device="cuda", dtype=torch.bfloat16)) for _ in range(3)]
+    ref = PackedTTTBackend(cu, use_flash=False)
+    for j in range(3):  # step 0 alone, then with 1 and 2 diagonal steps
+        (k0, v0), diag = steps[0], steps[1:j + 1]
+        want = ref.attend(q.float(), k0.float(), v0.float(), [(k.float(), v.float()) for k, v in diag])
+        got = varlen_ttt_attention(q, k0, v0, diag, cu)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
