@@ -50,7 +50,7 @@ def feed(tuner: BegMab, reward: dict[Arm, float], steps: int, rng: random.Random
     ({"epsilon": -0.1}, "epsilon"),
     ({"epsilon": 1.5}, "epsilon"),
     ({"explore_gap": 0.0}, "explore_gap"),
-    ({"explore_gap": 1.5}, "explore_gap"),
+    ({"explore_gap": -1.0}, "explore_gap"),
     ({"window": 0}, "window"),
     ({"window": 2.5}, "window"),
     ({"seed": "0"}, "seed"),
@@ -114,7 +114,7 @@ def test_untried_arms_are_tried_first_round_robin():
 
 def test_epsilon_keeps_exploring_uniformly():
     eps, k, n = 0.2, 4, 1000
-    tuner = BegMab(one_bucket(A, B, C, OFF, epsilon=eps, explore_gap=1.0, seed=3))
+    tuner = BegMab(one_bucket(A, B, C, OFF, epsilon=eps, explore_gap=float("inf"), seed=3))
     rng = random.Random(1)
     reward = {A: 1.0, B: 4.0, C: 2.0, OFF: 0.5}
     feed(tuner, reward, 4, rng)  # every arm once
@@ -125,24 +125,24 @@ def test_epsilon_keeps_exploring_uniformly():
     assert all(chosen.count(a) > 0.5 * eps / k * n for a in (A, C, OFF))
 
 
-def test_exploration_is_weighted_by_the_gap_so_it_stays_cheap():
+def test_exploration_is_weighted_by_the_cost_so_it_stays_cheap():
     """Arms far behind the best are re-measured rarely: each non-best arm's weight is
-    min(1, explore_gap / gap), so the expected loss of an exploration step is bounded."""
+    min(1, explore_gap / cost), cost = its extra time per token, so exploring is cheap in time."""
     eps, n, g = 0.5, 4000, 0.1
     tuner = BegMab(one_bucket(A, B, C, OFF, epsilon=eps, explore_gap=g, seed=5))
     rng = random.Random(2)
-    reward = {A: 1.0, B: 4.0, C: 3.6, OFF: 0.5}  # gaps: A 0.75, C 0.1, OFF 0.875
+    reward = {A: 1.0, B: 4.0, C: 3.6, OFF: 0.5}  # extra time per token: A 3.0, C 0.11, OFF 7.0
     feed(tuner, reward, 4, rng)
     chosen = feed(tuner, reward, n, rng)
-    w = {B: 1.0, A: g / 0.75, C: 1.0, OFF: g / 0.875}
+    w = {B: 1.0, A: g / 3.0, C: g / (4.0 / 3.6 - 1), OFF: g / 7.0}
     for arm in (A, C, OFF):
         expected = n * eps * w[arm] / sum(w.values())
         assert abs(chosen.count(arm) - expected) < 4 * expected ** 0.5 + 5, (arm, chosen.count(arm), expected)
-    loss = sum((1 - reward[a] / reward[B]) for a in chosen) / (n * eps)  # per exploration step
-    assert loss < 3 * g / (1 + 3 * g)
-    uniform = BegMab(one_bucket(A, B, C, OFF, epsilon=eps, explore_gap=1.0, seed=5))
+    extra = sum(reward[B] / reward[a] - 1 for a in chosen) / (n * eps)  # extra time per exploration step
+    assert extra < 3 * g
+    uniform = BegMab(one_bucket(A, B, C, OFF, epsilon=eps, explore_gap=float("inf"), seed=5))
     feed(uniform, reward, 4, rng)
-    assert sum((1 - reward[a] / reward[B]) for a in feed(uniform, reward, n, rng)) / (n * eps) > 1.5 * loss
+    assert sum(reward[B] / reward[a] - 1 for a in feed(uniform, reward, n, rng)) / (n * eps) > 3 * extra
 
 
 def test_converges_on_a_noisy_stationary_problem():

@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> dict:
             tcfg = dataclasses.replace(cfg, seed=seed * 7919 + k)
             bandits.append({
                 "begmab": bandit(tcfg), "begmab_elastic32": bandit(tcfg, elastic=ELASTIC),
-                "begmab_uniform_explore": bandit(dataclasses.replace(tcfg, explore_gap=1.0)),
+                "begmab_uniform_explore": bandit(dataclasses.replace(tcfg, explore_gap=math.inf)),
                 "begmab_median_goodput": bandit(dataclasses.replace(tcfg, median_of_goodput=True)),
                 "begmab_raw_goodput": bandit(tcfg, raw_goodput=True)})
         for r, lengths in enumerate(sets):
