@@ -52,6 +52,7 @@ import bisect
 import collections
 import dataclasses
 import logging
+import math
 import random
 import statistics
 from collections.abc import Iterable
@@ -214,8 +215,10 @@ class BegMab:
         Each non-best arm adds at most ``explore_gap`` of a step's time to an exploration step, so
         exploring costs at most ``epsilon * (k-1) * explore_gap`` of the rollout time however bad
         the arms are (1.5% at the defaults with 4 arms); ``explore_gap=inf`` is uniform."""
-        top = max(est.values())
         g = self.config.explore_gap
+        if g == math.inf:
+            return arms[self._rng.randrange(len(arms))]
+        top = max(est.values())
         weights = [min(1.0, g / max(1e-9, top / est[a] - 1.0)) if est[a] > 0 else g / 1e9 for a in arms]
         return self._rng.choices(arms, weights)[0]
 

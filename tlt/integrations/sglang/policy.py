@@ -38,6 +38,7 @@ import bisect
 import collections
 import functools
 import json
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -110,7 +111,10 @@ class StepPolicy:
                  tuner: TunerConfig | None = None) -> None:
         self.slot_keys = sorted(slots)
         self.slots = {k: tuple(slots[k]) for k in self.slot_keys}
-        self._base = tuner or TunerConfig(seed=seed)
+        # Uniform exploration here: a slot offers only step counts whose costs are close (0.5.12
+        # has no off arm); on the recorded trace the tuner's cost weighting measured 96.5% of the
+        # per-batch-size oracle against 97.2% uniform (tlt bench sglang-policy).
+        self._base = tuner or TunerConfig(seed=seed, explore_gap=math.inf)
         self._cuda_graph_bs: list[int] | None = None
         self.tuner = self._build_tuner()
         self.candidate_steps_all = sorted({s for v in self.slots.values() for s in v})
@@ -148,8 +152,8 @@ class StepPolicy:
             if hi >= 1 and (not buckets or hi > buckets[-1][0]):  # else no batch reaches this slot
                 buckets.append((hi, tuple(arm_of(s) for s in self.slots[key])))
         b = self._base
-        return BegMab(TunerConfig(buckets=tuple(buckets), epsilon=b.epsilon, window=b.window,
-                                  median_of_goodput=b.median_of_goodput, seed=b.seed))
+        return BegMab(TunerConfig(buckets=tuple(buckets), epsilon=b.epsilon, explore_gap=b.explore_gap,
+                                  window=b.window, median_of_goodput=b.median_of_goodput, seed=b.seed))
 
     def cuda_graph_bs_for_step(self, step: int) -> list[int] | None:
         """Captured batch sizes at which ``step`` can run (bucketed capture)."""
