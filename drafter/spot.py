@@ -302,24 +302,22 @@ class SpotTrainer:
     def run(self, next_batch: NextBatch, should_stop: Callable[[], bool]) -> SessionResult:
         """Train until ``should_stop()`` (on any rank), ``max_steps`` or no data; then checkpoint.
 
-        ``should_stop`` is polled during the rendezvous and before every micro-step; a
-        :class:`PreemptFlag` also lets the latency from its ``set()`` be measured. A session stopped
-        before all ranks met returns at once (``preempted``, no steps) with nothing to save.
+        ``should_stop`` is polled during the rendezvous, after the group formed, after the drafter
+        is built (agreed by all ranks, so a stop during set-up skips the rest of it) and before
+        every micro-step; a :class:`PreemptFlag` also lets the latency from its ``set()`` be
+        measured. A session stopped before training returns at once (``preempted``, no steps)
+        with nothing to save.
         """
         self._t0 = time.monotonic()
         try:
             ckpt_pg = self._init_group(should_stop)
         except RendezvousAborted as e:
             log.info("session %s rank %d: %s", self.spec.session_id, self.spec.rank, e)
-            ck, set_at = latest(self.root), getattr(should_stop, "set_at", None)
-            lat = None if set_at is None else time.monotonic() - set_at
-            return SessionResult(session_id=self.spec.session_id, rank=self.spec.rank,
-                                 world_size=self.spec.world_size, start_step=ck or 0, end_step=ck or 0,
-                                 losses=(), stop_reason="preempted", preempt_latency_s=lat,
-                                 stop_latency_s=lat, checkpoint_step=ck,
-                                 check_interval_s=(), checkpoint_stall_s=())
+            return self._stopped_before_training(should_stop)
         self._t_formed = time.monotonic()
         try:
+            if self._agreed_stop(should_stop):
+                return self._stopped_before_training(should_stop)
             d, opt = self._build()
             self.drafter = d
             state = TrainState(d, opt, frozen=(self.embed_weight, self.head_weight),
@@ -327,6 +325,8 @@ class SpotTrainer:
             ckpt = AsyncCheckpointer(self.root, keep_last=self.cfg.keep_last, process_group=ckpt_pg,
                                      overlap_staging=self._overlap_staging())
             try:
+                if self._agreed_stop(should_stop):  # skip reading the checkpoint
+                    return self._stopped_before_training(should_stop)
                 start = self._resume(d, opt, state, ckpt_pg)
                 state.progress["world_size"] = self.spec.world_size  # who writes the next one
                 for g in opt.param_groups:  # the config, not the checkpoint, sets the lr
@@ -340,6 +340,23 @@ class SpotTrainer:
                 ckpt.close()
         finally:
             dist.destroy_process_group()
+
+    def _agreed_stop(self, should_stop: Callable[[], bool]) -> bool:
+        """One set-up stop check, agreed by all ranks (the next collective stays in step)."""
+        flag = torch.tensor([float(bool(should_stop()))])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag[0])
+
+    def _stopped_before_training(self, should_stop: Callable[[], bool]) -> SessionResult:
+        ck, set_at = latest(self.root), getattr(should_stop, "set_at", None)
+        lat = None if set_at is None else time.monotonic() - set_at
+        log.info("session %s rank %d: stopped before training (checkpoint %s)", self.spec.session_id,
+                 self.spec.rank, ck)
+        return SessionResult(session_id=self.spec.session_id, rank=self.spec.rank,
+                             world_size=self.spec.world_size, start_step=ck or 0, end_step=ck or 0,
+                             losses=(), stop_reason="preempted", preempt_latency_s=lat,
+                             stop_latency_s=lat, checkpoint_step=ck,
+                             check_interval_s=(), checkpoint_stall_s=())
 
     # ------------------------------------------------------------------ training loop
     def _chunk_tokens(self) -> int:

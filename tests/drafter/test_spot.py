@@ -270,14 +270,38 @@ def test_a_step_stopped_between_chunks_is_applied(tmp_path):
     checkpointed), not thrown away."""
     calls = []
 
-    def stop():  # checked once before every chunk
+    def stop():  # checked twice during set-up, then once before every chunk
         calls.append(1)
-        return len(calls) > 2
+        return len(calls) > 4
 
     cfg = _cfg(token_budget=2048, interval=100, preempt_s=0.01)
     r = _session(0, 1, _free_port(), "h", tmp_path, cfg, _Stream(n=24), stop=stop)
     assert (r.stop_reason, r.start_step, r.end_step, r.checkpoint_step) == ("preempted", 0, 1, 1)
-    assert len(r.losses) == 1 and r.losses[0] > 0 and len(calls) == 3
+    assert len(r.losses) == 1 and r.losses[0] > 0 and len(calls) == 5
+
+
+@pytest.mark.parametrize("stage", ["formed", "built"])
+def test_a_stop_during_set_up_skips_the_rest_of_it(tmp_path, monkeypatch, stage):
+    """A stop that lands once the group formed, or while the drafter is being built, returns at
+    the next set-up check: no checkpoint read, no training, nothing written."""
+    from drafter import spot
+
+    first = _session(0, 1, _free_port(), "a", tmp_path, _cfg(max_steps=2, interval=100), _Stream())
+    assert first.checkpoint_step == 2
+    flag = spot.PreemptFlag()
+    real_build, reads = spot.SpotTrainer._build, []
+    if stage == "formed":
+        flag.set()
+    else:
+        def build(self):
+            out = real_build(self)
+            flag.set()  # lands while the session is still setting up
+            return out
+        monkeypatch.setattr(spot.SpotTrainer, "_build", build)
+    monkeypatch.setattr(spot.SpotTrainer, "_resume", lambda *a: reads.append(1) or 0)
+    r = _session(0, 1, _free_port(), "b", tmp_path, _cfg(max_steps=4, interval=100), _Stream(), stop=flag)
+    assert (r.stop_reason, r.start_step, r.end_step, r.checkpoint_step, r.losses) == ("preempted", 2, 2, 2, ())
+    assert reads == [] and 0 <= r.preempt_latency_s < 5.0
 
 
 def test_warm_resume_equals_a_checkpoint_resume(tmp_path):
