@@ -5,14 +5,14 @@ and how far each request's (token, target feature) pairs went through it. Pairs 
 training convention: the feature that predicted token ``x`` is paired with ``x``; the pair at
 position ``t`` is ``(x_{t+1}, f_t)``. Nothing is fed while speculation is off: on each proposal
 the pairs committed since the last one are read from the engine's token lists and feature buffer
-(:class:`~rollout.draft_tree.ProposerInput`) and run through the drafter in one batched pass, so
-the elastic switch costs only what the drafter missed -- at most the last ``catch_up_window``
-pairs per request: older ones are skipped and masked out of the drafter's attention (a shorter
-draft context, still lossless), so switching on after a long stretch of plain decoding, or a
-tuner's exploration step, costs a bounded drafter pass instead of a prefill of everything missed. Proposal: from the last pair's output,
-expand the ``topk`` best tokens, then at each further level expand the ``topk`` best candidates by
-cumulative draft log-prob; keep the ``tokens_to_verify`` best of all candidates (EAGLE-2).
-``topk == 1`` is a plain chain.
+(:class:`~rollout.draft_tree.ProposerInput`) and run through the drafter in one batched pass --
+at most the last ``catch_up_window`` pairs per request: older ones are skipped and masked out of
+the drafter's attention (a shorter draft context, still lossless), so switching on after a long
+stretch of plain decoding, or a tuner's exploration step, costs a bounded drafter pass.
+
+Proposal: from the last pair's output, expand the ``topk`` best tokens, then at each further level
+expand the ``topk`` best candidates by cumulative draft log-prob; keep the ``tokens_to_verify``
+best of all candidates (EAGLE-2). ``topk == 1`` is a plain chain.
 """
 
 from __future__ import annotations

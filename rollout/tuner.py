@@ -13,7 +13,7 @@ Policy, per batch-size bucket (each bucket has its own arms, so each has its own
    ``min(1, explore_gap / cost)`` where ``cost`` is the extra time per token it is estimated to
    take over the best arm: near-equal arms are compared often, far worse ones rarely, so exploring
    costs at most ``epsilon * (k-1) * explore_gap`` of the time (1.5%) even when the drafter is
-   useless and a speculative step costs 5x a plain one (uniform exploration: ~10% there);
+   useless and a speculative step costs several plain ones;
 3. else the arm with the highest reward estimate over its last ``window`` steps (exploitation).
 
 Every default bucket offers ``Arm.off()``: speculation stops where it stops paying, per bucket
