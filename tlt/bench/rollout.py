@@ -176,7 +176,8 @@ def run(args: argparse.Namespace) -> dict:
                      "adaptive_vs_ar_paired": rows[v]["paired_vs_ar"]} for w, v in workloads.items()}
     workloads["long_tail"]["adaptive_vs_best_static"] = tuned / rows[best_static]["tokens_per_s"]
     lines = [f"rollout bench ({repeats} interleaved repeats after an untimed warm-up of every variant, medians; "
-             f"each BEG-MAB variant keeps its tuner across rollouts, as across RL steps): {bs} requests ({n_prompts} prompts x {n_samples}), response lengths "
+             f"each BEG-MAB variant keeps its tuner across rollouts, as across RL steps): {bs} requests "
+             f"({n_prompts} prompts x {n_samples}), response lengths "
              f"{min(p.max_new_tokens for p in params)}..{max(p.max_new_tokens for p in params)} (lognormal), "
              f"greedy, target {target_dir.name}; every variant reproduced the AR tokens exactly"]
     for k, r in rows.items():
