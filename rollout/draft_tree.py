@@ -83,9 +83,9 @@ class ProposerInput:
     """Everything a proposer receives, once per speculative step (flat, as in vLLM v1's proposers).
 
     The engine hands over references, never copies: nothing is fed to a proposer while speculation
-    is off, so an attached proposer costs plain decoding nothing; on its next proposal it catches up
-    from these (tokens and features committed since its last call). Requests are indexed by request
-    id ``r`` (0..n-1 within one ``generate`` call); cache rows by ``i``.
+    is off, so an attached proposer adds no per-step work to plain decoding; on its next proposal
+    it catches up from these (tokens and features committed since its last call). Requests are
+    indexed by request id ``r`` (0..n-1 within one ``generate`` call); cache rows by ``i``.
     """
 
     generation: int  # one value per engine ``generate`` call: a new value means all-new requests

@@ -22,12 +22,11 @@ import torch
 
 from rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from rollout.generate import SamplingParams
-from rollout.graphs import DEFAULT_BUCKETS, DEFAULT_CAPTURE_BATCH_SIZES, GraphPlanConfig, plan_graphs
+from rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, GraphPlanConfig
 from rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, swap_remove, to_additive, tree_mask
 from rollout.static_step import StaticTargetStep
 from rollout.strategy import Arm
 from rollout.target import TargetModel
-from rollout.tuner import BegMab
 from rollout.verify import verify
 
 
@@ -107,11 +106,8 @@ class RolloutEngine:
         self.static_step: StaticTargetStep | None = None
         if static:
             sizes = tuple(c for c in DEFAULT_CAPTURE_BATCH_SIZES if c < cfg.max_batch) + (cfg.max_batch,)
-            buckets = tuner.config.buckets if isinstance(tuner, BegMab) else DEFAULT_BUCKETS
-            plan = plan_graphs(GraphPlanConfig(capture_batch_sizes=sizes, buckets=buckets,
-                                               speculate_max_batch=cfg.elastic_threshold))
-            self.static_step = StaticTargetStep(target, self.cache, plan, self._capture,
-                                                self._features_wanted, cuda_graphs=cfg.cuda_graphs)
+            self.static_step = StaticTargetStep(target, self.cache, GraphPlanConfig(capture_batch_sizes=sizes),
+                                                self._capture, self._features, cuda_graphs=cfg.cuda_graphs)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],

@@ -52,7 +52,8 @@ Inside the engine, :meth:`NgramProposer.propose` gets a
 generation starts over, new requests are started, tokens committed since the last proposal are
 accepted (so nothing is indexed while speculation is off, and siblings' tokens are stamped per
 proposal rather than per step), and requests that left the running rows are finished. The index
-API below is public for replays (:mod:`rollout.ngram_eval`): ``start`` indexes the prompt (siblings with equal prompts share one prompt index); ``accept``
+API below is public for replays (:mod:`rollout.ngram_eval`): ``start`` indexes the prompt
+(siblings with equal prompts share one prompt index); ``accept``
 indexes each committed token (``max_n - min_n + 1`` dict appends per token); ``finish`` freezes
 a request, whose sequence stays a source for its siblings. When the last running request of a
 group finishes, the group's data are dropped (``drop_finished_groups=True``, the default; with

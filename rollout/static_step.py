@@ -1,7 +1,7 @@
 """The target forward of one engine step at static shapes, replayed from CUDA graphs on CUDA.
 
 Owns :class:`StaticTargetStep`. A step is padded to a captured shape: the batch up to the planned
-captured size (:meth:`rollout.graphs.GraphPlan.padded_batch`), the query to the arm's
+captured size (:meth:`rollout.graphs.GraphPlanConfig.padded_batch`), the query to the arm's
 ``tokens_to_verify + 1`` (the engine pads the draft tree with invalid nodes), and the attention
 span to the whole cache (no data-dependent span, as in gpt-fast). It then runs from a graph of a
 :class:`~rollout.graph_pool.CudaGraphPool`, captured on first use of its
@@ -10,28 +10,31 @@ picks are ever captured, a subset of the bucketed plan -- or eagerly (CPU, or a 
 largest captured size). Padding rows (cache rows no running request holds) and the warm-up and
 capture runs write only the last ``Q`` slots of the cache, which never hold a committed token
 (requests end ``max_draft_tokens`` slots before them), and see only slot 0; padded tree nodes are
-invalid, so the verifier never reads them. The
-dynamic-shape and static-shape engines are token-identical (tests/rollout/test_static_step.py).
+invalid, so the verifier never reads them. The dynamic-shape and static-shape engines are
+token-identical (tests/rollout/test_static_step.py).
 The drafter's forward stays eager (its catch-up has a variable length).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
-from rollout.graphs import GraphPlan, TargetGraphKey
+from rollout.graphs import GraphPlanConfig, TargetGraphKey
 from rollout.kv_cache import CachedBackend, StaticKVCache
-from rollout.target import TargetModel
+from rollout.target import TargetModel, TargetOutput
 
 log = logging.getLogger(__name__)
 
 
 class StaticTargetStep:
-    def __init__(self, target: TargetModel, cache: StaticKVCache, plan: GraphPlan,
-                 capture: tuple[int, ...], features: bool, *, cuda_graphs: bool) -> None:
-        self.target, self.cache, self.plan = target, cache, plan
+    def __init__(self, target: TargetModel, cache: StaticKVCache, sizes: GraphPlanConfig,
+                 capture: tuple[int, ...], features: Callable[[TargetOutput], torch.Tensor | None], *,
+                 cuda_graphs: bool) -> None:
+        # sizes: the captured batch sizes; features: the engine's feature extraction (None: none)
+        self.target, self.cache, self.sizes = target, cache, sizes
         self.capture, self.features = capture, features
         self.rows = cache.k.shape[1]
         self.pool = None
@@ -48,7 +51,7 @@ class StaticTargetStep:
         """ids, pos, slots: [B, Q] long; mask: [B, 1, Q, S] additive over the whole cache (S =
         cache.max_len). Returns logits [B, Q, V] and features [B, Q, F] (None unless wanted)."""
         b, q = ids.shape
-        padded = self.plan.padded_batch(b)
+        padded = self.sizes.padded_batch(b)
         if padded is None or padded > self.rows:
             out = self._forward(ids, pos, slots, mask)
             return out["logits"], out.get("features")
@@ -75,10 +78,8 @@ class StaticTargetStep:
 
     def _forward(self, ids, pos, slots, mask) -> dict[str, torch.Tensor]:
         out = self.target(ids, pos, CachedBackend(self.cache, slots, mask), capture=self.capture)
-        result = {"logits": out.logits}
-        if self.features:
-            result["features"] = torch.cat([out.aux[i] for i in self.capture], -1) if self.capture else out.hidden
-        return result
+        feats = self.features(out)
+        return {"logits": out.logits} if feats is None else {"logits": out.logits, "features": feats}
 
     def _scratch(self, q: int) -> torch.Tensor:
         """[q] the cache's last q slots: never a committed token's (see the module docstring)."""
