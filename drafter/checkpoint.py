@@ -384,3 +384,15 @@ def load(root: str | Path, state: dict[str, Any], *, step: int | None = None,
         raise ValueError(f"{path} is not a complete checkpoint; choose one of {complete_steps(root)}")
     dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=_no_dist())
     return step
+
+
+def load_weights(root: str | Path, model: nn.Module, *, frozen: Iterable[torch.Tensor] = (),
+                 step: int | None = None) -> int | None:
+    """The model weights of training-state checkpoint ``step`` (default: the latest complete one)
+    into an unsharded ``model`` in place, without a process group; DCP reads only the keys asked
+    for. Returns the step, or None if ``root`` holds no complete checkpoint."""
+    step = latest(root) if step is None else step
+    if step is None:
+        return None
+    state = TrainState(model, torch.optim.AdamW(list(model.parameters())), frozen=frozen)
+    return load(root, {"train": state}, step=step)

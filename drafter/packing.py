@@ -3,7 +3,8 @@
 Owns the training sample record, packing samples into rows up to a token budget (positions
 restart per sample, attention never crosses samples), the padded layout used as the baseline, and
 the attention backends for both, including the training-time-test (TTT) attention where step
-``j`` sees the step-0 keys causally plus its own keys from steps 1..j on the diagonal.
+``j`` sees the step-0 keys causally plus its own keys from steps 1..j on the diagonal, and the
+splits of a sample list across ranks (token-balanced shards) and into chunks of whole samples.
 
 Kernel: flash-attn's varlen kernel over the whole packed row when the tensors are on CUDA and
 ``flash_attn`` is installed (one launch per layer, ``cu_seqlens`` keep samples apart; later TTT
@@ -209,3 +210,34 @@ def varlen_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
             acc = acc + wd[..., m, None] * v[0].float().repeat_interleave(rep, 0)
         return (acc / (w0 + wd.sum(-1))[..., None]).to(q.dtype)[None]
     return out.transpose(0, 1)[None]
+
+
+def shard_samples(samples: Sequence[FeatureSample], rank: int, world_size: int) -> list[FeatureSample]:
+    """Token-balanced deterministic shard: longest first onto the least-loaded rank."""
+    load_ = [0] * world_size
+    mine: list[int] = []
+    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i])):
+        r = min(range(world_size), key=lambda r: (load_[r], r))
+        load_[r] += len(samples[i])
+        if r == rank:
+            mine.append(i)
+    return [samples[i] for i in sorted(mine)]
+
+
+def split_chunks(samples: Sequence[FeatureSample], max_tokens: int) -> list[list[FeatureSample]]:
+    """Whole samples, in order, into chunks of at most ``max_tokens`` (a longer sample alone)."""
+    chunks: list[list[FeatureSample]] = []
+    used = max_tokens
+    for s in samples:
+        if used + len(s) > max_tokens:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(s)
+        used += len(s)
+    return chunks
+
+
+def empty_like(s: FeatureSample) -> FeatureSample:
+    """A two-token sample that contributes nothing to the loss (its FSDP collectives still run)."""
+    return FeatureSample(s.input_ids[:2].clone(), torch.zeros(2, dtype=torch.bool), s.hidden[:2].clone(),
+                         None if s.aux is None else s.aux[:2].clone())

@@ -5,6 +5,7 @@ change from session to session), building the drafter on the target's frozen emb
 (shared by reference, replicated, never sharded or saved), sharding the drafter's trainable
 modules with FSDP2, resuming from the latest selective checkpoint (written by any world size),
 the packed TTT training loop, preemption between chunks of a micro-step, and the final checkpoint.
+It is the project's only drafter training loop: the offline warm-up is a one-rank session of it.
 
 Agreement: every micro-step starts with one tiny all-reduce (MAX) of ``[stop, no_data, chunks]``
 so all ranks stop at the same boundary even when the preemption request reaches them at different
@@ -28,10 +29,12 @@ Data: ``next_batch(world_size * token_budget)`` must return the same list on eve
 seeded draw from the shared DataBuffer); rank ``r`` trains on a token-balanced shard of it. With
 ``local_data`` each rank draws ``token_budget`` tokens from its own buffer instead (the verl
 integration: every replica holds the features of the sequences its worker computed). A list that
-leaves some rank without samples ends the session (``no_data``) on every rank.
+leaves some rank without samples ends the session (``no_data``) on every rank. A deterministic
+stream (the warm-up's seeded epochs, :mod:`drafter.trainer`) may have a ``seek(samples)`` method:
+it is called once after the resume with the number of samples the resumed state had consumed, so
+an interrupted and resumed run trains on exactly the batches an uninterrupted one would.
 
-Work lost to a kill: at most one checkpoint ``interval`` plus the steps run while that
-interval's save was still being written (commits happen in the writer thread, see checkpoint).
+Work lost to a kill: at most one checkpoint ``interval`` plus the steps of a save still in flight.
 
 Warm resume: a session's end keeps this rank's shards (weights and optimizer state) in process
 memory. The next session in the same process resumes from them instead of reading the checkpoint
@@ -45,9 +48,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -58,7 +62,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from drafter.checkpoint import AsyncCheckpointer, TrainState, latest, load
 from drafter.eagle import WEIGHTS_NAME, Drafter, DrafterConfig
-from drafter.packing import FeatureSample, pack
+from drafter.packing import FeatureSample, empty_like, pack, shard_samples, split_chunks
 from drafter.rendezvous import RendezvousAborted, rendezvous
 from drafter.ttt import TTTConfig, ttt_forward
 from drafter.warm import WARM, fits, restore, snapshot
@@ -112,6 +116,11 @@ class SpotConfig:
     # long (from the measured tokens/s). None: one chunk per micro-step (exact accumulation order).
     preempt_s: float | None = None
     ttt: TTTConfig = TTTConfig()
+    # Learning rate by optimizer step: linear warm-up over ``warmup_steps``, then cosine decay to
+    # ``lr * min_lr_ratio`` at ``decay_steps`` (None: constant, the spot trainer's default).
+    warmup_steps: int = 0
+    decay_steps: int | None = None
+    min_lr_ratio: float = 1.0
     seed: int = 0  # drafter init when there is neither a checkpoint nor init_from
     mixed_precision: bool = True  # CUDA only: bf16 compute, fp32 master weights and reduction
     timeout_s: float = 120.0  # process-group collective timeout
@@ -135,6 +144,20 @@ class SpotConfig:
         if self.timeout_s <= 0 or self.rendezvous_timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s} and rendezvous_timeout_s="
                              f"{self.rendezvous_timeout_s} must be > 0")
+        if self.warmup_steps < 0 or (self.decay_steps is not None and self.decay_steps < 1):
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0 and decay_steps="
+                             f"{self.decay_steps} >= 1 or None (constant after the warm-up)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.decay_steps is None:
+            return self.lr
+        frac = min(1.0, (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,38 +201,7 @@ class PreemptFlag:
     __call__ = is_set
 
 
-def shard_samples(samples: Sequence[FeatureSample], rank: int, world_size: int) -> list[FeatureSample]:
-    """Token-balanced deterministic shard: longest first onto the least-loaded rank."""
-    load_ = [0] * world_size
-    mine: list[int] = []
-    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i])):
-        r = min(range(world_size), key=lambda r: (load_[r], r))
-        load_[r] += len(samples[i])
-        if r == rank:
-            mine.append(i)
-    return [samples[i] for i in sorted(mine)]
-
-
 _FIRST_CHUNK_TOKENS = 256  # chunk size before any throughput was measured
-
-
-def split_chunks(samples: Sequence[FeatureSample], max_tokens: int) -> list[list[FeatureSample]]:
-    """Whole samples, in order, into chunks of at most ``max_tokens`` (a longer sample alone)."""
-    chunks: list[list[FeatureSample]] = []
-    used = max_tokens
-    for s in samples:
-        if used + len(s) > max_tokens:
-            chunks.append([])
-            used = 0
-        chunks[-1].append(s)
-        used += len(s)
-    return chunks
-
-
-def _empty_like(s: FeatureSample) -> FeatureSample:
-    """A two-token sample that contributes nothing to the loss (its FSDP collectives still run)."""
-    return FeatureSample(s.input_ids[:2].clone(), torch.zeros(2, dtype=torch.bool), s.hidden[:2].clone(),
-                         None if s.aux is None else s.aux[:2].clone())
 
 
 class SpotTrainer:
@@ -217,12 +209,15 @@ class SpotTrainer:
 
     def __init__(self, *, spec: SessionSpec, config: SpotConfig, drafter_config: DrafterConfig,
                  embed_weight: torch.Tensor, head_weight: torch.Tensor, checkpoint_root: str | Path,
-                 init_from: str | Path | None = None, tokens_per_s: float | None = None) -> None:
+                 init_from: str | Path | Mapping[str, torch.Tensor] | None = None,
+                 tokens_per_s: float | None = None) -> None:
+        """``init_from``: the drafter's first weights while no checkpoint exists (a drafter
+        directory or a state dict); None: a seeded random init."""
         self.spec, self.cfg, self.drafter_config = spec, config, drafter_config
         self.tokens_per_s = tokens_per_s  # chunk sizing; e.g. the previous session's measurement
         self.embed_weight, self.head_weight = embed_weight, head_weight
         self.root = Path(checkpoint_root)
-        self.init_from = Path(init_from) if init_from is not None else None
+        self.init_from = init_from if init_from is None or isinstance(init_from, Mapping) else Path(init_from)
         self.device = embed_weight.device
         self.drafter: Drafter | None = None  # built by run(); kept for inspection afterwards
         self.warm = False  # run() resumed from this process's memory instead of the checkpoint
@@ -253,8 +248,9 @@ class SpotTrainer:
         torch.manual_seed(self.cfg.seed)  # identical full init on every rank before sharding
         d = Drafter(self.drafter_config, self.embed_weight, self.head_weight)
         if self.init_from is not None and latest(self.root) is None:
-            missing, unexpected = d.load_state_dict(load_file(str(self.init_from / WEIGHTS_NAME)),
-                                                    strict=False)
+            init = (self.init_from if isinstance(self.init_from, Mapping)
+                    else load_file(str(self.init_from / WEIGHTS_NAME)))
+            missing, unexpected = d.load_state_dict(init, strict=False)
             if missing or unexpected:
                 raise ValueError(f"init_from={self.init_from}: weights do not match the drafter "
                                  f"config (missing {missing[:4]}, unexpected {unexpected[:4]})")
@@ -299,8 +295,10 @@ class SpotTrainer:
             return self.device.type == "cuda"
         return self.cfg.overlap_staging
 
-    def run(self, next_batch: NextBatch, should_stop: Callable[[], bool]) -> SessionResult:
+    def run(self, next_batch: NextBatch, should_stop: Callable[[], bool],
+            on_step: Callable[[int, float], None] | None = None) -> SessionResult:
         """Train until ``should_stop()`` (on any rank), ``max_steps`` or no data; then checkpoint.
+        ``on_step(step, loss)`` is called after every optimizer step (e.g. a progress bar).
 
         ``should_stop`` is polled during the rendezvous, after the group formed, after the drafter
         is built (agreed by all ranks, so a stop during set-up skips the rest of it) and before
@@ -329,13 +327,13 @@ class SpotTrainer:
                     return self._stopped_before_training(should_stop)
                 start = self._resume(d, opt, state, ckpt_pg)
                 state.progress["world_size"] = self.spec.world_size  # who writes the next one
-                for g in opt.param_groups:  # the config, not the checkpoint, sets the lr
-                    g["lr"] = self.cfg.lr
+                if hasattr(next_batch, "seek"):
+                    next_batch.seek(state.progress["samples"])
                 if start:
                     log.info("session %s rank %d: resumed from step %d", self.spec.session_id,
                              self.spec.rank, start)
                 self._t_ready = time.monotonic()
-                return self._loop(d, opt, state, ckpt, start, next_batch, should_stop)
+                return self._loop(d, opt, state, ckpt, start, next_batch, should_stop, on_step)
             finally:
                 ckpt.close()
         finally:
@@ -412,7 +410,7 @@ class SpotTrainer:
         if flags[0] or flags[1]:
             return ("preempted" if flags[0] else "no_data"), 0.0, 0.0
         k = int(flags[2])
-        chunks += [[_empty_like(mine[0])]] * (k - len(chunks))
+        chunks += [[empty_like(mine[0])]] * (k - len(chunks))
         loss, weight = 0.0, 0.0
         for i, chunk in enumerate(chunks):
             if i:
@@ -432,7 +430,8 @@ class SpotTrainer:
         return None, loss, weight
 
     def _loop(self, d, opt, state: TrainState, ckpt: AsyncCheckpointer, start: int,
-              next_batch: NextBatch, should_stop: Callable[[], bool]) -> SessionResult:
+              next_batch: NextBatch, should_stop: Callable[[], bool],
+              on_step: Callable[[int, float], None] | None) -> SessionResult:
         cfg, spec = self.cfg, self.spec
         step, losses, gaps = start, [], []
         reason, exited = None, None
@@ -460,10 +459,14 @@ class SpotTrainer:
             if cfg.grad_clip:
                 torch.nn.utils.clip_grad_norm_(list(d.parameters()), cfg.grad_clip)
             ckpt.wait_staged()  # the step below mutates what an in-flight snapshot may still copy
+            for g in opt.param_groups:  # the config, not the checkpoint, sets the lr
+                g["lr"] = cfg.lr_at(step)
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
             losses.append(step_loss)
+            if on_step is not None:
+                on_step(step, step_loss)
             if step % cfg.interval == 0:
                 state.step = step
                 ckpt.save(step, {"train": state})
@@ -493,7 +496,7 @@ class SpotTrainer:
 def run_session(*, spec: SessionSpec, config: SpotConfig, drafter_config: DrafterConfig,
                 embed_weight: torch.Tensor, head_weight: torch.Tensor, checkpoint_root: str | Path,
                 next_batch: NextBatch, should_stop: Callable[[], bool],
-                init_from: str | Path | None = None) -> SessionResult:
+                init_from: str | Path | Mapping[str, torch.Tensor] | None = None) -> SessionResult:
     """Convenience: build a :class:`SpotTrainer` for this rank and run one session."""
     return SpotTrainer(spec=spec, config=config, drafter_config=drafter_config,
                        embed_weight=embed_weight, head_weight=head_weight,

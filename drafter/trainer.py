@@ -1,22 +1,24 @@
-"""Single-process drafter training loop with atomic, resumable checkpoints.
+"""Offline drafter warm-up: the spot trainer's loop, run as a one-rank session over a fixed set.
 
-Owns the optimizer schedule, packed mini-batches, evaluation (top-1/top-3 accuracy and the
-estimated accept length of a greedy chain) and the warm-up checkpoint directory: drafter weights
-(safetensors + config) plus the training state under ``trainer_state/`` in the spot trainer's
-format (:mod:`drafter.checkpoint`: DCP, selective — weights and optimizer, never the target —
-committed by rename, the last one kept). Weights and state are each replaced atomically, the state
-first, so a crash leaves the previous complete checkpoint; a resume reads weights and optimizer
-from the same state. Epoch order is a function of (seed, epoch), so a resume replays it exactly.
+Owns the warm-up's settings (:class:`TrainConfig`: step budget, cosine schedule, checkpoint
+interval), the seeded epoch order of its packed batches (:class:`EpochBatches`, replayed exactly on
+resume), evaluation (top-1/top-3 accuracy and the estimated accept length of a greedy chain) and the
+warm-up directory. The loop itself is :class:`drafter.spot.SpotTrainer`'s (world size 1), so the
+warm-up and spot training share one loop and one checkpoint format: the training state lives under
+``trainer_state/`` as the spot trainer's DCP checkpoints (selective: weights and optimizer, never
+the target; committed by rename, the last one kept), which ``--resume`` continues, and the drafter
+weights (safetensors + config) are replaced atomically when training ends (before that, the
+directory holds the drafter the run started from). Epoch order is a function of (seed, epoch).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import random
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Sequence
@@ -24,9 +26,10 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from drafter import checkpoint as ckpt
+from drafter.checkpoint import load_weights
 from drafter.eagle import Drafter
 from drafter.packing import FeatureSample, pack, pack_by_budget
+from drafter.spot import SessionSpec, SpotConfig, SpotTrainer
 from drafter.ttt import StepStats, TTTConfig, ttt_forward
 
 log = logging.getLogger(__name__)
@@ -51,12 +54,48 @@ class TrainConfig:
             raise ValueError("max_steps >= 0, lr > 0, token_budget > 0 and save_every > 0 are "
                              f"required; got {self.max_steps=}, {self.lr=}, {self.token_budget=}, "
                              f"{self.save_every=}")
+        self.spot_config()  # the schedule's own checks
 
-    def lr_at(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        frac = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+    def spot_config(self) -> SpotConfig:
+        """The spot trainer's settings for this warm-up: one rank, its own data, a step budget and
+        a cosine schedule that ends at ``max_steps``."""
+        return SpotConfig(lr=self.lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
+                          token_budget=self.token_budget, interval=self.save_every, keep_last=1,
+                          max_steps=self.max_steps, local_data=True, ttt=self.ttt,
+                          warmup_steps=self.warmup_steps, decay_steps=max(1, self.max_steps),
+                          min_lr_ratio=self.min_lr_ratio, seed=self.seed)
+
+
+class EpochBatches:
+    """The warm-up's batches: each epoch a seeded shuffle packed to ``token_budget`` tokens.
+
+    Called by the spot loop once per micro-step; ``seek`` replays the order up to a resumed state."""
+
+    def __init__(self, samples: Sequence[FeatureSample], token_budget: int, seed: int) -> None:
+        self.samples, self.token_budget, self.seed = list(samples), token_budget, seed
+        self.epoch, self.pos = 0, 0
+        self.batches = self._epoch(0)
+
+    def _epoch(self, e: int) -> list[list[FeatureSample]]:
+        shuffled = list(self.samples)
+        random.Random(self.seed * 1_000_003 + e).shuffle(shuffled)
+        return pack_by_budget(shuffled, self.token_budget)
+
+    def __call__(self, want: int) -> list[FeatureSample]:
+        if self.pos >= len(self.batches):
+            self.epoch, self.pos = self.epoch + 1, 0
+            self.batches = self._epoch(self.epoch)
+        self.pos += 1
+        return self.batches[self.pos - 1]
+
+    def seek(self, consumed: int) -> None:
+        """Skip the batches that held the first ``consumed`` samples."""
+        left = consumed
+        while left > 0:
+            left -= len(self(self.token_budget))
+        if left:
+            raise ValueError(f"the checkpoint consumed {consumed} samples, which does not end on a batch of "
+                             "these samples: it was trained on other data; start without --resume")
 
 
 @torch.no_grad()
@@ -75,70 +114,57 @@ def evaluate(drafter: Drafter, samples: Sequence[FeatureSample], ttt: TTTConfig,
 
 def train(drafter: Drafter, samples: Sequence[FeatureSample], cfg: TrainConfig, out_dir: Path | None,
           *, resume: bool = False, progress: bool = True, extra: dict | None = None) -> list[float]:
-    """Train for ``cfg.max_steps`` optimizer steps, one packed batch each; returns the losses.
+    """Train ``drafter`` (in place) to ``cfg.max_steps`` optimizer steps; returns this run's losses.
 
     With ``resume`` and a checkpoint in ``out_dir`` the run continues from its step, replaying the
     interrupted epoch's shuffle, so an interrupted-and-resumed run equals an uninterrupted one.
+    Without ``resume`` an earlier training state in ``out_dir`` is replaced.
     """
     if not samples:
         raise ValueError("no training samples: the data produced no response tokens")
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    state = ckpt.TrainState(drafter, opt, frozen=(drafter.embed_weight, drafter.target_head_weight),
-                            progress={"epoch": 0, "epoch_pos": 0})
-    if resume and out_dir is not None and ckpt.latest(out_dir / STATE_NAME) is not None:
-        ckpt.load(out_dir / STATE_NAME, {"train": state})
-        log.info("resumed from step %d in %s", state.step, out_dir)
-    start, epoch, epoch_pos = state.step, state.progress["epoch"], state.progress["epoch_pos"]
+    scratch = None if out_dir is not None else Path(tempfile.mkdtemp(prefix="tlt-warmup-"))
+    root = (out_dir if out_dir is not None else scratch) / STATE_NAME
+    if not resume:
+        shutil.rmtree(root, ignore_errors=True)
+        if out_dir is not None:  # the directory is a loadable drafter from the start
+            save_weights(drafter, out_dir, {"step": 0, **(extra or {})})
+    trainer = SpotTrainer(spec=SessionSpec(rank=0, world_size=1, master_port=_free_port(), session_id="warmup"),
+                          config=cfg.spot_config(), drafter_config=drafter.config,
+                          embed_weight=drafter.embed_weight, head_weight=drafter.target_head_weight,
+                          checkpoint_root=root, init_from=drafter.state_dict())
+    bar = tqdm(total=cfg.max_steps, desc="train drafter", disable=not progress)
 
-    def epoch_batches(e: int) -> list[list[FeatureSample]]:
-        shuffled = list(samples)
-        random.Random(cfg.seed * 1_000_003 + e).shuffle(shuffled)
-        return pack_by_budget(shuffled, cfg.token_budget)
+    def on_step(step: int, loss: float) -> None:
+        bar.n = step
+        bar.set_postfix(loss=f"{loss:.3f}")
 
-    batches = epoch_batches(epoch)
-    losses: list[float] = []
-    drafter.train()
-    bar = tqdm(range(start, cfg.max_steps), desc="train drafter", disable=not progress,
-               initial=start, total=cfg.max_steps)
-    for step in bar:
-        if epoch_pos >= len(batches):
-            epoch, epoch_pos = epoch + 1, 0
-            batches = epoch_batches(epoch)
-        batch = pack(batches[epoch_pos])
-        epoch_pos += 1
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr_at(step)
-        stats = ttt_forward(drafter, batch, cfg.ttt)
-        loss = stats.loss(cfg.ttt)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{stats.accuracy(0):.2f}")
-        done = step + 1
-        if out_dir is not None and (done % cfg.save_every == 0 or done == cfg.max_steps):
-            state.step, state.progress = done, {"epoch": epoch, "epoch_pos": epoch_pos}
-            save_checkpoint(drafter, state, out_dir, extra)
-    return losses
+    try:
+        result = trainer.run(EpochBatches(samples, cfg.token_budget, cfg.seed), lambda: False, on_step)
+        step = load_weights(root, drafter, frozen=(drafter.embed_weight, drafter.target_head_weight))
+        if out_dir is not None and step is not None:
+            save_weights(drafter, out_dir, {"step": step, **(extra or {})})
+    finally:
+        bar.close()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if result.start_step:
+        log.info("resumed from step %d in %s", result.start_step, out_dir)
+    return list(result.losses)
 
 
-def save_checkpoint(drafter: Drafter, state: ckpt.TrainState, out_dir: Path, extra: dict | None) -> None:
-    """Commit the training state (DCP, rename), drop older states, then move the weights in place.
-
-    The state holds the weights too, so resuming never pairs an optimizer state with weights from
-    another step even if a crash falls between the two commits.
-    """
+def save_weights(drafter: Drafter, out_dir: Path, extra: dict) -> None:
+    """The drafter's weights and config into ``out_dir``, each file replaced atomically."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    root = out_dir / STATE_NAME
-    ckpt.save_sync(root, state.step, {"train": state})
-    ckpt.prune(root, keep_last=1)
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=out_dir))
     try:
-        drafter.save(tmp, extra={"step": state.step, **(extra or {})})
+        drafter.save(tmp, extra=extra)
         for f in tmp.iterdir():
             os.replace(f, out_dir / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -8,6 +8,7 @@ Real processes (spawn), gloo on 127.0.0.1, a tiny drafter; each test stays well 
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing
 import os
 import random
@@ -15,26 +16,28 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from drafter.checkpoint import TrainState, complete_steps, latest, load, step_dir
 from drafter.eagle import Drafter, DrafterConfig
-from drafter.packing import pack
-from drafter.spot import (
-    PreemptFlag,
-    SessionSpec,
-    SpotConfig,
-    SpotTrainer,
-    run_session,
-    shard_samples,
-    split_chunks,
-)
+from drafter.packing import pack, shard_samples, split_chunks
+from drafter.spot import PreemptFlag, SessionResult, SessionSpec, SpotConfig, SpotTrainer, run_session
 from drafter.ttt import TTTConfig, ttt_forward
 from tests.drafter.test_packing import make_samples, tiny_target_cfg
 
 TTT = TTTConfig(steps=2)
+
+
+def _dump(r: SessionResult, path) -> None:  # a spawned rank's result, back to the test process
+    Path(path).write_text(json.dumps(dataclasses.asdict(r)))
+
+
+def _read(path) -> SessionResult:
+    return SessionResult(**{k: tuple(v) if isinstance(v, list) else v
+                            for k, v in json.loads(Path(path).read_text()).items()})
 
 
 def _cfg(**kw) -> SpotConfig:
@@ -131,11 +134,11 @@ def _two_then_one(rank, ports, root, out, method):
     # on: a missing wait_staged() would let the optimizer step race the copy.
     cfg1 = _cfg(max_steps=4, micro_steps=2, overlap_staging=True)
     r1 = _session(rank, 2, ports[0], "s1", root, cfg1, _Stream(aux=aux), method=method)
-    torch.save(r1, f"{out}/s1-{rank}.pt")
+    _dump(r1, f"{out}/s1-{rank}.json")
     if rank == 0:  # this process stays; the next session has other members and another port
         stream = _Stream(start=2 * r1.end_step, aux=aux)
         r2 = _session(0, 1, ports[1], "s2", root, _cfg(max_steps=6), stream, method=method)
-        torch.save(r2, f"{out}/s2-0.pt")
+        _dump(r2, f"{out}/s2-0.json")
 
 
 def _preempted(rank, port, root, out, seed):
@@ -152,7 +155,7 @@ def _preempted(rank, port, root, out, seed):
     r = _session(rank, 2, port, "p", root, _cfg(token_budget=2048, interval=100), _Stream(n=24, hook=hook),
                  stop=flag, target=target)
     assert torch.equal(target[1], before[0]) and torch.equal(target[2], before[1])  # never written
-    torch.save(r, f"{out}/p-{rank}.pt")
+    _dump(r, f"{out}/p-{rank}.json")
 
 
 def _chunked(rank, port, root, out, seed):
@@ -168,7 +171,7 @@ def _chunked(rank, port, root, out, seed):
 
     cfg = _cfg(token_budget=2048, interval=100, local_data=True, preempt_s=0.02)
     r = _session(rank, 2, port, "c", root, cfg, _Stream(n=24 if rank == 0 else 8, hook=hook), stop=flag)
-    torch.save(r, f"{out}/c-{rank}.pt")
+    _dump(r, f"{out}/c-{rank}.json")
 
 
 def _killed(rank, port, root, kill_at):
@@ -211,8 +214,8 @@ def test_two_ranks_equal_one_process_and_resume_on_other_membership(tmp_path, me
     root, out = tmp_path / "ckpt", tmp_path
     _spawn(_two_then_one, 2, (_free_port(), _free_port()), str(root), str(out), method)
     ref_losses, ref_w = _reference([2, 2, 2, 2, 1, 1], _cfg(), method)
-    s1 = [torch.load(out / f"s1-{r}.pt", weights_only=False) for r in range(2)]
-    s2 = torch.load(out / "s2-0.pt", weights_only=False)
+    s1 = [_read(out / f"s1-{r}.json") for r in range(2)]
+    s2 = _read(out / "s2-0.json")
     assert s1[0].losses == s1[1].losses and s1[0].stop_reason == "max_steps"
     assert (s1[0].start_step, s1[0].end_step, s1[0].checkpoint_step) == (0, 4, 4)
     torch.testing.assert_close(list(s1[0].losses), ref_losses[:4], rtol=1e-5, atol=1e-6)
@@ -230,7 +233,7 @@ def test_two_ranks_equal_one_process_and_resume_on_other_membership(tmp_path, me
 
 def test_preemption_stops_both_ranks_within_one_micro_step(tmp_path):
     _spawn(_preempted, 2, _free_port(), str(tmp_path / "ckpt"), str(tmp_path), 7)
-    r0, r1 = (torch.load(tmp_path / f"p-{r}.pt", weights_only=False) for r in range(2))
+    r0, r1 = (_read(tmp_path / f"p-{r}.json") for r in range(2))
     assert r0.stop_reason == r1.stop_reason == "preempted"
     assert r0.end_step == r1.end_step >= 4  # the flag fell during or after the 4th step
     assert r1.preempt_latency_s is None  # rank 1's own flag was never set; it followed rank 0
@@ -253,7 +256,7 @@ def test_split_chunks_keeps_whole_samples_in_order():
 
 def test_chunked_preemption_stops_within_one_chunk(tmp_path):
     _spawn(_chunked, 2, _free_port(), str(tmp_path / "ckpt"), str(tmp_path), 3)
-    r0, r1 = (torch.load(tmp_path / f"c-{r}.pt", weights_only=False) for r in range(2))
+    r0, r1 = (_read(tmp_path / f"c-{r}.json") for r in range(2))
     assert r0.stop_reason == r1.stop_reason == "preempted"
     assert r0.end_step == r1.end_step >= 3 and r0.losses == r1.losses  # agreed chunks, one global loss
     assert all(x == x and x > 0 for x in r0.losses)

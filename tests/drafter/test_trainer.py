@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from drafter.eagle import Drafter
-from drafter.checkpoint import complete_steps, latest
+from drafter.checkpoint import AsyncCheckpointer, complete_steps, latest
+from drafter.spot import SpotTrainer
 from drafter.trainer import STATE_NAME, TrainConfig, evaluate, train
 from drafter.ttt import TTTConfig
 from tests.drafter.test_packing import make_drafter, make_samples
@@ -32,15 +33,14 @@ def test_resume_equals_uninterrupted(tmp_path, method, monkeypatch):
     full = make_drafter(method)
     train(full, samples, _cfg(), tmp_path / "full", progress=False)
 
-    import drafter.trainer as trainer_mod
+    real_save = AsyncCheckpointer.save
 
-    real_save = trainer_mod.save_checkpoint
-
-    def save_then_die(*a, **k):  # the process is killed right after the step-3 checkpoint
-        real_save(*a, **k)
+    def save_then_die(self, step, state):  # the process is killed once the step-3 checkpoint is on disk
+        real_save(self, step, state)
+        self.wait()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(AsyncCheckpointer, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         train(make_drafter(method), samples, _cfg(), tmp_path / "part", progress=False)
     monkeypatch.undo()
@@ -59,19 +59,36 @@ def test_resume_equals_uninterrupted(tmp_path, method, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+def test_warmup_is_a_one_rank_spot_session_with_the_schedule(tmp_path, monkeypatch):
+    """One loop: the warm-up runs the spot trainer, whose optimizer follows the warm-up's schedule."""
+    seen = []
+    real_run = SpotTrainer.run
+
+    def spy(self, next_batch, should_stop, on_step=None):
+        assert self.spec.world_size == 1 and self.cfg.local_data
+        return real_run(self, next_batch, should_stop,
+                        lambda step, loss: seen.append(self.cfg.lr_at(step - 1)))
+
+    monkeypatch.setattr(SpotTrainer, "run", spy)
+    cfg = _cfg(max_steps=6, warmup_steps=2, lr=1e-2, min_lr_ratio=0.1)
+    train(make_drafter("eagle"), make_samples(8), cfg, tmp_path, progress=False)
+    assert seen[:2] == [5e-3, 1e-2] and seen[-1] < seen[2] and len(seen) == 6
+    assert complete_steps(tmp_path / STATE_NAME) == [6]
+
+
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     samples = make_samples(8)
     d = make_drafter("eagle")
     train(d, samples, _cfg(max_steps=3), tmp_path, progress=False)
     before = (tmp_path / "model.safetensors").read_bytes()
 
-    import drafter.trainer as trainer_mod
+    import drafter.checkpoint as ckpt_mod
 
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(trainer_mod.ckpt, "save_sync", boom)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(ckpt_mod, "_commit", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
         train(d, samples, _cfg(max_steps=6), tmp_path, resume=True, progress=False)
     monkeypatch.undo()
     assert (tmp_path / "model.safetensors").read_bytes() == before

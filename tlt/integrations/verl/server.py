@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from drafter.buffer import BufferConfig, DataBuffer
-from drafter.checkpoint import TrainState, latest, load
+from drafter.checkpoint import load_weights
 from drafter.eagle import Drafter, DrafterConfig
 from drafter.packing import FeatureSample
 from drafter.spot import SpotConfig, SpotTrainer
@@ -75,16 +75,12 @@ def replica_of_this_rank(rollout_config) -> tuple[int, bool]:
 
 def load_spot_drafter(root: str | Path, cfg: DrafterConfig, embed: torch.Tensor,
                       head: torch.Tensor) -> tuple[Drafter, int] | None:
-    """The latest committed spot checkpoint as a serving drafter (no process group needed).
-    The checkpoint holds model and optimizer state together; DCP loads only the keys asked for."""
-    step = latest(root) if root and Path(root).exists() else None
-    if step is None:
+    """The latest committed spot checkpoint as a serving drafter (no process group needed)."""
+    if not root or not Path(root).exists():
         return None
     d = Drafter(cfg, embed, head)
-    opt = torch.optim.AdamW(list(d.parameters()))
-    state = TrainState(d, opt, frozen=(embed, head), progress={"world_size": 1, "samples": 0})
-    load(root, {"train": state}, step=step)
-    return d.eval(), step
+    step = load_weights(root, d, frozen=(embed, head))
+    return None if step is None else (d.eval(), step)
 
 
 # Sampling keys verl sends that the engine honours, and keys it may send whose neutral value is
