@@ -369,12 +369,13 @@ def save_sync(root: str | Path, step: int, state: dict[str, Any], *,
 
 
 def load(root: str | Path, state: dict[str, Any], *, step: int | None = None,
-         process_group: dist.ProcessGroup | None = None) -> int | None:
+         process_group: dist.ProcessGroup | None = None, alone: bool = False) -> int | None:
     """Load checkpoint ``step`` (default: the latest complete one) into ``state`` in place.
 
     ``state`` is a DCP state dict; :class:`Stateful` values get ``load_state_dict`` called. The
-    checkpoint may come from any world size (DCP reshards). Returns the step, or None if
-    ``root`` holds no complete checkpoint.
+    checkpoint may come from any world size (DCP reshards). ``alone``: this process reads it by
+    itself, with no collective even while a training session's process group exists. Returns the
+    step, or None if ``root`` holds no complete checkpoint.
     """
     step = latest(root) if step is None else step
     if step is None:
@@ -382,17 +383,17 @@ def load(root: str | Path, state: dict[str, Any], *, step: int | None = None,
     path = step_dir(root, step)
     if not (path / ".metadata").is_file():
         raise ValueError(f"{path} is not a complete checkpoint; choose one of {complete_steps(root)}")
-    dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=_no_dist())
+    dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=alone or _no_dist())
     return step
 
 
 def load_weights(root: str | Path, model: nn.Module, *, frozen: Iterable[torch.Tensor] = (),
                  step: int | None = None) -> int | None:
     """The model weights of training-state checkpoint ``step`` (default: the latest complete one)
-    into an unsharded ``model`` in place, without a process group; DCP reads only the keys asked
+    into an unsharded ``model`` in place, read by this process alone; DCP reads only the keys asked
     for. Returns the step, or None if ``root`` holds no complete checkpoint."""
     step = latest(root) if step is None else step
     if step is None:
         return None
     state = TrainState(model, torch.optim.AdamW(list(model.parameters())), frozen=frozen)
-    return load(root, {"train": state}, step=step)
+    return load(root, {"train": state}, step=step, alone=True)

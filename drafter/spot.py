@@ -37,10 +37,10 @@ an interrupted and resumed run trains on exactly the batches an uninterrupted on
 Work lost to a kill: at most one checkpoint ``interval`` plus the steps of a save still in flight.
 
 Warm resume: a session's end keeps this rank's shards (weights and optimizer state) in process
-memory. The next session in the same process resumes from them instead of reading the checkpoint
-when every rank agrees that nothing changed: same checkpoint root, world size and rank, and the
-newest complete checkpoint is the one this rank's session wrote or read. That skips the DCP read,
-the largest fixed cost of a short session on a CPU.
+memory (:mod:`drafter.warm`; a replica that loads a newer drafter prefetches it the same way). The
+next session resumes from them instead of reading the checkpoint when every rank agrees they are
+the newest complete checkpoint and fit (same world size and rank, or a one-rank state each rank cuts
+its shard from). That skips the DCP read, the largest fixed cost of a short session on a CPU.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from drafter.eagle import WEIGHTS_NAME, Drafter, DrafterConfig
 from drafter.packing import FeatureSample, empty_like, pack, shard_samples, split_chunks
 from drafter.rendezvous import RendezvousAborted, rendezvous
 from drafter.ttt import TTTConfig, ttt_forward
-from drafter.warm import WARM, fits, restore, snapshot
+from drafter.warm import WARM, restore, snapshot, usable
 
 log = logging.getLogger(__name__)
 
@@ -278,15 +278,14 @@ class SpotTrainer:
 
     def _resume(self, d: Drafter, opt: torch.optim.Optimizer, state: TrainState, pg) -> int:
         """Resume from this process's warm state when every rank can, else from the checkpoint."""
-        w, newest, s = WARM.get(str(self.root)), latest(self.root), self.spec
-        ok = (w is not None and newest is not None and fits(w, d)
-              and (w.step, w.world_size, w.rank) == (newest, s.world_size, s.rank))
+        w, s = WARM.get(str(self.root)), self.spec
+        ok = usable(w, d, latest(self.root), s.world_size, s.rank)
         agree = torch.tensor([float(ok)])
         dist.all_reduce(agree, op=dist.ReduceOp.MIN)
         self.warm = bool(agree[0])
         if not self.warm:
             return load(self.root, {"train": state}, process_group=pg) or 0
-        restore(w, d, opt)
+        restore(w, d, opt, s.world_size, s.rank)
         state.step, state.progress["samples"] = w.step, w.samples
         return w.step
 

@@ -2,18 +2,24 @@
 
 Owns the snapshot taken when a session ends (this rank's local shards of the drafter's weights and
 of its optimizer state, plain tensors detached from the ended process group, kept in host memory so
-an accelerator's memory goes back to rollout) and its restoration into the next session's freshly
-sharded drafter. ``drafter.spot`` decides when a snapshot may be
-used (every rank agrees nothing changed); this module only copies.
+an accelerator's memory goes back to rollout), the same snapshot read from a checkpoint outside any
+session (:func:`prefetch`: a replica that loads a newer drafter to serve also readies it for its next
+one-rank session, so that session does not spend its short idle window reading the checkpoint), and
+its restoration into the next session's freshly sharded drafter. ``drafter.spot`` decides when a
+snapshot may be used (every rank agrees nothing changed); this module only copies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from drafter.checkpoint import TrainState, latest, load
+from drafter.eagle import Drafter, DrafterConfig
 
 
 @dataclasses.dataclass
@@ -24,7 +30,7 @@ class Warm:
     world_size: int
     rank: int
     params: list[torch.Tensor]  # local shards on the host, in parameter order
-    optim: list[dict[str, tuple[bool, torch.device, torch.Tensor]]]  # name -> (is DTensor, its device, local)
+    optim: list[dict[str, torch.Tensor]]  # per parameter: state name -> local tensor on the host
     samples: int
 
 
@@ -37,8 +43,8 @@ def snapshot(d: nn.Module, opt: torch.optim.Optimizer, step: int, world_size: in
         return (t.to_local() if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
 
     params = list(d.parameters())
-    optim = [{k: (isinstance(v, DTensor), v.device, host(v)) for k, v in opt.state.get(p, {}).items()
-              if isinstance(v, torch.Tensor)} for p in params]
+    optim = [{k: host(v) for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+             for p in params]
     return Warm(step, world_size, rank, [host(p) for p in params], optim, samples)
 
 
@@ -46,18 +52,54 @@ def _locals(d: nn.Module) -> list[torch.Tensor]:
     return [p.to_local() if isinstance(p, DTensor) else p for p in d.parameters()]
 
 
-def fits(w: Warm, d: nn.Module) -> bool:
-    """The warm shards have this model's local shapes (same world size, rank and config)."""
-    mine = _locals(d)
-    return len(mine) == len(w.params) and all(a.shape == b.shape for a, b in zip(mine, w.params))
+def _piece(src: torch.Tensor, full_shape: torch.Size, w: Warm, world_size: int, rank: int) -> torch.Tensor:
+    """This rank's part of a warm tensor: a one-rank (full) state is cut as FSDP2 shards it
+    (``Shard(0)``: ``torch.chunk`` pieces, empty past the last one); a sharded one is used as is."""
+    if w.world_size != 1 or world_size == 1 or not src.dim() or src.shape != full_shape:
+        return src
+    pieces = src.chunk(world_size, dim=0)
+    return pieces[rank] if rank < len(pieces) else src[:0]
 
 
-def restore(w: Warm, d: nn.Module, opt: torch.optim.Optimizer) -> None:
-    """Copy the warm shards into ``d`` and set ``opt``'s state from them (``d`` freshly sharded)."""
+def usable(w: Warm | None, d: nn.Module, step: int | None, world_size: int, rank: int) -> bool:
+    """The warm state is checkpoint ``step`` and holds this rank's local shards of ``d``: the same
+    world size and rank, or a one-rank state (every rank cuts its own shard from it)."""
+    if w is None or step is None or w.step != step:
+        return False
+    if w.world_size != 1 and (w.world_size, w.rank) != (world_size, rank):
+        return False
+    params, mine = list(d.parameters()), _locals(d)
+    return len(mine) == len(w.params) and all(
+        _piece(src, p.shape, w, world_size, rank).shape == m.shape for p, m, src in zip(params, mine, w.params))
+
+
+def restore(w: Warm, d: nn.Module, opt: torch.optim.Optimizer, world_size: int, rank: int) -> None:
+    """Copy the warm shards into ``d`` and set ``opt``'s state from them (``d`` freshly sharded).
+    A parameter-shaped optimizer state of a sharded parameter is sharded like it (AdamW's moments);
+    the rest (its step count) stays a plain tensor, as the optimizer made them."""
     params, locals_ = list(d.parameters()), _locals(d)
     with torch.no_grad():
-        for dst, src in zip(locals_, w.params):
-            dst.copy_(src)
-    for p, state in zip(params, w.optim):
-        opt.state[p] = {k: DTensor.from_local(v.to(dev, copy=True), p.device_mesh, p.placements) if dt
-                        else v.to(dev, copy=True) for k, (dt, dev, v) in state.items()}
+        for p, dst, src in zip(params, locals_, w.params):
+            dst.copy_(_piece(src, p.shape, w, world_size, rank))
+    for p, local, state in zip(params, locals_, w.optim):
+        state = {k: _piece(v, p.shape, w, world_size, rank) for k, v in state.items()}
+        opt.state[p] = {k: DTensor.from_local(v.to(local.device, copy=True), p.device_mesh, p.placements)
+                        if isinstance(p, DTensor) and v.dim() and v.shape == local.shape
+                        else v.to(local.device, copy=True) for k, v in state.items()}
+
+
+def prefetch(root: str | Path, drafter_config: DrafterConfig, embed_weight: torch.Tensor,
+             head_weight: torch.Tensor, *, lr: float, betas: tuple[float, float],
+             weight_decay: float) -> Warm | None:
+    """Read the newest checkpoint under ``root`` into this process's warm state for a one-rank
+    session (optimizer settings as the spot trainer builds them). None, reading nothing, if there
+    is no checkpoint or this process already holds that step."""
+    step, have = latest(root), WARM.get(str(root))
+    if step is None or (have is not None and (have.step, have.world_size) == (step, 1)):
+        return None
+    d = Drafter(drafter_config, embed_weight, head_weight)
+    opt = torch.optim.AdamW(list(d.parameters()), lr=lr, betas=betas, weight_decay=weight_decay)
+    state = TrainState(d, opt, frozen=(embed_weight, head_weight), progress={"world_size": 1, "samples": 0})
+    load(root, {"train": state}, step=step, alone=True)
+    WARM[str(root)] = w = snapshot(d, opt, step, 1, 0, state.progress["samples"])
+    return w

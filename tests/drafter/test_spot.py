@@ -307,23 +307,63 @@ def test_a_stop_during_set_up_skips_the_rest_of_it(tmp_path, monkeypatch, stage)
     assert reads == [] and 0 <= r.preempt_latency_s < 5.0
 
 
-def test_warm_resume_equals_a_checkpoint_resume(tmp_path):
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_warm_resume_equals_a_checkpoint_resume(tmp_path, method):
     """Back-to-back sessions in one process resume from memory; the result is the same as
-    reading the checkpoint (the cold run clears the process's warm state between sessions)."""
+    reading the checkpoint (the cold run clears the process's warm state between sessions), and
+    as a warm state prefetched from the checkpoint outside any session (a replica that loaded
+    another replica's newer drafter to serve it)."""
     from drafter import warm
 
     results = {}
-    for mode in ("warm", "cold"):
+    target = _target(method)
+    for mode in ("warm", "cold", "prefetched"):
         root = tmp_path / mode
-        a = _session(0, 1, _free_port(), "a", root, _cfg(max_steps=2, interval=100), _Stream())
-        if mode == "cold":
+        a = _session(0, 1, _free_port(), "a", root, _cfg(max_steps=2, interval=100), _Stream(aux=method == "eagle3"),
+                     target=target)
+        if mode != "warm":
             warm.WARM.clear()
-        b = _session(0, 1, _free_port(), "b", root, _cfg(max_steps=4, interval=100), _Stream(start=2))
-        assert (a.warm, b.warm) == (False, mode == "warm") and b.start_step == 2 and b.end_step == 4
-        results[mode] = (b.losses, _checkpoint_weights(root, 4))
-    assert results["warm"][0] == results["cold"][0]
+        if mode == "prefetched":
+            cfg = _cfg()
+            got = warm.prefetch(root, *target, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+            assert got is not None and got.step == 2
+            assert warm.prefetch(root, *target, lr=cfg.lr, betas=cfg.betas, weight_decay=0.0) is None  # held
+        b = _session(0, 1, _free_port(), "b", root, _cfg(max_steps=4, interval=100),
+                     _Stream(start=2, aux=method == "eagle3"), target=target)
+        assert (a.warm, b.warm) == (False, mode != "cold") and b.start_step == 2 and b.end_step == 4
+        results[mode] = (b.losses, _checkpoint_weights(root, 4, method))
+    for mode in ("warm", "prefetched"):
+        assert results[mode][0] == results["cold"][0], mode
+        for k, v in results["cold"][1].items():
+            torch.testing.assert_close(results[mode][1][k], v, rtol=0, atol=0, msg=f"{mode} {k}")
+
+
+def _two_from_one(rank, port, root, out, prefetched):
+    """Rank ``rank`` of a 2-rank session resuming a 1-rank checkpoint (read, or prefetched here)."""
+    from drafter import warm
+
+    torch.set_num_threads(1)
+    target = _target()
+    if prefetched:
+        cfg = _cfg()
+        assert warm.prefetch(root, *target, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay).step == 2
+    r = _session(rank, 2, port, "two", root, _cfg(max_steps=4, interval=100), _Stream(start=2), target=target)
+    assert r.warm == prefetched and (r.start_step, r.end_step) == (2, 4)
+    _dump(r, f"{out}/two-{rank}.json")
+
+
+def test_a_one_rank_warm_state_resumes_a_two_rank_session(tmp_path):
+    """Each rank cuts its FSDP2 shard from a one-rank (prefetched) warm state: the 2-rank session
+    trains exactly as it does after reading the checkpoint."""
+    results = {}
+    for mode in ("cold", "prefetched"):
+        root = tmp_path / mode
+        _session(0, 1, _free_port(), "one", root, _cfg(max_steps=2, interval=100), _Stream())
+        _spawn(_two_from_one, 2, _free_port(), str(root), str(root), mode == "prefetched")
+        results[mode] = (_read(root / "two-0.json").losses, _checkpoint_weights(root, 4))
+    assert results["prefetched"][0] == results["cold"][0]
     for k, v in results["cold"][1].items():
-        torch.testing.assert_close(results["warm"][1][k], v, rtol=0, atol=0, msg=k)
+        torch.testing.assert_close(results["prefetched"][1][k], v, rtol=0, atol=0, msg=k)
 
 
 def test_sigkill_loses_at_most_one_interval(tmp_path):

@@ -4,7 +4,7 @@ Runs real spot-trainer sessions (a 1-rank gloo world in this process, a fresh po
 each resuming from the previous session's checkpoint) on a small EAGLE drafter with long-tail
 packed batches. A :class:`PreemptFlag` is raised from another thread at a random moment during
 training (as the worker client does on the coordinator's PREEMPT), twice per draw, side by side:
-stop checks once per micro-step (``preempt_s=None``) and once per ~50 ms chunk (the verl
+stop checks once per micro-step (``preempt_s=None``) and once per ~25 ms chunk (the verl
 integration's default ``tlt.spot.preempt_s``). Measured per session:
 
 * ``exit``: flag set -> training loop exited (bound: the time between two stop checks, i.e. one
@@ -35,7 +35,7 @@ from drafter.ttt import TTTConfig
 from tlt.ports import free_port
 
 log = logging.getLogger(__name__)
-CHUNK_S = 0.05  # the verl integration's default tlt.spot.preempt_s
+CHUNK_S = 0.025  # the verl integration's default tlt.spot.preempt_s
 
 
 class _LongTailStream:

@@ -70,7 +70,7 @@ class SpotSection:
     base_port: int = 0             # rendezvous ports base + 256 * replica ...; 0 = a free span found at start
     checkpoint_dir: str | None = None  # default: <trainer.default_local_dir>/tlt_spot
     ttt_steps: int = 3             # training-time-test unroll steps
-    preempt_s: float = 0.05        # micro-steps run in chunks of about this long: stop latency
+    preempt_s: float = 0.025       # micro-steps run in chunks of about this long: stop latency
 
     def check(self, p: str) -> None:
         if not 0 < self.lr <= 1:

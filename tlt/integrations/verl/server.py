@@ -39,6 +39,7 @@ from drafter.checkpoint import load_weights
 from drafter.eagle import Drafter, DrafterConfig
 from drafter.packing import FeatureSample
 from drafter.spot import SpotConfig, SpotTrainer
+from drafter.warm import prefetch
 from drafter.ttt import TTTConfig
 from rollout.eagle_proposer import EagleProposer
 from rollout.engine import EngineConfig, RolloutEngine
@@ -175,6 +176,7 @@ class TLTServer:
         spot = SpotConfig(lr=self.cfg.spot.lr, token_budget=self.cfg.spot.token_budget,
                           interval=self.cfg.spot.interval, local_data=True, preempt_s=self.cfg.spot.preempt_s,
                           ttt=TTTConfig(steps=self.cfg.spot.ttt_steps), seed=self.seed)
+        self._spot_cfg = spot
         embed, head = self.model.embed_weight, self.model.lm_head.weight
         init_from = self.cfg.drafter.init_path
 
@@ -434,6 +436,10 @@ class TLTServer:
             self.drafter, _ = got
             self.drafter_version = version
             self.engine = self._build_engine()
+        if self.agent is not None:  # the next one-rank session here resumes from memory
+            spot = self._spot_cfg
+            prefetch(self.spot_root, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight,
+                     lr=spot.lr, betas=spot.betas, weight_decay=spot.weight_decay)
         log.info("replica %d: drafter version %d (%s)", self.rank, version, self.proposer_name)
         return version
 
