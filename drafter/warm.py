@@ -4,8 +4,9 @@ Owns the snapshot taken when a session ends (this rank's local shards of the dra
 of its optimizer state, plain tensors detached from the ended process group, kept in host memory so
 an accelerator's memory goes back to rollout), the same snapshot read from a checkpoint outside any
 session (:func:`prefetch`: a replica that loads a newer drafter to serve also readies it for its next
-one-rank session, so that session does not spend its short idle window reading the checkpoint), and
-its restoration into the next session's freshly sharded drafter. ``drafter.spot`` decides when a
+session, so that session does not spend its short idle window reading the checkpoint), and its
+restoration into the next session's freshly sharded drafter (a one-rank state is cut into any
+session's FSDP2 shards). ``drafter.spot`` decides when a
 snapshot may be used (every rank agrees nothing changed); this module only copies.
 """
 
@@ -91,9 +92,9 @@ def restore(w: Warm, d: nn.Module, opt: torch.optim.Optimizer, world_size: int, 
 def prefetch(root: str | Path, drafter_config: DrafterConfig, embed_weight: torch.Tensor,
              head_weight: torch.Tensor, *, lr: float, betas: tuple[float, float],
              weight_decay: float) -> Warm | None:
-    """Read the newest checkpoint under ``root`` into this process's warm state for a one-rank
-    session (optimizer settings as the spot trainer builds them). None, reading nothing, if there
-    is no checkpoint or this process already holds that step."""
+    """Read the newest checkpoint under ``root`` into this process's warm state, as a one-rank
+    state (optimizer settings as the spot trainer builds them). None, reading nothing, if there
+    is no checkpoint or this process already holds that step as a one-rank state."""
     step, have = latest(root), WARM.get(str(root))
     if step is None or (have is not None and (have.step, have.world_size) == (step, 1)):
         return None
