@@ -180,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ttt-decay", type=float, default=0.8)
     s.add_argument("--loss", choices=("feature+ce", "ce"), default="feature+ce",
                    help="EAGLE loss (EAGLE-3 always uses ce)")
-    s.add_argument("--save-every", type=int, default=100)
+    s.add_argument("--save-every", type=int, default=100,
+                   help="optimizer steps between training-state checkpoints (what --resume continues); "
+                        "the drafter weights are written when training ends")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=_cmd_warmup)
 
