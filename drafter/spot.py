@@ -211,12 +211,11 @@ class SpotTrainer:
                  embed_weight: torch.Tensor, head_weight: torch.Tensor, checkpoint_root: str | Path,
                  init_from: str | Path | Mapping[str, torch.Tensor] | None = None,
                  tokens_per_s: float | None = None) -> None:
-        """``init_from``: the drafter's first weights while no checkpoint exists (a drafter
-        directory or a state dict); None: a seeded random init."""
         self.spec, self.cfg, self.drafter_config = spec, config, drafter_config
         self.tokens_per_s = tokens_per_s  # chunk sizing; e.g. the previous session's measurement
         self.embed_weight, self.head_weight = embed_weight, head_weight
         self.root = Path(checkpoint_root)
+        # First weights while no checkpoint exists (a drafter directory or a state dict); None: seeded init.
         self.init_from = init_from if init_from is None or isinstance(init_from, Mapping) else Path(init_from)
         self.device = embed_weight.device
         self.drafter: Drafter | None = None  # built by run(); kept for inspection afterwards
