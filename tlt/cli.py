@@ -110,6 +110,8 @@ def _cmd_coordinator(a: argparse.Namespace) -> None:
 def _cmd_bench(a: argparse.Namespace) -> None:
     from tlt import bench
 
+    if a.repeats < 0:
+        raise ValueError(f"--repeats={a.repeats}: must be >= 0 (0: the bench's default)")
     result = bench.get(a.which)(a)
     print("\n".join(result["summary"]))
     if a.json:
@@ -246,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="write the result record here")
     s.add_argument("--quick", action="store_true", help="smaller workload (for smoke tests)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--repeats", type=int, default=0,
+                   help="rollout: timed repeats per variant (0: 5, or 1 with --quick); the paired ratios "
+                   "to AR get a bootstrap 90%% interval")
     s.add_argument("--trace", help="sglang-policy: verify trace to replay (recorded here first if the file "
                    "does not exist; without --trace a fresh one is recorded and not kept)")
     s.set_defaults(fn=_cmd_bench)

@@ -60,14 +60,20 @@ def test_report_errors(tmp_path, capsys):
 def test_bench_rollout_quick(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
     rec = tmp_path / "r.json"
-    assert main(["-q", "bench", "rollout", "--quick", "--json", str(rec)]) == 0
+    assert main(["-q", "bench", "rollout", "--quick", "--repeats", "2", "--json", str(rec)]) == 0
     r = json.loads(rec.read_text())
+    assert r["repeats"] == 2 and all(len(v["seconds_all"]) == 2 for v in r["variants"].values())
+    for w in r["workloads"].values():  # bootstrap interval of the median paired ratio brackets it
+        lo, hi = w["adaptive_vs_ar_paired_ci90"]
+        assert 0 < lo <= w["adaptive_vs_ar_paired"] <= hi
     assert r["variants"]["AR"]["speedup_vs_ar"] == 1.0
     assert all(v["lossless"] for v in r["by_batch"].values())
     assert set(r["workloads"]) == {"long_tail", "ngram_siblings", "random_drafter"}
     assert all(w["adaptive_vs_ar"] > 0 for w in r["workloads"].values())
     assert r["host_syncs_per_step"]["ar"] <= 2 and r["host_syncs_per_step"]["sd"] <= 3
     assert "reproduced the AR tokens exactly" in capsys.readouterr().out
+    assert main(["-q", "bench", "rollout", "--repeats", "-1"]) == 2
+    assert "--repeats=-1: must be >= 0" in capsys.readouterr().err
 
 
 def test_report_plots_verl_step_records(tmp_path, capsys):

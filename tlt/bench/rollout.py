@@ -66,6 +66,14 @@ def _drafter_dir(target: Path, steps: int, quick: bool) -> Path:
     return out
 
 
+def paired_ci90(ar_s: list[float], variant_s: list[float], seed: int, resamples: int = 2000) -> tuple[float, float]:
+    """Bootstrap 90% interval of the median paired ratio (AR's time / the variant's, per repeat)."""
+    ratios = [a / t for a, t in zip(ar_s, variant_s)]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return meds[int(0.05 * (resamples - 1))], meds[int(0.95 * (resamples - 1))]
+
+
 def run(args: argparse.Namespace) -> dict:
     quick = bool(args.quick)
     target_dir = ensure_target((QUICK if quick else DEFAULT).target, progress=False)
@@ -116,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
     variants["EAGLE + BEG-MAB, fixed elastic 32"] = lambda: engine(proposer=eagle(), tuner=mab("elastic32"),
                                                                    threshold=32)
     rows, ref = {}, None
-    repeats = 1 if quick else 5
+    repeats = args.repeats or (1 if quick else 5)
     for make in variants.values():  # warm-up, not timed: allocator and caches; each tuner's first rollout
         make().generate(prompts, params, groups)
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -142,6 +150,7 @@ def run(args: argparse.Namespace) -> dict:
         r["speedup_vs_ar"] = r["tokens_per_s"] / ar
         # per repeat, over AR's time in the same repeat (paired: slow phases of the machine cancel)
         r["paired_vs_ar"] = statistics.median(a / t for a, t in zip(times["AR"], times[name]))
+        r["paired_vs_ar_ci90"] = paired_ci90(times["AR"], times[name], args.seed)
     best_static = max((k for k in rows if k.startswith("EAGLE static")), key=lambda k: rows[k]["tokens_per_s"])
 
     by_batch = {}
@@ -173,7 +182,8 @@ def run(args: argparse.Namespace) -> dict:
     workloads = {"long_tail": "EAGLE + BEG-MAB", "ngram_siblings": "n-gram + BEG-MAB",
                  "random_drafter": "random drafter + BEG-MAB"}
     workloads = {w: {"variant": v, "adaptive_vs_ar": rows[v]["speedup_vs_ar"],
-                     "adaptive_vs_ar_paired": rows[v]["paired_vs_ar"]} for w, v in workloads.items()}
+                     "adaptive_vs_ar_paired": rows[v]["paired_vs_ar"],
+                     "adaptive_vs_ar_paired_ci90": rows[v]["paired_vs_ar_ci90"]} for w, v in workloads.items()}
     workloads["long_tail"]["adaptive_vs_best_static"] = tuned / rows[best_static]["tokens_per_s"]
     lines = [f"rollout bench ({repeats} interleaved repeats after an untimed warm-up of every variant, medians; "
              f"each BEG-MAB variant keeps its tuner across rollouts, as across RL steps): {bs} requests "
@@ -189,7 +199,9 @@ def run(args: argparse.Namespace) -> dict:
                  f"vs default static {ENGINE_DEFAULT}: {tuned / rows[f'EAGLE static {ENGINE_DEFAULT}']['tokens_per_s']:.2f}x, "
                  f"vs a fixed elastic switch at 32: {tuned / rows['EAGLE + BEG-MAB, fixed elastic 32']['tokens_per_s']:.2f}x, "
                  f"vs AR: {tuned / ar:.2f}x")
-    lines.append("  adaptive vs AR: " + ", ".join(f"{w} {r['adaptive_vs_ar']:.2f}x" for w, r in workloads.items())
+    lines.append("  adaptive vs AR: " + ", ".join(
+        f"{w} {r['adaptive_vs_ar']:.2f}x (paired {r['adaptive_vs_ar_paired']:.2f}x, 90% CI "
+        f"{r['adaptive_vs_ar_paired_ci90'][0]:.2f}-{r['adaptive_vs_ar_paired_ci90'][1]:.2f})" for w, r in workloads.items())
                  + f"; host syncs per step: plain {syncs['ar']:.2f}, speculative {syncs['sd']:.2f} (greedy, incl. prefill)")
     for b, r in by_batch.items():
         lines.append(f"  batch {b:2d}: SD {chain} vs AR {r['speedup']:.2f}x (AL {r['mean_accept_length']:.2f}, "
