@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -115,11 +116,12 @@ def plot_steps(records: list[dict], png: Path) -> None:
     plt = _pyplot()
     s = [r["step"] for r in records]
     fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
-    axes[0].plot(s, [r.get("rollout/spec_accept_length", 0) for r in records], marker="o")
+    accept = [r.get("rollout/spec_accept_length", math.nan) for r in records]  # NaN: nothing verified
+    axes[0].plot(s, accept, marker="o")
     axes[0].set(ylabel="tokens / verify", title="accept length (drafter version in labels)")
-    for x, r in zip(s, records):
-        axes[0].annotate(f"v{int(r.get('tlt/drafter_version', 0))}", (x, r.get("rollout/spec_accept_length", 0)),
-                         fontsize=8)
+    for x, y, r in zip(s, accept, records):
+        if not math.isnan(y):
+            axes[0].annotate(f"v{int(r.get('tlt/drafter_version', 0))}", (x, y), fontsize=8)
     axes[1].plot(s, [r.get("tlt/rollout_s") for r in records], marker="o", label="rollout")
     axes[1].plot(s, [r.get("timing_s/step") for r in records], marker="o", label="RL step")
     axes[1].set(ylabel="seconds", title="rollout and step time")

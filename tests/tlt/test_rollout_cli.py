@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -79,7 +80,8 @@ def test_bench_rollout_quick(tmp_path, monkeypatch, capsys):
 def test_report_plots_verl_step_records(tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="tlt report needs matplotlib")
     rec = tmp_path / "tlt_steps.jsonl"
-    rec.write_text("".join(json.dumps({"step": s, "rollout/spec_accept_length": 1.5 + s / 10, "tlt/drafter_version": s - 1,
+    rec.write_text("".join(json.dumps({"step": s, "rollout/spec_accept_length": 1.5 + s / 10 if s != 2 else math.nan,
+                                       "tlt/drafter_version": s - 1,
                                        "tlt/rollout_s": 2.0, "timing_s/step": 5.0, "tlt/idle_replica_s": 0.5,
                                        "tlt/spot_train_steps": 1}) + "\n" for s in (1, 2, 3)))
     png = tmp_path / "steps.png"

@@ -240,6 +240,14 @@ def _mean(xs) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
+def _pooled_accept(rows) -> float | None:
+    """Tokens committed per verify over all the steps' verifies (a step with few verifies weighs
+    little; one with none, whose per-step accept length is NaN, not at all)."""
+    rows = list(rows)
+    verifies = sum(r.get("tlt/spec_verifies", 0) for r in rows)
+    return sum(r.get("tlt/spec_committed", 0) for r in rows) / verifies if verifies else None
+
+
 def summarize(records: dict[str, list[dict]], size: DemoSize) -> dict:
     by = {a: {r["step"]: r for r in recs} for a, recs in records.items()}
     steps = sorted(set.intersection(*(set(v) for v in by.values()))) if by else []
@@ -248,14 +256,15 @@ def summarize(records: dict[str, list[dict]], size: DemoSize) -> dict:
     out["reward_mean_by_arm"] = {a: _mean(by[a][s].get("critic/score/mean") for s in steps) for a in by}
     out["reward_first_last_by_arm"] = {a: [by[a][steps[0]].get("critic/score/mean"),
                                            by[a][steps[-1]].get("critic/score/mean")] for a in by if steps}
-    out["accept_length_by_arm"] = {a: _mean(by[a][s].get("rollout/spec_accept_length") for s in later)
-                                   for a in by if a != "A"}
+    out["accept_length_by_arm"] = {a: _pooled_accept(by[a][s] for s in later) for a in by if a != "A"}
     if "B" in by and "C" in by:
         # Steps whose rollout used a spot-trained drafter: pushed at the end of an earlier step.
         adapted = [s for s in later if by["C"].get(s - 1, {}).get("tlt/drafter_version", 0) >= 1]
-        b, c = (_mean(by[a][s]["rollout/spec_accept_length"] for s in adapted) for a in "BC")
+        b, c = (_pooled_accept(by[a][s] for s in adapted) for a in "BC")
         out["accept_length_ratio_spot_vs_stale"] = c / b if b and c else None
         out["accept_length_steps"] = adapted
+        out["accept_length_verifies"] = {a: int(sum(by[a][s].get("tlt/spec_verifies", 0) for s in adapted))
+                                         for a in "BC"}
         out["target_drift"] = _mean(by["C"][s].get("tlt/target_drift") for s in steps)
     if "A" in by and "C" in by and later:
         for key, name in (("tlt/rollout_s", "rollout_time_ratio_ar_over_tlt"),
@@ -299,7 +308,8 @@ def summary_lines(s: dict) -> list[str]:
         lines.append("accept len   " + ", ".join(f"{a} {f(v)}" for a, v in s["accept_length_by_arm"].items()))
     if "accept_length_ratio_spot_vs_stale" in s:
         lines.append(f"spot vs stale accept length {f(s['accept_length_ratio_spot_vs_stale'])}x "
-                     f"(target drift {f(s.get('target_drift'), '.3f')})")
+                     f"(target drift {f(s.get('target_drift'), '.3f')}; verifies "
+                     + ", ".join(f"{a} {n}" for a, n in s.get("accept_length_verifies", {}).items()) + ")")
     if "rollout_time_ratio_ar_over_tlt" in s:
         lines.append(f"AR / TLT     rollout time {f(s['rollout_time_ratio_ar_over_tlt'])}x, step time "
                      f"{f(s['step_time_ratio_ar_over_tlt'])}x")

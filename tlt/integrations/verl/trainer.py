@@ -224,8 +224,11 @@ def trainer_class():
                     arms[a] = arms.get(a, 0) + n
             n_arms = sum(arms.values()) or 1
             m = {
-                "rollout/spec_accept_length": committed / verifies if verifies else 0.0,
-                "rollout/spec_accept_rate": accepted / drafted if drafted else 0.0,
+                # NaN when nothing was verified (speculation off all step): no accept length, not 0
+                "rollout/spec_accept_length": committed / verifies if verifies else float("nan"),
+                "rollout/spec_accept_rate": accepted / drafted if drafted else float("nan"),
+                "tlt/spec_verifies": float(verifies),
+                "tlt/spec_committed": float(committed),
                 "tlt/drafter_version": float(self._drafter_version),
                 "tlt/drafter_loss": statistics.fmean(losses) if losses else float("nan"),
                 "tlt/spot_train_steps": float(sum(s["train_steps"] for s in st)),

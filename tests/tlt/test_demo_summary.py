@@ -1,0 +1,37 @@
+"""`tlt demo`'s summary: accept lengths are pooled over verifies, not averaged over steps."""
+
+from __future__ import annotations
+
+import math
+
+from tlt.demo import job as demo
+
+
+def _step(step: int, verifies: int, committed: int, version: int) -> dict:
+    return {"step": step, "rollout/spec_accept_length": committed / verifies if verifies else math.nan,
+            "tlt/spec_verifies": float(verifies), "tlt/spec_committed": float(committed),
+            "tlt/drafter_version": float(version), "critic/score/mean": 0.1, "tlt/rollout_s": 1.0,
+            "timing_s/step": 2.0}
+
+
+def test_accept_lengths_are_pooled_and_steps_without_verifies_do_not_count():
+    records = {  # step 1 is set-up (left out); C's first drafter is pushed at the end of step 2
+        "B": [_step(1, 10, 20, 0), _step(2, 0, 0, 0), _step(3, 100, 150, 0), _step(4, 2, 8, 0)],
+        "C": [_step(1, 10, 20, 0), _step(2, 4, 12, 1), _step(3, 100, 200, 2), _step(4, 0, 0, 3)],
+    }
+    s = demo.summarize(records, demo.QUICK)
+    assert s["accept_length_by_arm"] == {"B": 158 / 102, "C": 212 / 104}
+    assert s["accept_length_steps"] == [3, 4]
+    assert s["accept_length_verifies"] == {"B": 102, "C": 100}
+    assert math.isclose(s["accept_length_ratio_spot_vs_stale"], (200 / 100) / (158 / 102))
+    # a per-step mean would have counted B's step 2 as 0 (or skipped it) and weighed step 4's 2
+    # verifies like step 3's 100
+    assert "verifies B 102, C 100" in "\n".join(demo.summary_lines({**s, "seconds": 1.0}))
+
+
+def test_no_verifies_at_all_gives_no_ratio():
+    records = {a: [_step(1, 0, 0, 0), _step(2, 0, 0, 1)] for a in "BC"}
+    s = demo.summarize(records, demo.QUICK)
+    assert s["accept_length_by_arm"] == {"B": None, "C": None}
+    assert s["accept_length_ratio_spot_vs_stale"] is None
+    assert "spot vs stale accept length n/a" in "\n".join(demo.summary_lines({**s, "seconds": 1.0}))
