@@ -10,8 +10,8 @@ and host syncs (device -> host reads, :mod:`rollout.host_syncs`) per plain and p
 ``long_tail`` — EAGLE + BEG-MAB; ``ngram_siblings`` — the n-gram drafter over the GRPO siblings +
 BEG-MAB; ``random_drafter`` — an untrained EAGLE drafter + BEG-MAB, the worst case (it almost never
 drafts the right token, so the tuner must learn to turn speculation off). Each BEG-MAB variant keeps
-one tuner across its rollouts (an untimed warm-up rollout, then the timed repeats), as a replica
-keeps its tuner across RL steps.
+one tuner across its rollouts (an untimed warm-up rollout, then the timed repeats), and every
+variant one engine, as a replica keeps its engine and tuner across RL steps.
 """
 
 from __future__ import annotations
@@ -125,12 +125,15 @@ def run(args: argparse.Namespace) -> dict:
                                                                    threshold=32)
     rows, ref = {}, None
     repeats = args.repeats or (1 if quick else 5)
-    for make in variants.values():  # warm-up, not timed: allocator and caches; each tuner's first rollout
-        make().generate(prompts, params, groups)
+    # One engine per variant, built once and reused by every rollout, as a replica keeps its engine
+    # (and tuner) across RL steps: buffers are allocated and first touched outside the timed runs.
+    engines = {name: make() for name, make in variants.items()}
+    for e in engines.values():  # warm-up, not timed: allocator and caches; each tuner's first rollout
+        e.generate(prompts, params, groups)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for rep in range(repeats):  # interleaved, alternating order: drift hits every variant alike
         for name in (list(variants) if rep % 2 == 0 else list(reversed(variants))):
-            res = variants[name]().generate(prompts, params, groups)
+            res = engines[name].generate(prompts, params, groups)
             if ref is None:
                 ref = res.outputs
             elif res.outputs != ref:
@@ -186,7 +189,7 @@ def run(args: argparse.Namespace) -> dict:
                      "adaptive_vs_ar_paired_ci90": rows[v]["paired_vs_ar_ci90"]} for w, v in workloads.items()}
     workloads["long_tail"]["adaptive_vs_best_static"] = tuned / rows[best_static]["tokens_per_s"]
     lines = [f"rollout bench ({repeats} interleaved repeats after an untimed warm-up of every variant, medians; "
-             f"each BEG-MAB variant keeps its tuner across rollouts, as across RL steps): {bs} requests "
+             f"each variant keeps its engine and tuner across rollouts, as across RL steps): {bs} requests "
              f"({n_prompts} prompts x {n_samples}), response lengths "
              f"{min(p.max_new_tokens for p in params)}..{max(p.max_new_tokens for p in params)} (lognormal), "
              f"greedy, target {target_dir.name}; every variant reproduced the AR tokens exactly"]
