@@ -64,6 +64,9 @@ def test_bench_rollout_quick(tmp_path, monkeypatch, capsys):
     assert main(["-q", "bench", "rollout", "--quick", "--repeats", "2", "--json", str(rec)]) == 0
     r = json.loads(rec.read_text())
     assert r["repeats"] == 2 and all(len(v["seconds_all"]) == 2 for v in r["variants"].values())
+    lo, hi = r["control_paired_vs_ar_ci90"]  # the identical AR engine: the run's noise floor
+    assert lo <= r["control_paired_vs_ar"] <= hi
+    assert r["variants"]["AR again (control)"]["sd_steps"] == 0
     for w in r["workloads"].values():  # bootstrap interval of the median paired ratio brackets it
         lo, hi = w["adaptive_vs_ar_paired_ci90"]
         assert 0 < lo <= w["adaptive_vs_ar_paired"] <= hi

@@ -5,6 +5,7 @@ with lognormal response lengths (the long tail), greedy so every variant must re
 tokens exactly (checked: a mismatch fails the bench). A drafter is warmed up on the target's own
 rollouts first (cached). Also measures SD speedup vs AR at batch 1 / 8 / 32 with a fixed chain,
 and host syncs (device -> host reads, :mod:`rollout.host_syncs`) per plain and per speculative step.
+A second, identical AR engine runs as a control: its paired ratio to AR is the run's noise floor.
 
 ``workloads.<name>.adaptive_vs_ar`` (tokens/s of the adaptive engine over AR's, same run):
 ``long_tail`` — EAGLE + BEG-MAB; ``ngram_siblings`` — the n-gram drafter over the GRPO siblings +
@@ -103,7 +104,8 @@ def run(args: argparse.Namespace) -> dict:
     def eagle():
         return EagleProposer(drafter, max_batch=bs, max_len=max_len + 64)
 
-    variants = {"AR": lambda: engine()}
+    # A second, identical AR engine: its paired ratio to AR is the noise floor of this run.
+    variants = {"AR": lambda: engine(), "AR again (control)": lambda: engine()}
     for arm in STATIC_ARMS:
         variants[f"EAGLE static {arm}"] = lambda arm=arm: engine(arm=arm, proposer=eagle())
     tuners: dict[str, BegMab] = {}
@@ -202,6 +204,9 @@ def run(args: argparse.Namespace) -> dict:
                  f"vs default static {ENGINE_DEFAULT}: {tuned / rows[f'EAGLE static {ENGINE_DEFAULT}']['tokens_per_s']:.2f}x, "
                  f"vs a fixed elastic switch at 32: {tuned / rows['EAGLE + BEG-MAB, fixed elastic 32']['tokens_per_s']:.2f}x, "
                  f"vs AR: {tuned / ar:.2f}x")
+    ctl = rows["AR again (control)"]
+    lines.append(f"  noise floor: an identical AR engine measured {ctl['paired_vs_ar']:.2f}x paired (90% CI "
+                 f"{ctl['paired_vs_ar_ci90'][0]:.2f}-{ctl['paired_vs_ar_ci90'][1]:.2f})")
     lines.append("  adaptive vs AR: " + ", ".join(
         f"{w} {r['adaptive_vs_ar']:.2f}x (paired {r['adaptive_vs_ar_paired']:.2f}x, 90% CI "
         f"{r['adaptive_vs_ar_paired_ci90'][0]:.2f}-{r['adaptive_vs_ar_paired_ci90'][1]:.2f})" for w, r in workloads.items())
@@ -210,7 +215,8 @@ def run(args: argparse.Namespace) -> dict:
         lines.append(f"  batch {b:2d}: SD {chain} vs AR {r['speedup']:.2f}x (AL {r['mean_accept_length']:.2f}, "
                      f"lossless {r['lossless']})")
     return {"bench": "rollout", "quick": quick, "requests": bs, "repeats": repeats, "variants": rows, "best_static": best_static,
-            "by_batch": by_batch, "workloads": workloads,
+            "by_batch": by_batch, "workloads": workloads, "control_paired_vs_ar": ctl["paired_vs_ar"],
+            "control_paired_vs_ar_ci90": ctl["paired_vs_ar_ci90"],
             "host_syncs_per_step": syncs, "target": str(target_dir), "drafter": str(drafter_dir),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
             "summary": lines}
