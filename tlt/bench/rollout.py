@@ -104,37 +104,31 @@ def run(args: argparse.Namespace) -> dict:
     def eagle():
         return EagleProposer(drafter, max_batch=bs, max_len=max_len + 64)
 
-    # A second, identical AR engine: its paired ratio to AR is the noise floor of this run.
-    variants = {"AR": lambda: engine(), "AR again (control)": lambda: engine()}
+    def mab() -> BegMab:
+        return BegMab(TunerConfig.for_device(model.embed_weight.device.type, seed=args.seed))
+
+    # One engine (and tuner) per variant, built once and reused by every rollout, as a replica keeps
+    # its engine and tuner across RL steps: buffers are allocated and first touched outside the
+    # timed runs. A second, identical AR engine: its paired ratio to AR is the run's noise floor.
+    engines = {"AR": engine(), "AR again (control)": engine()}
     for arm in STATIC_ARMS:
-        variants[f"EAGLE static {arm}"] = lambda arm=arm: engine(arm=arm, proposer=eagle())
-    tuners: dict[str, BegMab] = {}
-
-    def mab(key: str) -> BegMab:  # one tuner per variant, kept across repeats (as across RL steps)
-        if key not in tuners:
-            tuners[key] = BegMab(TunerConfig.for_device(model.embed_weight.device.type, seed=args.seed))
-        return tuners[key]
-
-    variants["n-gram + BEG-MAB"] = lambda: engine(proposer=NgramProposer(), tuner=mab("ngram"))
-    variants["EAGLE + BEG-MAB"] = lambda: engine(proposer=eagle(), tuner=mab("eagle"))
+        engines[f"EAGLE static {arm}"] = engine(arm=arm, proposer=eagle())
+    engines["n-gram + BEG-MAB"] = engine(proposer=NgramProposer(), tuner=mab())
+    engines["EAGLE + BEG-MAB"] = engine(proposer=eagle(), tuner=mab())
     # the cost of the drafter being there at all: attached, speculation never on
-    variants["EAGLE proposer, SD off"] = lambda: engine(arm=Arm.off(), proposer=eagle())
+    engines["EAGLE proposer, SD off"] = engine(arm=Arm.off(), proposer=eagle())
     torch.manual_seed(args.seed)
     untrained = Drafter(drafter.config, model.embed_weight, model.lm_head.weight)
-    variants["random drafter + BEG-MAB"] = lambda: engine(
-        proposer=EagleProposer(untrained, max_batch=bs, max_len=max_len + 64), tuner=mab("random"))
-    variants["EAGLE + BEG-MAB, fixed elastic 32"] = lambda: engine(proposer=eagle(), tuner=mab("elastic32"),
-                                                                   threshold=32)
+    engines["random drafter + BEG-MAB"] = engine(
+        proposer=EagleProposer(untrained, max_batch=bs, max_len=max_len + 64), tuner=mab())
+    engines["EAGLE + BEG-MAB, fixed elastic 32"] = engine(proposer=eagle(), tuner=mab(), threshold=32)
     rows, ref = {}, None
     repeats = args.repeats or (1 if quick else 5)
-    # One engine per variant, built once and reused by every rollout, as a replica keeps its engine
-    # (and tuner) across RL steps: buffers are allocated and first touched outside the timed runs.
-    engines = {name: make() for name, make in variants.items()}
     for e in engines.values():  # warm-up, not timed: allocator and caches; each tuner's first rollout
         e.generate(prompts, params, groups)
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    times: dict[str, list[float]] = {name: [] for name in engines}
     for rep in range(repeats):  # interleaved, alternating order: drift hits every variant alike
-        for name in (list(variants) if rep % 2 == 0 else list(reversed(variants))):
+        for name in (list(engines) if rep % 2 == 0 else list(reversed(engines))):
             res = engines[name].generate(prompts, params, groups)
             if ref is None:
                 ref = res.outputs
