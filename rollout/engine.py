@@ -72,6 +72,7 @@ class StepRecord:
     committed: int  # tokens committed, summed over the batch
     seconds: float
     drafted: int = 0  # draft tokens proposed (valid tree nodes), summed over the batch
+    draft_seconds: float = 0.0  # of ``seconds``: the proposer's share (catch-up + drafting)
 
 
 @dataclasses.dataclass
@@ -223,7 +224,9 @@ class RolloutEngine:
         if sd and not arm.is_off:
             tree = self.proposer.propose(dataclasses.replace(inp, arm=arm))
             tree = DraftTree(tree.tokens.to(self.device), tree.parents.to(self.device), tree.valid.to(self.device))
+            draft_s = time.perf_counter() - t0
         else:
+            draft_s = 0.0
             tree = DraftTree.empty(b, self.device)
         if self.static_step is not None:
             tree = tree.padded_to(arm.tokens_to_verify)
@@ -267,7 +270,7 @@ class RolloutEngine:
         if sd and self.tuner is not None and self.cfg.arm is None:
             self.tuner.record(b, arm, accepted, seconds)
         rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(len(t) for t in res.tokens), seconds,
-                         res.drafted)
+                         res.drafted, draft_s)
         acc = [len(t) for t in res.tokens] if rec.sd else []
         return res.tokens, lps, rec, acc
 

@@ -112,6 +112,8 @@ def _cmd_bench(a: argparse.Namespace) -> None:
 
     if a.repeats < 0:
         raise ValueError(f"--repeats={a.repeats}: must be >= 0 (0: the bench's default)")
+    if a.threads < 0:
+        raise ValueError(f"--threads={a.threads}: must be >= 0 (0: torch's default, 1: a Ray-hosted replica's)")
     result = bench.get(a.which)(a)
     print("\n".join(result["summary"]))
     if a.json:
@@ -251,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeats", type=int, default=0,
                    help="rollout: timed repeats per variant (0: 5, or 1 with --quick); the paired ratios "
                    "to AR get a bootstrap 90%% interval")
+    s.add_argument("--threads", type=int, default=1,
+                   help="rollout: torch threads (default 1: what each Ray-hosted replica of `tlt demo` gets, "
+                   "and it leaves a core to the rest of the machine, which keeps the timing noise low; "
+                   "0: torch's default)")
     s.add_argument("--trace", help="sglang-policy: verify trace to replay (recorded here first if the file "
                    "does not exist; without --trace a fresh one is recorded and not kept)")
     s.set_defaults(fn=_cmd_bench)

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from tlt.cli import main
 
@@ -61,9 +62,15 @@ def test_report_errors(tmp_path, capsys):
 def test_bench_rollout_quick(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
     rec = tmp_path / "r.json"
+    threads = torch.get_num_threads()
     assert main(["-q", "bench", "rollout", "--quick", "--repeats", "2", "--json", str(rec)]) == 0
+    assert torch.get_num_threads() == threads  # the bench's one thread does not outlive it
     r = json.loads(rec.read_text())
-    assert r["repeats"] == 2 and all(len(v["seconds_all"]) == 2 for v in r["variants"].values())
+    assert r["repeats"] == 2 and r["threads"] == 1
+    others = [v for k, v in r["variants"].items() if k != "AR"]
+    assert all(len(v["seconds_all"]) == 2 for v in others)
+    # every variant's rollout sits between two AR rollouts: one more AR rollout than variants per repeat
+    assert len(r["variants"]["AR"]["seconds_all"]) == 2 * (len(others) + 1)
     lo, hi = r["control_paired_vs_ar_ci90"]  # the identical AR engine: the run's noise floor
     assert lo <= r["control_paired_vs_ar"] <= hi
     assert r["variants"]["AR again (control)"]["sd_steps"] == 0
@@ -78,6 +85,8 @@ def test_bench_rollout_quick(tmp_path, monkeypatch, capsys):
     assert "reproduced the AR tokens exactly" in capsys.readouterr().out
     assert main(["-q", "bench", "rollout", "--repeats", "-1"]) == 2
     assert "--repeats=-1: must be >= 0" in capsys.readouterr().err
+    assert main(["-q", "bench", "rollout", "--threads", "-1"]) == 2
+    assert "--threads=-1: must be >= 0" in capsys.readouterr().err
 
 
 def test_report_plots_verl_step_records(tmp_path, capsys):

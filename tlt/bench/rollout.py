@@ -5,7 +5,9 @@ with lognormal response lengths (the long tail), greedy so every variant must re
 tokens exactly (checked: a mismatch fails the bench). A drafter is warmed up on the target's own
 rollouts first (cached). Also measures SD speedup vs AR at batch 1 / 8 / 32 with a fixed chain,
 and host syncs (device -> host reads, :mod:`rollout.host_syncs`) per plain and per speculative step.
-A second, identical AR engine runs as a control: its paired ratio to AR is the run's noise floor.
+Every variant runs between two AR rollouts, and its paired ratio is their mean time over its own
+(the machine's speed drifts by tens of percent within a minute); a second, identical AR engine runs
+as a control: its paired ratio is the run's noise floor.
 
 ``workloads.<name>.adaptive_vs_ar`` (tokens/s of the adaptive engine over AR's, same run):
 ``long_tail`` — EAGLE + BEG-MAB; ``ngram_siblings`` — the n-gram drafter over the GRPO siblings +
@@ -25,7 +27,6 @@ import platform
 import random
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -75,7 +76,50 @@ def paired_ci90(ar_s: list[float], variant_s: list[float], seed: int, resamples:
     return meds[int(0.05 * (resamples - 1))], meds[int(0.95 * (resamples - 1))]
 
 
+def _fixed_batch(model: TargetModel, drafter: Drafter, prompts: list[list[int]], new_tokens: int, chain: Arm,
+                 max_len: int, repeats: int) -> dict:
+    """A fixed chain vs AR at one batch size (no finishing requests): whole-rollout ratios, and the
+    per-step components that bound the speedup on this machine: with accept length AL, a speculative
+    step commits AL tokens per request where a plain one commits 1, so no rollout beats
+    ``AL x plain step / speculative step``."""
+    b = len(prompts)
+    pa = [SamplingParams(max_new_tokens=new_tokens)] * b
+    engines = {"AR": RolloutEngine(model, EngineConfig(max_batch=b, max_len=max_len)),
+               "SD": RolloutEngine(model, EngineConfig(max_batch=b, max_len=max_len, arm=chain),
+                                   proposer=EagleProposer(drafter, max_batch=b, max_len=max_len + 64))}
+    for e in engines.values():  # warm-up, not timed
+        e.generate(prompts, pa)
+    times: dict[str, list[float]] = {"AR": [], "SD": []}
+    step_s: dict[str, list[float]] = {"AR": [], "SD": [], "draft": []}
+    outs = {}
+    for rep in range(repeats):
+        for name in (("AR", "SD") if rep % 2 == 0 else ("SD", "AR")):
+            res = outs[name] = engines[name].generate(prompts, pa)
+            times[name].append(res.seconds)
+            step_s[name] += [s.seconds for s in res.steps]
+            if name == "SD":
+                step_s["draft"] += [s.draft_seconds for s in res.steps]
+    ar_step, sd_step, draft = (statistics.median(step_s[k]) for k in ("AR", "SD", "draft"))
+    al = sum(outs["SD"].accept_lengths) / len(outs["SD"].accept_lengths)
+    return {"ar_s": statistics.median(times["AR"]), "sd_s": statistics.median(times["SD"]),
+            "speedup": statistics.median(times["AR"]) / statistics.median(times["SD"]),
+            "paired": statistics.median(a / t for a, t in zip(times["AR"], times["SD"])),
+            "mean_accept_length": al, "ar_step_ms": 1e3 * ar_step, "sd_step_ms": 1e3 * sd_step,
+            "draft_ms": 1e3 * draft, "verify_ms": 1e3 * (sd_step - draft), "step_limit": al * ar_step / sd_step,
+            "lossless": outs["SD"].outputs == outs["AR"].outputs}
+
+
 def run(args: argparse.Namespace) -> dict:
+    before = torch.get_num_threads()
+    if args.threads:  # restored after: the bench may run inside a longer process (tests)
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(args: argparse.Namespace) -> dict:
     quick = bool(args.quick)
     target_dir = ensure_target((QUICK if quick else DEFAULT).target, progress=False)
     drafter_dir = _drafter_dir(target_dir, 20 if quick else 150, quick)
@@ -127,50 +171,49 @@ def run(args: argparse.Namespace) -> dict:
     for e in engines.values():  # warm-up, not timed: allocator and caches; each tuner's first rollout
         e.generate(prompts, params, groups)
     times: dict[str, list[float]] = {name: [] for name in engines}
-    for rep in range(repeats):  # interleaved, alternating order: drift hits every variant alike
-        for name in (list(engines) if rep % 2 == 0 else list(reversed(engines))):
-            res = engines[name].generate(prompts, params, groups)
-            if ref is None:
-                ref = res.outputs
-            elif res.outputs != ref:
-                raise AssertionError(f"{name}: output differs from AR - speculative decoding was not lossless")
-            times[name].append(res.seconds)
-            al = res.accept_lengths
-            rows[name] = {"tokens": res.tokens, "sd_steps": sum(s.sd for s in res.steps),
-                          "steps": len(res.steps), "mean_accept_length": sum(al) / len(al) if al else None}
-            log.info("%s: %.1fs", name, res.seconds)
+    flank: dict[str, list[float]] = {name: [] for name in engines}  # per repeat: AR just before + after
+
+    def timed(name: str) -> float:  # one rollout, checked against AR's tokens; its seconds
+        nonlocal ref
+        res = engines[name].generate(prompts, params, groups)
+        if ref is None:
+            ref = res.outputs
+        elif res.outputs != ref:
+            raise AssertionError(f"{name}: output differs from AR - speculative decoding was not lossless")
+        times[name].append(res.seconds)
+        al = res.accept_lengths
+        rows[name] = {"tokens": res.tokens, "sd_steps": sum(s.sd for s in res.steps),
+                      "steps": len(res.steps), "mean_accept_length": sum(al) / len(al) if al else None}
+        log.info("%s: %.1fs", name, res.seconds)
+        return res.seconds
+
+    # Every variant runs between two AR rollouts and is paired with their mean: the machine's speed
+    # drifts by tens of percent over tens of seconds, and the flanks cancel a linear drift within ~4 s.
+    others = [name for name in engines if name != "AR"]
+    for rep in range(repeats):
+        before = timed("AR")
+        for name in (others if rep % 2 == 0 else others[::-1]):
+            timed(name)
+            after = timed("AR")
+            flank[name].append((before + after) / 2)
+            before = after
+    flank["AR"] = times["AR"]
     for name, r in rows.items():
         r["seconds_all"] = times[name]
         r["seconds"] = statistics.median(times[name])
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
     ar = rows["AR"]["tokens_per_s"]
-    tuned = rows["EAGLE + BEG-MAB"]["tokens_per_s"]
     for name, r in rows.items():
         r["speedup_vs_ar"] = r["tokens_per_s"] / ar
-        # per repeat, over AR's time in the same repeat (paired: slow phases of the machine cancel)
-        r["paired_vs_ar"] = statistics.median(a / t for a, t in zip(times["AR"], times[name]))
-        r["paired_vs_ar_ci90"] = paired_ci90(times["AR"], times[name], args.seed)
-    best_static = max((k for k in rows if k.startswith("EAGLE static")), key=lambda k: rows[k]["tokens_per_s"])
+        # per repeat, over the flanking AR rollouts (paired: slow phases of the machine cancel)
+        r["paired_vs_ar"] = statistics.median(a / t for a, t in zip(flank[name], times[name]))
+        r["paired_vs_ar_ci90"] = paired_ci90(flank[name], times[name], args.seed)
+    best_static = max((k for k in rows if k.startswith("EAGLE static")), key=lambda k: rows[k]["paired_vs_ar"])
 
-    by_batch = {}
     chain = Arm(5, 1, 5)
-    for b in (1, 4, 8, 32) if not quick else (1, 4):
-        ps = [prompts[(i * n_samples) % len(prompts)] for i in range(b)]
-        pa = [SamplingParams(max_new_tokens=32 if quick else 128)] * b
-        times: dict[str, list[float]] = {"AR": [], "SD": []}
-        outs = {}
-        for rep in range(repeats):
-            for name in (("AR", "SD") if rep % 2 == 0 else ("SD", "AR")):
-                kw = {"arm": chain} if name == "SD" else {}
-                eng = RolloutEngine(model, EngineConfig(max_batch=b, max_len=max_len, elastic_threshold=b, **kw),
-                                    proposer=EagleProposer(drafter, max_batch=b, max_len=max_len + 64) if kw else None)
-                t0 = time.perf_counter()
-                outs[name] = eng.generate(ps, pa)
-                times[name].append(time.perf_counter() - t0)
-        ar_s, sd_s = statistics.median(times["AR"]), statistics.median(times["SD"])
-        by_batch[b] = {"ar_s": ar_s, "sd_s": sd_s, "speedup": ar_s / sd_s,
-                       "mean_accept_length": sum(outs["SD"].accept_lengths) / len(outs["SD"].accept_lengths),
-                       "lossless": outs["SD"].outputs == outs["AR"].outputs}
+    by_batch = {b: _fixed_batch(model, drafter, [prompts[(i * n_samples) % bs] for i in range(b)],
+                                32 if quick else 128, chain, max_len, repeats)
+                for b in ((1, 4) if quick else (1, 4, 8, 32))}
     syncs = {}
     for name, arm in (("ar", None), ("sd", Arm(3, 1, 3))):  # greedy, batch 8, 64 new tokens
         eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=max_len, arm=arm, elastic_threshold=8),
@@ -183,21 +226,28 @@ def run(args: argparse.Namespace) -> dict:
     workloads = {w: {"variant": v, "adaptive_vs_ar": rows[v]["speedup_vs_ar"],
                      "adaptive_vs_ar_paired": rows[v]["paired_vs_ar"],
                      "adaptive_vs_ar_paired_ci90": rows[v]["paired_vs_ar_ci90"]} for w, v in workloads.items()}
-    workloads["long_tail"]["adaptive_vs_best_static"] = tuned / rows[best_static]["tokens_per_s"]
-    lines = [f"rollout bench ({repeats} interleaved repeats after an untimed warm-up of every variant, medians; "
+
+    def vs(a: str, b: str) -> float:  # variant a over variant b, each relative to its flanking AR rollouts
+        return rows[a]["paired_vs_ar"] / rows[b]["paired_vs_ar"]
+
+    tuned = "EAGLE + BEG-MAB"
+    workloads["long_tail"]["adaptive_vs_best_static"] = vs(tuned, best_static)
+    lines = [f"rollout bench ({repeats} repeats after an untimed warm-up of every variant, each variant between "
+             "two AR rollouts and paired with their mean, medians; "
              f"each variant keeps its engine and tuner across rollouts, as across RL steps): {bs} requests "
              f"({n_prompts} prompts x {n_samples}), response lengths "
              f"{min(p.max_new_tokens for p in params)}..{max(p.max_new_tokens for p in params)} (lognormal), "
-             f"greedy, target {target_dir.name}; every variant reproduced the AR tokens exactly"]
+             f"greedy, {torch.get_num_threads()} torch thread(s), target {target_dir.name}; every variant "
+             "reproduced the AR tokens exactly"]
     for k, r in rows.items():
         al = f"AL {r['mean_accept_length']:.2f}" if r["mean_accept_length"] else "        "
         lines.append(f"  {k:34s} {r['tokens_per_s']:7.0f} tok/s  {r['speedup_vs_ar']:5.2f}x AR "
                      f"(paired {r['paired_vs_ar']:4.2f}x)  {al}  "
                      f"SD steps {r['sd_steps']}/{r['steps']}")
-    lines.append(f"  EAGLE+BEG-MAB vs best static ({best_static}): {tuned / rows[best_static]['tokens_per_s']:.2f}x, "
-                 f"vs default static {ENGINE_DEFAULT}: {tuned / rows[f'EAGLE static {ENGINE_DEFAULT}']['tokens_per_s']:.2f}x, "
-                 f"vs a fixed elastic switch at 32: {tuned / rows['EAGLE + BEG-MAB, fixed elastic 32']['tokens_per_s']:.2f}x, "
-                 f"vs AR: {tuned / ar:.2f}x")
+    lines.append(f"  EAGLE+BEG-MAB (paired ratios) vs best static ({best_static}): {vs(tuned, best_static):.2f}x, "
+                 f"vs default static {ENGINE_DEFAULT}: {vs(tuned, f'EAGLE static {ENGINE_DEFAULT}'):.2f}x, "
+                 f"vs a fixed elastic switch at 32: {vs(tuned, 'EAGLE + BEG-MAB, fixed elastic 32'):.2f}x, "
+                 f"vs AR: {rows[tuned]['paired_vs_ar']:.2f}x")
     ctl = rows["AR again (control)"]
     lines.append(f"  noise floor: an identical AR engine measured {ctl['paired_vs_ar']:.2f}x paired (90% CI "
                  f"{ctl['paired_vs_ar_ci90'][0]:.2f}-{ctl['paired_vs_ar_ci90'][1]:.2f})")
@@ -206,8 +256,10 @@ def run(args: argparse.Namespace) -> dict:
         f"{r['adaptive_vs_ar_paired_ci90'][0]:.2f}-{r['adaptive_vs_ar_paired_ci90'][1]:.2f})" for w, r in workloads.items())
                  + f"; host syncs per step: plain {syncs['ar']:.2f}, speculative {syncs['sd']:.2f} (greedy, incl. prefill)")
     for b, r in by_batch.items():
-        lines.append(f"  batch {b:2d}: SD {chain} vs AR {r['speedup']:.2f}x (AL {r['mean_accept_length']:.2f}, "
-                     f"lossless {r['lossless']})")
+        lines.append(f"  batch {b:2d}: SD {chain} vs AR {r['speedup']:.2f}x (paired {r['paired']:.2f}x; AL "
+                     f"{r['mean_accept_length']:.2f}; step: plain {r['ar_step_ms']:.2f} ms, speculative "
+                     f"{r['sd_step_ms']:.2f} ms = draft {r['draft_ms']:.2f} + verify {r['verify_ms']:.2f}; "
+                     f"step-level limit AL x plain / speculative = {r['step_limit']:.2f}x; lossless {r['lossless']})")
     return {"bench": "rollout", "quick": quick, "requests": bs, "repeats": repeats, "variants": rows, "best_static": best_static,
             "by_batch": by_batch, "workloads": workloads, "control_paired_vs_ar": ctl["paired_vs_ar"],
             "control_paired_vs_ar_ci90": ctl["paired_vs_ar_ci90"],
