@@ -14,7 +14,7 @@ from typing import Callable
 # name -> module under tlt.bench (imported lazily: some need optional packages)
 BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs": "graphs",
            "coordinator": "coordinator", "checkpoint": "checkpoint", "preempt": "preempt",
-           "sglang-policy": "sglang_policy"}
+           "sglang-policy": "sglang_policy", "headroom": "headroom"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:

@@ -1,0 +1,40 @@
+"""`tlt bench headroom`: the oracle drafter is exact, and the bench writes its record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rollout.engine import EngineConfig, RolloutEngine
+from rollout.generate import SamplingParams
+from rollout.strategy import Arm
+from rollout.target import TargetModel
+from tlt.bench.headroom import OracleProposer
+from tlt.cli import main
+
+
+def test_oracle_drafts_are_the_targets_greedy_continuation(trained_target):
+    model = TargetModel.from_pretrained(trained_target).eval()
+    torch.manual_seed(0)
+    prompts = [torch.randint(5, model.config.vocab_size, (n,)).tolist() for n in (7, 12, 4)]
+    params = SamplingParams(max_new_tokens=25)  # greedy, no stop: every draft must be accepted
+    ar = RolloutEngine(model, EngineConfig(max_batch=3, max_len=64)).generate(prompts, params)
+    sd = RolloutEngine(model, EngineConfig(max_batch=3, max_len=64, arm=Arm(4, 1, 4)),
+                       proposer=OracleProposer(model)).generate(prompts, params)
+    assert sd.outputs == ar.outputs
+    assert len(sd.accept_lengths) >= 3 * 4 and set(sd.accept_lengths) == {5}  # all 4 drafts + the bonus
+
+
+def test_bench_headroom_quick(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
+    rec = tmp_path / "h.json"
+    assert main(["-q", "bench", "headroom", "--quick", "--json", str(rec)]) == 0
+    r = json.loads(rec.read_text())
+    assert set(r["accept_length"]) == {"stale", "on-policy 5", "on-policy 20", "oracle"}
+    for name, row in r["accept_length"].items():
+        assert set(row) == {"1", "3"} and all(al >= 1 for al in row.values()), name
+        assert r["over_stale"][name]["3"] == pytest.approx(row["3"] / r["accept_length"]["stale"]["3"])
+    assert r["ceiling_over_stale"] == max(r["over_stale"]["oracle"].values())
+    assert "spot vs stale can reach at most" in capsys.readouterr().out

@@ -1,0 +1,130 @@
+"""``tlt bench headroom``: how much an adapted drafter can buy on the demo's target, under sampling.
+
+The demo's goal is accept length spot-trained over stale; this bench measures what bounds that
+ratio, outside verl. On held-out prompts of the demo's task, sampled at temperature 1 (GRPO's
+rollouts), it measures accept length per verify (committed tokens, the bonus token included) of
+fixed chains at several depths for:
+
+- ``stale``: the demo's warm-up drafter (greedy rollouts of the training prompts, as ``tlt demo``);
+- ``on-policy N``: drafters trained N steps on sampled (T = 1) rollouts of the same prompts, what
+  spot training converges toward when it gets N optimizer steps;
+- ``oracle``: the target's own greedy continuation as the draft — the most a chain drafter of this
+  target can reach (a chain's tokens are fixed, so a draft token is accepted with the target's
+  probability of it, and no token is likelier than the argmax).
+
+Every drafter's output is sampled from the target exactly (lossless), so only accept lengths differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+
+from drafter.eagle import Drafter
+from drafter.trainer import TrainConfig
+from rollout.draft_tree import DraftTree, ProposerInput
+from rollout.eagle_proposer import EagleProposer
+from rollout.engine import EngineConfig, RolloutEngine
+from rollout.generate import SamplingParams
+from rollout.strategy import Arm
+from rollout.target import TargetModel
+from tlt.demo.corpus import CorpusConfig, make_corpus
+from tlt.demo.job import DEFAULT, QUICK
+from tlt.demo.target_factory import ensure_target
+from tlt.tokenizer import TextTokenizer
+from tlt.warmup import WarmupConfig, run_warmup
+
+log = logging.getLogger(__name__)
+
+
+class OracleProposer:
+    """Drafts the target's own greedy continuation (a full forward per level): the chain ceiling."""
+
+    feature_layers = None
+
+    def __init__(self, model: TargetModel) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def propose(self, inp: ProposerInput) -> DraftTree:
+        rows = []
+        for r in inp.rows:
+            ids = torch.tensor([list(inp.tokens[r])])  # [1, T]
+            for _ in range(inp.arm.depth):
+                nxt = self.model(ids).logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+                ids = torch.cat([ids, nxt], 1)
+            rows.append(ids[0, -inp.arm.depth:])
+        tokens = torch.stack(rows)  # [B, depth]
+        parents = torch.arange(-1, inp.arm.depth - 1).expand_as(tokens)
+        return DraftTree(tokens, parents.contiguous(), torch.ones_like(tokens, dtype=torch.bool))
+
+
+def _accept_length(model: TargetModel, proposer, prompts: list[list[int]], params: SamplingParams,
+                   depth: int, max_len: int) -> float:
+    eng = RolloutEngine(model, EngineConfig(max_batch=len(prompts), max_len=max_len, arm=Arm(depth, 1, depth),
+                                            max_draft_tokens=max(depth, 8)), proposer=proposer)
+    res = eng.generate(prompts, params)
+    return sum(res.accept_lengths) / len(res.accept_lengths)
+
+
+def run(args: argparse.Namespace) -> dict:
+    quick = bool(args.quick)
+    size = QUICK if quick else DEFAULT
+    target = ensure_target(size.target, progress=False)
+    model = TargetModel.from_pretrained(target).eval()
+    tok = TextTokenizer.from_pretrained(target)
+    seed = size.target.seed + 1000  # the demo's training prompts; held-out ones for evaluation
+    train_msgs = [{"messages": [{"role": "user", "content": p.prompt}]} for p in make_corpus(size.prompts, CorpusConfig(seed=seed))]
+    n_eval = 8 if quick else 32
+    evals = [tok.chat_prompt([{"role": "user", "content": p.prompt}])
+             for p in make_corpus(n_eval, CorpusConfig(seed=seed + 7))]
+    stop = tuple(model.config.eos_ids or ((tok.eos_id,) if tok.eos_id is not None else ()))
+    params = SamplingParams(temperature=1.0, max_new_tokens=size.max_response, stop_ids=stop)
+    max_len = max(map(len, evals)) + size.max_response + 1
+    depths = (1, 3) if quick else (1, 3, 5)
+    on_policy_steps = (5, 20) if quick else (size.warmup_steps, 5 * size.warmup_steps)
+
+    drafters: dict[str, Drafter] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "prompts.jsonl"
+        data.write_text("".join(json.dumps(m) + "\n" for m in train_msgs))
+        runs = [("stale", 0.0, 1, size.warmup_steps)] + [(f"on-policy {n}", 1.0, 4, n) for n in on_policy_steps]
+        for name, temp, samples, steps in runs:
+            log.info("training the %s drafter (%d steps, rollouts at temperature %.1f)", name, steps, temp)
+            out = Path(tmp) / name.replace(" ", "-")
+            run_warmup(WarmupConfig(target=target, data=data, out=out, max_new_tokens=size.max_response,
+                                    temperature=temp, samples_per_prompt=samples,
+                                    train=TrainConfig(max_steps=steps, save_every=steps)), progress=False)
+            drafters[name] = Drafter.load(out, model.embed_weight, model.lm_head.weight).eval()
+    proposers = {name: lambda d=d: EagleProposer(d, max_batch=n_eval, max_len=max_len + 64)  # one per engine
+                 for name, d in drafters.items()}
+    proposers["oracle"] = lambda: OracleProposer(model)
+    table: dict[str, dict[int, float]] = {}
+    for name, make in proposers.items():
+        log.info("accept lengths of %s at depths %s", name, depths)
+        table[name] = {d: _accept_length(model, make(), evals, params, d, max_len) for d in depths}
+    over_stale = {name: {d: al / table["stale"][d] for d, al in row.items()} for name, row in table.items()}
+
+    lines = [f"drafter headroom: {n_eval} held-out prompts of the demo's task, sampled at temperature 1 "
+             f"(<= {size.max_response} tokens), target {target.name}; accept length per verify of a fixed "
+             f"chain (committed tokens incl. the bonus token) at depth {', '.join(map(str, depths))}"]
+    for name, row in table.items():
+        cells = "  ".join(f"d{d} {al:4.2f} ({over_stale[name][d]:4.2f}x stale)" for d, al in row.items())
+        lines.append(f"  {name:18s} {cells}")
+    best = max(depths, key=lambda d: over_stale["oracle"][d])
+    lines.append(f"  spot vs stale can reach at most {over_stale['oracle'][best]:.2f}x (oracle, depth {best}); "
+                 f"a drafter trained {on_policy_steps[-1]} steps on sampled rollouts reached "
+                 f"{over_stale[f'on-policy {on_policy_steps[-1]}'][best]:.2f}x")
+    return {"bench": "headroom", "quick": quick, "target": str(target), "eval_prompts": n_eval,
+            "temperature": 1.0, "depths": list(depths), "accept_length": table, "over_stale": over_stale,
+            "on_policy_steps": list(on_policy_steps), "stale_steps": size.warmup_steps,
+            "ceiling_over_stale": over_stale["oracle"][best],
+            "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                        "threads": torch.get_num_threads()}, "summary": lines}
+
