@@ -36,5 +36,6 @@ def test_bench_headroom_quick(tmp_path, monkeypatch, capsys):
     for name, row in r["accept_length"].items():
         assert set(row) == {"1", "3"} and all(al >= 1 for al in row.values()), name
         assert r["over_stale"][name]["3"] == pytest.approx(row["3"] / r["accept_length"]["stale"]["3"])
+    assert 0 < r["target_top1_mass"] <= 1
     assert r["ceiling_over_stale"] == max(r["over_stale"]["oracle"].values())
     assert "spot vs stale can reach at most" in capsys.readouterr().out

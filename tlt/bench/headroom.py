@@ -73,6 +73,18 @@ def _accept_length(model: TargetModel, proposer, prompts: list[list[int]], param
     return sum(res.accept_lengths) / len(res.accept_lengths)
 
 
+@torch.no_grad()
+def _top1_mass(model: TargetModel, prompts: list[list[int]], params: SamplingParams, max_len: int) -> float:
+    """Mean probability of the target's argmax over its own sampled responses: per-token acceptance
+    of the oracle's first draft, the sharpness that bounds every chain drafter."""
+    res = RolloutEngine(model, EngineConfig(max_batch=len(prompts), max_len=max_len)).generate(prompts, params)
+    mass = []
+    for p, out in zip(prompts, res.outputs):
+        logits = model(torch.tensor([p + out])).logits[0, len(p) - 1: len(p) + len(out) - 1]  # [len(out), V]
+        mass += torch.softmax(logits / params.temperature, -1).max(-1).values.tolist()
+    return sum(mass) / len(mass)
+
+
 def run(args: argparse.Namespace) -> dict:
     quick = bool(args.quick)
     size = QUICK if quick else DEFAULT
@@ -109,6 +121,7 @@ def run(args: argparse.Namespace) -> dict:
     for name, make in proposers.items():
         log.info("accept lengths of %s at depths %s", name, depths)
         table[name] = {d: _accept_length(model, make(), evals, params, d, max_len) for d in depths}
+    top1 = _top1_mass(model, evals, params, max_len)
     over_stale = {name: {d: al / table["stale"][d] for d, al in row.items()} for name, row in table.items()}
 
     lines = [f"drafter headroom: {n_eval} held-out prompts of the demo's task, sampled at temperature 1 "
@@ -117,6 +130,7 @@ def run(args: argparse.Namespace) -> dict:
     for name, row in table.items():
         cells = "  ".join(f"d{d} {al:4.2f} ({over_stale[name][d]:4.2f}x stale)" for d, al in row.items())
         lines.append(f"  {name:18s} {cells}")
+    lines.append(f"  the target's argmax holds {top1:.2f} of its probability on average over its sampled responses")
     best = max(depths, key=lambda d: over_stale["oracle"][d])
     lines.append(f"  spot vs stale can reach at most {over_stale['oracle'][best]:.2f}x (oracle, depth {best}); "
                  f"a drafter trained {on_policy_steps[-1]} steps on sampled rollouts reached "
@@ -124,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
     return {"bench": "headroom", "quick": quick, "target": str(target), "eval_prompts": n_eval,
             "temperature": 1.0, "depths": list(depths), "accept_length": table, "over_stale": over_stale,
             "on_policy_steps": list(on_policy_steps), "stale_steps": size.warmup_steps,
-            "ceiling_over_stale": over_stale["oracle"][best],
+            "ceiling_over_stale": over_stale["oracle"][best], "target_top1_mass": top1,
             "machine": {"python": platform.python_version(), "torch": torch.__version__,
                         "threads": torch.get_num_threads()}, "summary": lines}
 
