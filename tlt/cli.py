@@ -112,6 +112,8 @@ def _cmd_bench(a: argparse.Namespace) -> None:
 
     if a.repeats < 0:
         raise ValueError(f"--repeats={a.repeats}: must be >= 0 (0: the bench's default)")
+    if a.target_steps < 0:
+        raise ValueError(f"--target-steps={a.target_steps}: must be >= 0 (0: the demo's own target)")
     if a.threads < 0:
         raise ValueError(f"--threads={a.threads}: must be >= 0 (0: torch's default, 1: a Ray-hosted replica's)")
     result = bench.get(a.which)(a)
@@ -257,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rollout: torch threads (default 1: what each Ray-hosted replica of `tlt demo` gets, "
                    "and it leaves a core to the rest of the machine, which keeps the timing noise low; "
                    "0: torch's default)")
+    s.add_argument("--target-steps", type=int, default=0,
+                   help="headroom: train the demo's target this many steps instead (0: the demo's own target; "
+                   "a sharper target raises the ceiling; built once and cached)")
     s.add_argument("--trace", help="sglang-policy: verify trace to replay (recorded here first if the file "
                    "does not exist; without --trace a fresh one is recorded and not kept)")
     s.set_defaults(fn=_cmd_bench)

@@ -30,7 +30,7 @@ def test_oracle_drafts_are_the_targets_greedy_continuation(trained_target):
 def test_bench_headroom_quick(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
     rec = tmp_path / "h.json"
-    assert main(["-q", "bench", "headroom", "--quick", "--json", str(rec)]) == 0
+    assert main(["-q", "bench", "headroom", "--quick", "--target-steps", "12", "--json", str(rec)]) == 0
     r = json.loads(rec.read_text())
     assert set(r["accept_length"]) == {"stale", "on-policy 5", "on-policy 20", "oracle"}
     for name, row in r["accept_length"].items():
@@ -38,4 +38,7 @@ def test_bench_headroom_quick(tmp_path, monkeypatch, capsys):
         assert r["over_stale"][name]["3"] == pytest.approx(row["3"] / r["accept_length"]["stale"]["3"])
     assert 0 < r["target_top1_mass"] <= 1
     assert r["ceiling_over_stale"] == max(r["over_stale"]["oracle"].values())
+    assert "-s12-" in r["target"]  # the target --target-steps trained
     assert "spot vs stale can reach at most" in capsys.readouterr().out
+    assert main(["-q", "bench", "headroom", "--target-steps", "-1"]) == 2
+    assert "--target-steps=-1: must be >= 0" in capsys.readouterr().err

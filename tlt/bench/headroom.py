@@ -18,6 +18,7 @@ Every drafter's output is sampled from the target exactly (lossless), so only ac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import platform
@@ -88,6 +89,8 @@ def _top1_mass(model: TargetModel, prompts: list[list[int]], params: SamplingPar
 def run(args: argparse.Namespace) -> dict:
     quick = bool(args.quick)
     size = QUICK if quick else DEFAULT
+    if getattr(args, "target_steps", 0):
+        size = dataclasses.replace(size, target=dataclasses.replace(size.target, train_steps=args.target_steps))
     target = ensure_target(size.target, progress=False)
     model = TargetModel.from_pretrained(target).eval()
     tok = TextTokenizer.from_pretrained(target)
