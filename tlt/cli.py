@@ -262,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target-steps", type=int, default=0,
                    help="headroom: train the demo's target this many steps instead (0: the demo's own target; "
                    "a sharper target raises the ceiling; built once and cached)")
+    s.add_argument("--shape", default="auto",
+                   help="step-cost: target shape with random weights: demo, qwen2-1.5b or llama-8b (auto: "
+                   "qwen2-1.5b on CUDA, demo on CPU)")
     s.add_argument("--trace", help="sglang-policy: verify trace to replay (recorded here first if the file "
                    "does not exist; without --trace a fresh one is recorded and not kept)")
     s.set_defaults(fn=_cmd_bench)

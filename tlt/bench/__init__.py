@@ -14,7 +14,8 @@ from typing import Callable
 # name -> module under tlt.bench (imported lazily: some need optional packages)
 BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs": "graphs",
            "coordinator": "coordinator", "checkpoint": "checkpoint", "preempt": "preempt",
-           "sglang-policy": "sglang_policy", "headroom": "headroom"}
+           "sglang-policy": "sglang_policy", "headroom": "headroom",
+           "step-cost": "step_cost"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:

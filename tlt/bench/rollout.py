@@ -76,8 +76,8 @@ def paired_ci90(ar_s: list[float], variant_s: list[float], seed: int, resamples:
     return meds[int(0.05 * (resamples - 1))], meds[int(0.95 * (resamples - 1))]
 
 
-def _fixed_batch(model: TargetModel, drafter: Drafter, prompts: list[list[int]], new_tokens: int, chain: Arm,
-                 max_len: int, repeats: int) -> dict:
+def fixed_batch(model: TargetModel, drafter: Drafter, prompts: list[list[int]], new_tokens: int, chain: Arm,
+                max_len: int, repeats: int) -> dict:
     """A fixed chain vs AR at one batch size (no finishing requests): whole-rollout ratios, and the
     per-step components that bound the speedup on this machine: with accept length AL, a speculative
     step commits AL tokens per request where a plain one commits 1, so no rollout beats
@@ -106,6 +106,7 @@ def _fixed_batch(model: TargetModel, drafter: Drafter, prompts: list[list[int]],
             "paired": statistics.median(a / t for a, t in zip(times["AR"], times["SD"])),
             "mean_accept_length": al, "ar_step_ms": 1e3 * ar_step, "sd_step_ms": 1e3 * sd_step,
             "draft_ms": 1e3 * draft, "verify_ms": 1e3 * (sd_step - draft), "step_limit": al * ar_step / sd_step,
+            "all_accepted_limit": (chain.depth + 1) * ar_step / sd_step,
             "lossless": outs["SD"].outputs == outs["AR"].outputs}
 
 
@@ -211,7 +212,7 @@ def _run(args: argparse.Namespace) -> dict:
     best_static = max((k for k in rows if k.startswith("EAGLE static")), key=lambda k: rows[k]["paired_vs_ar"])
 
     chain = Arm(5, 1, 5)
-    by_batch = {b: _fixed_batch(model, drafter, [prompts[(i * n_samples) % bs] for i in range(b)],
+    by_batch = {b: fixed_batch(model, drafter, [prompts[(i * n_samples) % bs] for i in range(b)],
                                 32 if quick else 128, chain, max_len, repeats)
                 for b in ((1, 4) if quick else (1, 4, 8, 32))}
     syncs = {}

@@ -1,4 +1,4 @@
-"""`tlt bench headroom`: the oracle drafter is exact, and the bench writes its record."""
+"""`tlt bench headroom` and `tlt bench step-cost`: what bounds speculation (acceptance, step cost)."""
 
 from __future__ import annotations
 
@@ -42,3 +42,16 @@ def test_bench_headroom_quick(tmp_path, monkeypatch, capsys):
     assert "spot vs stale can reach at most" in capsys.readouterr().out
     assert main(["-q", "bench", "headroom", "--target-steps", "-1"]) == 2
     assert "--target-steps=-1: must be >= 0" in capsys.readouterr().err
+
+
+def test_bench_step_cost_quick(tmp_path, capsys):
+    rec = tmp_path / "s.json"
+    assert main(["-q", "bench", "step-cost", "--quick", "--json", str(rec)]) == 0
+    r = json.loads(rec.read_text())
+    assert r["shape"] == "demo" and set(r["by_batch"]) == {"1", "4"}
+    for b in r["by_batch"].values():
+        assert b["lossless"] and b["sd_step_ms"] > b["draft_ms"] > 0
+        assert b["all_accepted_limit"] == pytest.approx(5 * b["ar_step_ms"] / b["sd_step_ms"])
+    assert "with all 4 drafts accepted at most" in capsys.readouterr().out
+    assert main(["-q", "bench", "step-cost", "--shape", "gpt-9"]) == 2
+    assert "--shape 'gpt-9': use auto or one of" in capsys.readouterr().err

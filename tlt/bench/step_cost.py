@@ -1,0 +1,78 @@
+"""``tlt bench step-cost``: plain vs speculative decode step on a random-weight target of a real shape.
+
+What bounds speculative decoding on a machine is the cost of a speculative step (drafting plus a
+verify pass over the draft) against a plain decode step: with every one of ``depth`` drafts
+accepted, a step commits ``depth + 1`` tokens, so no rollout beats ``(depth + 1) x plain /
+speculative``. Acceptance needs trained weights; step cost does not, so this bench builds a target
+of a real model's shape with random weights (bf16 on CUDA, where the engine replays CUDA graphs;
+fp32 on CPU) and an untrained EAGLE drafter for it, and times both engines at batch 1 / 8 / 32
+(alternating, after a warm-up), checking the speculative tokens equal the plain ones (greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+
+import torch
+
+from drafter.eagle import Drafter, DrafterConfig
+from drafter.model_config import ModelConfig
+from rollout.strategy import Arm
+from rollout.target import TargetModel
+from tlt.bench.rollout import fixed_batch
+
+log = logging.getLogger(__name__)
+
+SHAPES = {  # ModelConfig fields of public configs (no weights)
+    "demo": dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "qwen2-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                       num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                       qkv_bias=True, tie_word_embeddings=True),
+    "llama-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+}
+
+
+def run(args: argparse.Namespace) -> dict:
+    quick = bool(args.quick)
+    cuda = torch.cuda.is_available()
+    shape = getattr(args, "shape", "auto") or "auto"
+    if shape == "auto":
+        shape = "qwen2-1.5b" if cuda and not quick else "demo"
+    if shape not in SHAPES:
+        raise ValueError(f"--shape {shape!r}: use auto or one of {sorted(SHAPES)}")
+    dev, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    torch.manual_seed(args.seed)
+    cfg = ModelConfig(**SHAPES[shape], max_position_embeddings=4096)
+    log.info("building a random-weight %s target on %s", shape, dev)
+    with dev:
+        model = TargetModel(cfg).to(dtype).eval()
+        drafter = Drafter(DrafterConfig.for_target(cfg), model.embed_weight, model.lm_head.weight).to(dtype).eval()
+    chain = Arm(4, 1, 4)
+    prompt_len, new_tokens, repeats = (16, 16, 2) if quick else (128, 128, 3)
+    gen = torch.Generator().manual_seed(args.seed)
+    by_batch = {}
+    for b in (1, 4) if quick else (1, 8, 32):
+        prompts = torch.randint(10, cfg.vocab_size, (b, prompt_len), generator=gen).tolist()
+        log.info("batch %d", b)
+        by_batch[b] = fixed_batch(model, drafter, prompts, new_tokens, chain, prompt_len + new_tokens + 8, repeats)
+    n = sum(p.numel() for p in model.parameters())
+    size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
+    where = torch.cuda.get_device_name() if cuda else platform.processor() or "CPU"
+    lines = [f"step cost: random-weight {shape} target ({size} parameters, {dtype}) on {where}, "
+             f"{torch.get_num_threads()} torch thread(s); {prompt_len}-token prompts, {new_tokens} new tokens, "
+             f"chain {chain} by an untrained EAGLE drafter; medians over {repeats} alternating repeats"]
+    for b, r in by_batch.items():
+        lines.append(f"  batch {b:2d}: plain {r['ar_step_ms']:.2f} ms, speculative {r['sd_step_ms']:.2f} ms "
+                     f"(draft {r['draft_ms']:.2f} + verify {r['verify_ms']:.2f}) = {r['sd_step_ms'] / r['ar_step_ms']:.2f}x "
+                     f"a plain step; with all {chain.depth} drafts accepted at most {r['all_accepted_limit']:.2f}x AR; "
+                     f"lossless {r['lossless']}")
+    if not all(r["lossless"] for r in by_batch.values()):
+        raise AssertionError("speculative output differs from plain decoding: not lossless")
+    return {"bench": "step-cost", "quick": quick, "shape": shape, "config": SHAPES[shape], "dtype": str(dtype),
+            "device": str(dev), "chain": str(chain), "by_batch": by_batch,
+            "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                        "gpu": torch.cuda.get_device_name() if cuda else None}, "summary": lines}
