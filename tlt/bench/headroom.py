@@ -29,7 +29,7 @@ import torch
 
 from drafter.eagle import Drafter
 from drafter.trainer import TrainConfig
-from rollout.draft_tree import DraftTree, ProposerInput
+from rollout.draft_tree import DraftTree, Proposer, ProposerInput
 from rollout.eagle_proposer import EagleProposer
 from rollout.engine import EngineConfig, RolloutEngine
 from rollout.generate import SamplingParams
@@ -66,7 +66,7 @@ class OracleProposer:
         return DraftTree(tokens, parents.contiguous(), torch.ones_like(tokens, dtype=torch.bool))
 
 
-def _accept_length(model: TargetModel, proposer, prompts: list[list[int]], params: SamplingParams,
+def _accept_length(model: TargetModel, proposer: Proposer, prompts: list[list[int]], params: SamplingParams,
                    depth: int, max_len: int) -> float:
     eng = RolloutEngine(model, EngineConfig(max_batch=len(prompts), max_len=max_len, arm=Arm(depth, 1, depth),
                                             max_draft_tokens=max(depth, 8)), proposer=proposer)
@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> dict:
     model = TargetModel.from_pretrained(target).eval()
     tok = TextTokenizer.from_pretrained(target)
     seed = size.target.seed + 1000  # the demo's training prompts; held-out ones for evaluation
-    train_msgs = [{"messages": [{"role": "user", "content": p.prompt}]} for p in make_corpus(size.prompts, CorpusConfig(seed=seed))]
+    train_msgs = [{"messages": [{"role": "user", "content": p.prompt}]}
+                  for p in make_corpus(size.prompts, CorpusConfig(seed=seed))]
     n_eval = 8 if quick else 32
     evals = [tok.chat_prompt([{"role": "user", "content": p.prompt}])
              for p in make_corpus(n_eval, CorpusConfig(seed=seed + 7))]

@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> dict:
              f"chain {chain} by an untrained EAGLE drafter; medians over {repeats} alternating repeats"]
     for b, r in by_batch.items():
         lines.append(f"  batch {b:2d}: plain {r['ar_step_ms']:.2f} ms, speculative {r['sd_step_ms']:.2f} ms "
-                     f"(draft {r['draft_ms']:.2f} + verify {r['verify_ms']:.2f}) = {r['sd_step_ms'] / r['ar_step_ms']:.2f}x "
-                     f"a plain step; with all {chain.depth} drafts accepted at most {r['all_accepted_limit']:.2f}x AR; "
+                     f"(draft {r['draft_ms']:.2f} + verify {r['verify_ms']:.2f}) = "
+                     f"{r['sd_step_ms'] / r['ar_step_ms']:.2f}x a plain step; with all {chain.depth} drafts accepted at most {r['all_accepted_limit']:.2f}x AR; "
                      f"lossless {r['lossless']}")
     if not all(r["lossless"] for r in by_batch.values()):
         raise AssertionError("speculative output differs from plain decoding: not lossless")
