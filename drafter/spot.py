@@ -14,8 +14,9 @@ number of chunks.
 
 Preemption granularity: with ``preempt_s`` set, a micro-step's samples are trained in chunks of
 whole samples sized from this rank's measured tokens/s to take about ``preempt_s`` each, with a
-stop all-reduce before every chunk; so the flag -> loop-exit latency is about one chunk, not one
-micro-step. A rank with fewer chunks than the agreed count runs empty (fully masked) ones. The
+stop all-reduce before every chunk, between its TTT steps and before its backward (a chunk
+stopped there is dropped); so the flag -> loop-exit latency is about one chunk, or one TTT step
+of a sample longer than a chunk, not one micro-step. A rank with fewer chunks than the agreed count runs empty (fully masked) ones. The
 loss of a chunked micro-step is the mean of its chunks' global losses. A step stopped after some
 of its chunks is not thrown away: the gradient of the chunks trained (reduced after each chunk) is
 rescaled to their mean and applied, so short idle windows still make progress.
@@ -362,14 +363,19 @@ class SpotTrainer:
             return _FIRST_CHUNK_TOKENS
         return max(16, int(self.tokens_per_s * self.cfg.preempt_s))
 
-    def _micro_step(self, d: Drafter, samples: list[FeatureSample], ttt: TTTConfig, scale: float) -> float:
-        """Forward + backward of this rank's samples; returns the global loss (times ``scale``)."""
+    def _micro_step(self, d: Drafter, samples: list[FeatureSample], ttt: TTTConfig, scale: float,
+                    stop: Callable[[], bool] | None = None) -> float | None:
+        """Forward + backward of this rank's samples; returns the global loss (times ``scale``),
+        or None when the agreed ``stop`` (checked between TTT steps and before the backward)
+        abandoned the forward: nothing of it reaches the gradients."""
         batch = pack(samples)
         if self.device.type != "cpu":
             batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(self.device)
                                                   for f in dataclasses.fields(batch)
                                                   if isinstance(getattr(batch, f.name), torch.Tensor)})
-        st = ttt_forward(d, batch, ttt)
+        st = ttt_forward(d, batch, ttt, stop)
+        if st is None or (stop is not None and stop()):
+            return None
         n = len(st.count)
         sums = torch.tensor(st.count + [float(s.detach()) for s in st.loss_sum], dtype=torch.float64)
         dist.all_reduce(sums)  # [steps counts ; steps loss sums], over all ranks
@@ -409,16 +415,24 @@ class SpotTrainer:
             return ("preempted" if flags[0] else "no_data"), 0.0, 0.0
         k = int(flags[2])
         chunks += [[empty_like(mine[0])]] * (k - len(chunks))
+        def agreed_stop() -> bool:  # one stop check, the same on every rank
+            flag = torch.tensor([float(self._check(gaps, should_stop))])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return bool(flag[0])
+
+        # Chunked: also checked inside a chunk (a chunk is whole samples, and one long sample can
+        # take several times preempt_s).
+        inner = agreed_stop if cfg.preempt_s is not None else None
         loss, weight = 0.0, 0.0
         for i, chunk in enumerate(chunks):
-            if i:
-                flag = torch.tensor([float(self._check(gaps, should_stop))])
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                if flag[0]:
-                    return "preempted", loss, weight
+            if i and agreed_stop():
+                return "preempted", loss, weight
             t0 = time.monotonic()
             scale = 1.0 / (cfg.micro_steps * k)
-            loss += self._micro_step(d, chunk, cfg.ttt, scale)
+            got = self._micro_step(d, chunk, cfg.ttt, scale, inner)
+            if got is None:
+                return "preempted", loss, weight
+            loss += got
             weight += scale
             tokens = sum(len(s) for s in chunk if bool(s.loss_mask.any()))
             if tokens:  # (the collectives inside make this the slowest rank's pace)

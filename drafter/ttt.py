@@ -13,6 +13,7 @@ Step ``j`` is weighted ``decay**j``; each step's loss is a mean over its valid p
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -86,8 +87,13 @@ def _shift(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
 
 
-def ttt_forward(drafter: Drafter, batch: Batch, cfg: TTTConfig) -> StepStats:
-    """Run ``cfg.steps`` self-feeding steps over ``batch``; see the module docstring."""
+def ttt_forward(drafter: Drafter, batch: Batch, cfg: TTTConfig,
+                stop: Callable[[], bool] | None = None) -> StepStats | None:
+    """Run ``cfg.steps`` self-feeding steps over ``batch``; see the module docstring.
+
+    ``stop`` is called before every step after the first; when it returns True the forward is
+    abandoned and None is returned (the caller drops the graph: no backward).
+    """
     cfg = cfg.for_drafter(drafter)
     b, t = batch.input_ids.shape
     ar = torch.arange(t, device=batch.input_ids.device).expand(b, t)
@@ -97,6 +103,8 @@ def ttt_forward(drafter: Drafter, batch: Batch, cfg: TTTConfig) -> StepStats:
     alive = torch.ones(b, t, dtype=torch.bool, device=ar.device)  # chain still fully accepted
     stats = StepStats([], [], [], [], 0, 0)
     for j in range(cfg.steps):
+        if j and stop is not None and stop():
+            return None
         tok_idx = ar + 1 + j
         ids = _shift(batch.input_ids, tok_idx.clamp(max=t - 1)) * (tok_idx < batch.doc_end)
         feat = drafter(ids, feat, batch.position_ids + j, backend)  # predicts f_{t+1+j}

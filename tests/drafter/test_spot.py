@@ -268,19 +268,29 @@ def test_chunked_preemption_stops_within_one_chunk(tmp_path):
     assert r0.checkpoint_step == r0.end_step == latest(tmp_path / "ckpt")
 
 
-def test_a_step_stopped_between_chunks_is_applied(tmp_path):
-    """The stop lands after 2 chunks of the first step: their mean gradient is applied (step 1,
-    checkpointed), not thrown away."""
-    calls = []
+def test_a_step_stopped_between_or_inside_chunks_applies_the_chunks_trained(tmp_path):
+    """The stop lands before the third chunk of the first step (check 9), between its TTT steps
+    (10) or before its backward (11): the mean gradient of the two chunks trained is applied (step
+    1, checkpointed), not thrown away, and the abandoned chunk adds nothing: the same weights."""
+    # Checks: 2 in set-up, 1 before the micro-step, then per chunk (TTT.steps == 2): one between
+    # its TTT steps, one before its backward, and one before the next chunk.
+    got = []
+    for n in (9, 10, 11):
+        calls = []
 
-    def stop():  # checked twice during set-up, then once before every chunk
-        calls.append(1)
-        return len(calls) > 4
+        def stop(calls=calls, n=n):
+            calls.append(1)
+            return len(calls) >= n
 
-    cfg = _cfg(token_budget=2048, interval=100, preempt_s=0.01)
-    r = _session(0, 1, _free_port(), "h", tmp_path, cfg, _Stream(n=24), stop=stop)
-    assert (r.stop_reason, r.start_step, r.end_step, r.checkpoint_step) == ("preempted", 0, 1, 1)
-    assert len(r.losses) == 1 and r.losses[0] > 0 and len(calls) == 5
+        cfg = _cfg(token_budget=2048, interval=100, preempt_s=0.01)  # first chunks: 64 tokens
+        r = _session(0, 1, _free_port(), "h", tmp_path / str(n), cfg, _Stream(n=24), stop=stop)
+        assert (r.stop_reason, r.start_step, r.end_step, r.checkpoint_step) == ("preempted", 0, 1, 1)
+        assert len(r.losses) == 1 and r.losses[0] > 0 and len(calls) == n
+        got.append((r.losses, _checkpoint_weights(tmp_path / str(n), 1)))
+    for losses, weights in got[1:]:
+        assert losses == got[0][0]
+        for k, v in weights.items():
+            assert torch.equal(v, got[0][1][k]), k
 
 
 @pytest.mark.parametrize("stage", ["formed", "built"])

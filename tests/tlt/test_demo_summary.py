@@ -35,3 +35,28 @@ def test_no_verifies_at_all_gives_no_ratio():
     assert s["accept_length_by_arm"] == {"B": None, "C": None}
     assert s["accept_length_ratio_spot_vs_stale"] is None
     assert "spot vs stale accept length n/a" in "\n".join(demo.summary_lines({**s, "seconds": 1.0}))
+
+
+def test_ratio_intervals_resample_steps_for_both_arms_at_once():
+    same = {a: [_step(s, 50, 100, s - 1) for s in range(1, 6)] for a in "BC"}
+    s = demo.summarize(same, demo.QUICK)
+    assert s["accept_length_ratio_ci90"] == [1.0, 1.0]  # paired steps: identical arms never differ
+    records = {"B": [_step(s, 50, 100, 0) for s in range(1, 6)],
+               "C": [_step(s, 50, 100 + 25 * (s % 2), s - 1) for s in range(1, 6)]}
+    s = demo.summarize(records, demo.QUICK)
+    lo, hi = s["accept_length_ratio_ci90"]
+    assert 1.0 <= lo < s["accept_length_ratio_spot_vs_stale"] < hi <= 1.25
+    assert "(90% CI " in "\n".join(demo.summary_lines({**s, "seconds": 1.0}))
+    one = {a: [_step(1, 10, 20, 0), _step(2, 10, 20, 1)] for a in "BC"}
+    assert demo.summarize(one, demo.QUICK)["accept_length_ratio_ci90"] is None  # one step: no interval
+
+
+def test_time_ratio_intervals_come_with_the_ratios():
+    records = {a: [{**_step(s, 0, 0, 0), "tlt/rollout_s": 1.0 + (a == "C") * 0.1 * s} for s in range(1, 7)]
+               for a in "AC"}
+    s = demo.summarize(records, demo.QUICK)
+    lo, hi = s["rollout_time_ratio_ci90_ar_over_tlt"]
+    assert lo < s["rollout_time_ratio_ar_over_tlt"] < hi < 1.0
+    assert s["step_time_ratio_ci90_ar_over_tlt"] == [1.0, 1.0]
+    line = next(x for x in demo.summary_lines({**s, "seconds": 1.0}) if x.startswith("AR / TLT"))
+    assert "rollout time" in line and line.count("90% CI") == 2

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import statistics
@@ -248,6 +249,33 @@ def _pooled_accept(rows) -> float | None:
     return sum(r.get("tlt/spec_committed", 0) for r in rows) / verifies if verifies else None
 
 
+def _pooled_ratio(num: dict[int, dict], den: dict[int, dict], steps, key: str | None) -> float | None:
+    """num's over den's pooled accept length (``key`` None), or their summed ``key``, over ``steps``."""
+    if key is None:
+        a, b = _pooled_accept(num[s] for s in steps), _pooled_accept(den[s] for s in steps)
+    else:
+        a, b = (sum(d[s].get(key, 0.0) for s in steps) for d in (num, den))
+    return a / b if a and b else None
+
+
+def _step_interval(num: dict[int, dict], den: dict[int, dict], steps: list[int], key: str | None,
+                   draws: int = 2000) -> list[float] | None:
+    """90% interval of :func:`_pooled_ratio` when the RL steps are resampled with replacement.
+
+    The arms run the same prompts at the same step, so a step is resampled for both sides at once.
+    The arms' responses differ (different samples), so even a drafter no better than the other
+    spreads this ratio: the interval says how far, from the run's own step-to-step variation.
+    """
+    if len(steps) < 2:
+        return None
+    rng = random.Random(0)
+    got = sorted(r for r in (_pooled_ratio(num, den, rng.choices(steps, k=len(steps)), key)
+                             for _ in range(draws)) if r is not None)
+    if len(got) < draws // 2:  # most resamples have nothing to compare
+        return None
+    return [got[int(0.05 * (len(got) - 1))], got[int(0.95 * (len(got) - 1))]]
+
+
 def summarize(records: dict[str, list[dict]], size: DemoSize) -> dict:
     by = {a: {r["step"]: r for r in recs} for a, recs in records.items()}
     steps = sorted(set.intersection(*(set(v) for v in by.values()))) if by else []
@@ -260,8 +288,8 @@ def summarize(records: dict[str, list[dict]], size: DemoSize) -> dict:
     if "B" in by and "C" in by:
         # Steps whose rollout used a spot-trained drafter: pushed at the end of an earlier step.
         adapted = [s for s in later if by["C"].get(s - 1, {}).get("tlt/drafter_version", 0) >= 1]
-        b, c = (_pooled_accept(by[a][s] for s in adapted) for a in "BC")
-        out["accept_length_ratio_spot_vs_stale"] = c / b if b and c else None
+        out["accept_length_ratio_spot_vs_stale"] = _pooled_ratio(by["C"], by["B"], adapted, None)
+        out["accept_length_ratio_ci90"] = _step_interval(by["C"], by["B"], adapted, None)
         out["accept_length_steps"] = adapted
         out["accept_length_verifies"] = {a: int(sum(by[a][s].get("tlt/spec_verifies", 0) for s in adapted))
                                          for a in "BC"}
@@ -269,8 +297,8 @@ def summarize(records: dict[str, list[dict]], size: DemoSize) -> dict:
     if "A" in by and "C" in by and later:
         for key, name in (("tlt/rollout_s", "rollout_time_ratio_ar_over_tlt"),
                           ("timing_s/step", "step_time_ratio_ar_over_tlt")):
-            a, c = (sum(by[x][s].get(key, 0.0) for s in later) for x in "AC")
-            out[name] = a / c if c else None
+            out[name] = _pooled_ratio(by["A"], by["C"], later, key)
+            out[name.replace("_ratio_", "_ratio_ci90_")] = _step_interval(by["A"], by["C"], later, key)
         out["rollout_s_by_arm"] = {a: sum(by[a][s].get("tlt/rollout_s", 0.0) for s in later) for a in by}
     return out
 
@@ -306,13 +334,19 @@ def summary_lines(s: dict) -> list[str]:
     lines.append("reward mean  " + ", ".join(f"{a} {f(v, '.3f')}" for a, v in s["reward_mean_by_arm"].items()))
     if "accept_length_by_arm" in s:
         lines.append("accept len   " + ", ".join(f"{a} {f(v)}" for a, v in s["accept_length_by_arm"].items()))
+    def ci(key):  # " (90% CI lo-hi over steps)", or nothing
+        iv = s.get(key)
+        return f" (90% CI {iv[0]:.2f}-{iv[1]:.2f} over steps)" if iv else ""
+
     if "accept_length_ratio_spot_vs_stale" in s:
-        lines.append(f"spot vs stale accept length {f(s['accept_length_ratio_spot_vs_stale'])}x "
-                     f"(target drift {f(s.get('target_drift'), '.3f')}; verifies "
-                     + ", ".join(f"{a} {n}" for a, n in s.get("accept_length_verifies", {}).items()) + ")")
+        lines.append(f"spot vs stale accept length {f(s['accept_length_ratio_spot_vs_stale'])}x"
+                     f"{ci('accept_length_ratio_ci90')} (target drift {f(s.get('target_drift'), '.3f')}; "
+                     "verifies " + ", ".join(f"{a} {n}" for a, n in s.get("accept_length_verifies", {}).items())
+                     + ")")
     if "rollout_time_ratio_ar_over_tlt" in s:
-        lines.append(f"AR / TLT     rollout time {f(s['rollout_time_ratio_ar_over_tlt'])}x, step time "
-                     f"{f(s['step_time_ratio_ar_over_tlt'])}x")
+        lines.append(f"AR / TLT     rollout time {f(s['rollout_time_ratio_ar_over_tlt'])}x"
+                     f"{ci('rollout_time_ratio_ci90_ar_over_tlt')}, step time "
+                     f"{f(s['step_time_ratio_ar_over_tlt'])}x{ci('step_time_ratio_ci90_ar_over_tlt')}")
     if "response_lengths" in s:
         r = s["response_lengths"]
         lines.append(f"responses    median {r['median']:.0f}, p90 {r['p90']} tokens (p90/median "
