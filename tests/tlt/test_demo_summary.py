@@ -52,9 +52,11 @@ def test_ratio_intervals_resample_steps_for_both_arms_at_once():
 
 
 def test_time_ratio_intervals_come_with_the_ratios():
-    records = {a: [{**_step(s, 0, 0, 0), "tlt/rollout_s": 1.0 + (a == "C") * 0.1 * s} for s in range(1, 7)]
+    records = {a: [{**_step(s, 0, 0, 0), "tlt/rollout_s": 1.0 + (a == "C") * 0.1 * s,
+                    "response_length/mean": 50.0 + 10 * (a == "C") + (s == 1) * 100} for s in range(1, 7)]
                for a in "AC"}
     s = demo.summarize(records, demo.QUICK)
+    assert s["response_length_mean_by_arm"] == {"A": 50.0, "C": 60.0}  # step 1 left out, like the times
     lo, hi = s["rollout_time_ratio_ci90_ar_over_tlt"]
     assert lo < s["rollout_time_ratio_ar_over_tlt"] < hi < 1.0
     assert s["step_time_ratio_ci90_ar_over_tlt"] == [1.0, 1.0]

@@ -300,6 +300,9 @@ def summarize(records: dict[str, list[dict]], size: DemoSize) -> dict:
             out[name] = _pooled_ratio(by["A"], by["C"], later, key)
             out[name.replace("_ratio_", "_ratio_ci90_")] = _step_interval(by["A"], by["C"], later, key)
         out["rollout_s_by_arm"] = {a: sum(by[a][s].get("tlt/rollout_s", 0.0) for s in later) for a in by}
+    # The arms sample different responses: a rollout with longer ones takes longer whatever decodes it.
+    out["response_length_mean_by_arm"] = {a: _mean(by[a][s].get("response_length/mean") for s in later)
+                                          for a in by}
     return out
 
 
@@ -347,6 +350,9 @@ def summary_lines(s: dict) -> list[str]:
         lines.append(f"AR / TLT     rollout time {f(s['rollout_time_ratio_ar_over_tlt'])}x"
                      f"{ci('rollout_time_ratio_ci90_ar_over_tlt')}, step time "
                      f"{f(s['step_time_ratio_ar_over_tlt'])}x{ci('step_time_ratio_ci90_ar_over_tlt')}")
+    if s.get("response_length_mean_by_arm"):
+        lens = ", ".join(f"{a} {f(v, '.0f')}" for a, v in s["response_length_mean_by_arm"].items())
+        lines.append(f"mean response {lens} tokens (steps 2+; each arm samples its own)")
     if "response_lengths" in s:
         r = s["response_lengths"]
         lines.append(f"responses    median {r['median']:.0f}, p90 {r['p90']} tokens (p90/median "
