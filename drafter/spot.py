@@ -415,6 +415,7 @@ class SpotTrainer:
             return ("preempted" if flags[0] else "no_data"), 0.0, 0.0
         k = int(flags[2])
         chunks += [[empty_like(mine[0])]] * (k - len(chunks))
+
         def agreed_stop() -> bool:  # one stop check, the same on every rank
             flag = torch.tensor([float(self._check(gaps, should_stop))])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

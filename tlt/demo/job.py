@@ -263,8 +263,8 @@ def _step_interval(num: dict[int, dict], den: dict[int, dict], steps: list[int],
     """90% interval of :func:`_pooled_ratio` when the RL steps are resampled with replacement.
 
     The arms run the same prompts at the same step, so a step is resampled for both sides at once.
-    The arms' responses differ (different samples), so even a drafter no better than the other
-    spreads this ratio: the interval says how far, from the run's own step-to-step variation.
+    This is the step-to-step variation inside one run only (the arms sample their own responses);
+    runs on a shared machine spread further (docs/verl.md).
     """
     if len(steps) < 2:
         return None
@@ -337,6 +337,7 @@ def summary_lines(s: dict) -> list[str]:
     lines.append("reward mean  " + ", ".join(f"{a} {f(v, '.3f')}" for a, v in s["reward_mean_by_arm"].items()))
     if "accept_length_by_arm" in s:
         lines.append("accept len   " + ", ".join(f"{a} {f(v)}" for a, v in s["accept_length_by_arm"].items()))
+
     def ci(key):  # " (90% CI lo-hi over steps)", or nothing
         iv = s.get(key)
         return f" (90% CI {iv[0]:.2f}-{iv[1]:.2f} over steps)" if iv else ""
