@@ -42,7 +42,9 @@ Warm resume: a session's end keeps this rank's shards (weights and optimizer sta
 memory (:mod:`drafter.warm`; a replica that loads a newer drafter prefetches it the same way). The
 next session resumes from them instead of reading the checkpoint when every rank agrees they are
 the newest complete checkpoint and fit (same world size and rank, or a one-rank state each rank cuts
-its shard from). That skips the DCP read, the largest fixed cost of a short session on a CPU.
+its shard from). That skips the DCP read, the largest fixed cost of a short session on a CPU. A
+multi-rank session that ends on the step of a one-rank state held here keeps that state (it fits
+any next membership).
 """
 
 from __future__ import annotations
@@ -362,7 +364,11 @@ class SpotTrainer:
             ckpt.wait()
         dist.barrier()  # every rank's shards and the coordinator's commit are done
         durable = time.monotonic()
-        if latest(self.root) == step:  # what the next session here may resume from memory
+        # What the next session here may resume from memory; but a one-rank state of this same
+        # step (prefetched, or this session's start) fits any membership, this session's shards not.
+        have = WARM.get(str(self.root))
+        keep = have is not None and (have.step, have.world_size) == (step, 1)
+        if latest(self.root) == step and not keep:
             WARM[str(self.root)] = snapshot(d, opt, step, spec.world_size, spec.rank, state.progress["samples"])
         set_at = getattr(should_stop, "set_at", None) if reason == "preempted" else None
         return SessionResult(

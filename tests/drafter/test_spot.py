@@ -348,18 +348,26 @@ def test_warm_resume_equals_a_checkpoint_resume(tmp_path, method):
             torch.testing.assert_close(results[mode][1][k], v, rtol=0, atol=0, msg=f"{mode} {k}")
 
 
-def _two_from_one(rank, port, root, out, prefetched):
-    """Rank ``rank`` of a 2-rank session resuming a 1-rank checkpoint (read, or prefetched here)."""
+def _two_from_one(rank, ports, root, out, prefetched):
+    """Rank ``rank`` of a 2-rank session resuming a 1-rank checkpoint (read, or prefetched here).
+    Prefetched: then a 2-rank session that trains nothing keeps the newer one-rank warm state
+    (the replica's step-end prefetch), which fits any next membership; its own shards would not."""
     from drafter import warm
 
     torch.set_num_threads(1)
     target = _target()
+    cfg = _cfg()
     if prefetched:
-        cfg = _cfg()
         assert warm.prefetch(root, *target, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay).step == 2
-    r = _session(rank, 2, port, "two", root, _cfg(max_steps=4, interval=100), _Stream(start=2), target=target)
+    r = _session(rank, 2, ports[0], "two", root, _cfg(max_steps=4, interval=100), _Stream(start=2), target=target)
     assert r.warm == prefetched and (r.start_step, r.end_step) == (2, 4)
     _dump(r, f"{out}/two-{rank}.json")
+    if prefetched:
+        assert (warm.WARM[root].step, warm.WARM[root].world_size) == (4, 2)  # this session's shards
+        assert warm.prefetch(root, *target, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay).step == 4
+        idle = _session(rank, 2, ports[1], "idle", root, _cfg(max_steps=4, interval=100), _Stream(), target=target)
+        assert idle.warm and (idle.start_step, idle.end_step, idle.stop_reason) == (4, 4, "max_steps")
+        assert (warm.WARM[root].step, warm.WARM[root].world_size) == (4, 1)
 
 
 def test_a_one_rank_warm_state_resumes_a_two_rank_session(tmp_path):
@@ -369,7 +377,7 @@ def test_a_one_rank_warm_state_resumes_a_two_rank_session(tmp_path):
     for mode in ("cold", "prefetched"):
         root = tmp_path / mode
         _session(0, 1, _free_port(), "one", root, _cfg(max_steps=2, interval=100), _Stream())
-        _spawn(_two_from_one, 2, _free_port(), str(root), str(root), mode == "prefetched")
+        _spawn(_two_from_one, 2, (_free_port(), _free_port()), str(root), str(root), mode == "prefetched")
         results[mode] = (_read(root / "two-0.json").losses, _checkpoint_weights(root, 4))
     assert results["prefetched"][0] == results["cold"][0]
     for k, v in results["cold"][1].items():
