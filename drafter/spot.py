@@ -16,8 +16,9 @@ number of chunks.
 Preemption granularity: with ``preempt_s`` set, a micro-step's samples are trained in chunks of
 whole samples sized from this rank's measured tokens/s to take about ``preempt_s`` each, with a
 stop all-reduce before every chunk, between its TTT steps and before its backward (a chunk
-stopped there is dropped); so the flag -> loop-exit latency is about one chunk, or one TTT step
-of a sample longer than a chunk, not one micro-step. A rank with fewer chunks than the agreed
+stopped there is dropped) and before a periodic checkpoint (skipped: the final one covers it);
+so the flag -> loop-exit latency is about one chunk, or one TTT step of a sample longer than a
+chunk, not one micro-step. A rank with fewer chunks than the agreed
 count runs empty (fully masked) ones. The loss of a chunked micro-step is the mean of its chunks'
 global losses. A step stopped after some of its chunks is not thrown away: the gradient of the
 chunks trained (reduced after each chunk) is rescaled to their mean and applied.
@@ -211,9 +212,10 @@ class SpotTrainer:
         finally:
             dist.destroy_process_group()
 
-    def _agreed_stop(self, should_stop: Callable[[], bool]) -> bool:
-        """One set-up stop check, agreed by all ranks (the next collective stays in step)."""
-        flag = torch.tensor([float(bool(should_stop()))])
+    def _agreed_stop(self, should_stop: Callable[[], bool], gaps: list[float] | None = None) -> bool:
+        """One stop check, agreed by all ranks (the next collective stays in step); in the
+        training loop (``gaps`` given) it also notes the interval since the previous check."""
+        flag = torch.tensor([float(self._check(gaps, should_stop) if gaps is not None else should_stop())])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag[0])
 
@@ -289,10 +291,8 @@ class SpotTrainer:
         k = int(flags[2])
         chunks += [[empty_like(mine[0])]] * (k - len(chunks))
 
-        def agreed_stop() -> bool:  # one stop check, the same on every rank
-            flag = torch.tensor([float(self._check(gaps, should_stop))])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            return bool(flag[0])
+        def agreed_stop() -> bool:
+            return self._agreed_stop(should_stop, gaps)
 
         # Chunked: also checked inside a chunk (a chunk is whole samples, and one long sample can
         # take several times preempt_s).
@@ -354,6 +354,9 @@ class SpotTrainer:
             if on_step is not None:
                 on_step(step, step_loss)
             if step % cfg.interval == 0:
+                if reason is None and cfg.preempt_s is not None and self._agreed_stop(should_stop, gaps):
+                    reason, exited = "preempted", time.monotonic()  # the final save below covers it
+                    break
                 state.step = step
                 ckpt.save(step, {"train": state})
         exited = exited or time.monotonic()

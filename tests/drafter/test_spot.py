@@ -293,6 +293,28 @@ def test_a_step_stopped_between_or_inside_chunks_applies_the_chunks_trained(tmp_
             assert torch.equal(v, got[0][1][k]), k
 
 
+def test_a_stop_before_a_periodic_checkpoint_exits_before_it(tmp_path, monkeypatch):
+    """The flag rises as step 1 ends, a checkpoint step (interval 1): the loop exits at the agreed
+    check before that save, and the final save writes step 1; a stop does not wait for a periodic
+    save (slowed to 0.5 s here)."""
+    from drafter import spot
+
+    real = spot.AsyncCheckpointer.save
+
+    def slow(self, *a, **kw):
+        time.sleep(0.5)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(spot.AsyncCheckpointer, "save", slow)
+    flag, (dcfg, embed, head) = PreemptFlag(), _target()
+    trainer = SpotTrainer(spec=SessionSpec(rank=0, world_size=1, master_port=_free_port(), session_id="i"),
+                          config=_cfg(interval=1, preempt_s=0.02), drafter_config=dcfg, embed_weight=embed,
+                          head_weight=head, checkpoint_root=tmp_path)
+    r = trainer.run(_Stream(), flag, on_step=lambda step, loss: flag.set())
+    assert (r.stop_reason, r.start_step, r.end_step, r.checkpoint_step) == ("preempted", 0, 1, 1)
+    assert r.preempt_latency_s < 0.25 <= r.stop_latency_s  # exited, then the (slow) final save
+
+
 @pytest.mark.parametrize("stage", ["formed", "built"])
 def test_a_stop_during_set_up_skips_the_rest_of_it(tmp_path, monkeypatch, stage):
     """A stop that lands once the group formed, or while the drafter is being built, returns at
