@@ -16,7 +16,8 @@ number of chunks.
 Preemption granularity: with ``preempt_s`` set, a micro-step's samples are trained in chunks of
 whole samples sized from this rank's measured tokens/s to take about ``preempt_s`` each, with a
 stop all-reduce before every chunk, between its TTT steps and before its backward (a chunk
-stopped there is dropped) and before a periodic checkpoint (skipped: the final one covers it);
+stopped there is dropped; not the session's first chunk, so every session that starts training
+applies at least one) and before a periodic checkpoint (skipped: the final one covers it);
 so the flag -> loop-exit latency is about one chunk, or one TTT step of a sample longer than a
 chunk, not one micro-step. A rank with fewer chunks than the agreed
 count runs empty (fully masked) ones. The loss of a chunked micro-step is the mean of its chunks'
@@ -295,19 +296,21 @@ class SpotTrainer:
             return self._agreed_stop(should_stop, gaps)
 
         # Chunked: also checked inside a chunk (a chunk is whole samples, and one long sample can
-        # take several times preempt_s).
-        inner = agreed_stop if cfg.preempt_s is not None else None
+        # take several times preempt_s), except the session's first: a session that starts
+        # training applies at least one chunk, however short its window.
+        chunked = cfg.preempt_s is not None
         loss, weight = 0.0, 0.0
         for i, chunk in enumerate(chunks):
             if i and agreed_stop():
                 return "preempted", loss, weight
             t0 = time.monotonic()
             scale = 1.0 / (cfg.micro_steps * k)
-            got = self._micro_step(d, chunk, cfg.ttt, scale, inner)
+            got = self._micro_step(d, chunk, cfg.ttt, scale, agreed_stop if chunked and self._chunks_done else None)
             if got is None:
                 return "preempted", loss, weight
             loss += got
             weight += scale
+            self._chunks_done += 1
             tokens = sum(len(s) for s in chunk if bool(s.loss_mask.any()))
             if tokens:  # (the collectives inside make this the slowest rank's pace)
                 rate = tokens / max(time.monotonic() - t0, 1e-6)
@@ -322,6 +325,7 @@ class SpotTrainer:
         step, losses, gaps = start, [], []
         reason, exited = None, None
         self._last_check = None
+        self._chunks_done = 0  # chunks trained in this session (on every rank alike)
         d.train()
         while reason is None:
             if cfg.max_steps is not None and step >= cfg.max_steps:

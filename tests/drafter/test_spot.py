@@ -269,13 +269,13 @@ def test_chunked_preemption_stops_within_one_chunk(tmp_path):
 
 
 def test_a_step_stopped_between_or_inside_chunks_applies_the_chunks_trained(tmp_path):
-    """The stop lands before the third chunk of the first step (check 9), between its TTT steps
-    (10) or before its backward (11): the mean gradient of the two chunks trained is applied (step
+    """The stop lands before the third chunk of the first step (check 7), between its TTT steps
+    (8) or before its backward (9): the mean gradient of the two chunks trained is applied (step
     1, checkpointed), not thrown away, and the abandoned chunk adds nothing: the same weights."""
-    # Checks: 2 in set-up, 1 before the micro-step, then per chunk (TTT.steps == 2): one between
-    # its TTT steps, one before its backward, and one before the next chunk.
+    # Checks: 2 in set-up, 1 before the micro-step, none inside the session's first chunk, then
+    # per chunk (TTT.steps == 2): one before it, one between its TTT steps, one before its backward.
     got = []
-    for n in (9, 10, 11):
+    for n in (7, 8, 9):
         calls = []
 
         def stop(calls=calls, n=n):
@@ -291,6 +291,22 @@ def test_a_step_stopped_between_or_inside_chunks_applies_the_chunks_trained(tmp_
         assert losses == got[0][0]
         for k, v in weights.items():
             assert torch.equal(v, got[0][1][k]), k
+
+
+def test_a_session_applies_its_first_chunk_however_soon_the_stop(tmp_path):
+    """A stop raised once training began (any check after the micro-step's first) is not obeyed
+    inside the session's first chunk: that chunk is applied (step 1, checkpointed), so a session in
+    a very short idle window still moves the drafter."""
+    calls = []
+
+    def stop():
+        calls.append(1)
+        return len(calls) >= 4  # 2 in set-up, the micro-step's first; then stop at the next check
+
+    cfg = _cfg(token_budget=2048, interval=100, preempt_s=0.01)
+    r = _session(0, 1, _free_port(), "f", tmp_path, cfg, _Stream(n=24), stop=stop)
+    assert (r.stop_reason, r.start_step, r.end_step, r.checkpoint_step) == ("preempted", 0, 1, 1)
+    assert len(calls) == 4
 
 
 def test_a_stop_before_a_periodic_checkpoint_exits_before_it(tmp_path, monkeypatch):
