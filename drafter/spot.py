@@ -17,12 +17,12 @@ Preemption granularity: with ``preempt_s`` set, a micro-step's samples are train
 whole samples sized from this rank's measured tokens/s to take about ``preempt_s`` each, with a
 stop all-reduce before every chunk, between its TTT steps and before its backward (a chunk
 stopped there is dropped; not the session's first chunk, so every session that starts training
-applies at least one) and before a periodic checkpoint (skipped: the final one covers it);
-so the flag -> loop-exit latency is about one chunk, or one TTT step of a sample longer than a
-chunk, not one micro-step. A rank with fewer chunks than the agreed
-count runs empty (fully masked) ones. The loss of a chunked micro-step is the mean of its chunks'
-global losses. A step stopped after some of its chunks is not thrown away: the gradient of the
-chunks trained (reduced after each chunk) is rescaled to their mean and applied.
+applies at least one), and before a periodic checkpoint (skipped: the final one covers it). So
+the flag -> loop-exit latency is about one chunk, or one TTT step or backward of a sample longer
+than a chunk, not one micro-step. A rank with fewer chunks than the agreed count runs empty
+(fully masked) ones. The loss of a chunked micro-step is the mean of its chunks' global losses. A
+step stopped after some of its chunks is not thrown away: the gradient of the chunks trained
+(reduced after each chunk) is rescaled to their mean and applied.
 
 Loss: the global TTT loss of the union of all ranks' samples. Per step ``j`` the summed losses
 and valid-position counts are all-reduced, and each rank back-propagates

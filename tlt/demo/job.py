@@ -249,18 +249,20 @@ def _pooled_accept(rows) -> float | None:
     return sum(r.get("tlt/spec_committed", 0) for r in rows) / verifies if verifies else None
 
 
-def _pooled_ratio(num: dict[int, dict], den: dict[int, dict], steps, key: str | None) -> float | None:
-    """num's over den's pooled accept length (``key`` None), or their summed ``key``, over ``steps``."""
-    if key is None:
-        a, b = _pooled_accept(num[s] for s in steps), _pooled_accept(den[s] for s in steps)
-    else:
-        a, b = (sum(d[s].get(key, 0.0) for s in steps) for d in (num, den))
+def _total(key: str):
+    """The summed ``key`` of some step records (a measure for :func:`_ratio`)."""
+    return lambda rows: sum(r.get(key, 0.0) for r in rows)
+
+
+def _ratio(num: dict[int, dict], den: dict[int, dict], steps, measure) -> float | None:
+    """``measure`` (of a list of step records) of num's ``steps`` over den's."""
+    a, b = measure([num[s] for s in steps]), measure([den[s] for s in steps])
     return a / b if a and b else None
 
 
-def _step_interval(num: dict[int, dict], den: dict[int, dict], steps: list[int], key: str | None,
+def _step_interval(num: dict[int, dict], den: dict[int, dict], steps: list[int], measure,
                    draws: int = 2000) -> list[float] | None:
-    """90% interval of :func:`_pooled_ratio` when the RL steps are resampled with replacement.
+    """90% interval of :func:`_ratio` when the RL steps are resampled with replacement.
 
     The arms run the same prompts at the same step, so a step is resampled for both sides at once.
     This is the step-to-step variation inside one run only (the arms sample their own responses);
@@ -269,7 +271,7 @@ def _step_interval(num: dict[int, dict], den: dict[int, dict], steps: list[int],
     if len(steps) < 2:
         return None
     rng = random.Random(0)
-    got = sorted(r for r in (_pooled_ratio(num, den, rng.choices(steps, k=len(steps)), key)
+    got = sorted(r for r in (_ratio(num, den, rng.choices(steps, k=len(steps)), measure)
                              for _ in range(draws)) if r is not None)
     if len(got) < draws // 2:  # most resamples have nothing to compare
         return None
@@ -288,17 +290,18 @@ def summarize(records: dict[str, list[dict]], size: DemoSize) -> dict:
     if "B" in by and "C" in by:
         # Steps whose rollout used a spot-trained drafter: pushed at the end of an earlier step.
         adapted = [s for s in later if by["C"].get(s - 1, {}).get("tlt/drafter_version", 0) >= 1]
-        out["accept_length_ratio_spot_vs_stale"] = _pooled_ratio(by["C"], by["B"], adapted, None)
-        out["accept_length_ratio_ci90"] = _step_interval(by["C"], by["B"], adapted, None)
+        out["accept_length_ratio_spot_vs_stale"] = _ratio(by["C"], by["B"], adapted, _pooled_accept)
+        out["accept_length_ratio_ci90"] = _step_interval(by["C"], by["B"], adapted, _pooled_accept)
         out["accept_length_steps"] = adapted
         out["accept_length_verifies"] = {a: int(sum(by[a][s].get("tlt/spec_verifies", 0) for s in adapted))
                                          for a in "BC"}
         out["target_drift"] = _mean(by["C"][s].get("tlt/target_drift") for s in steps)
     if "A" in by and "C" in by and later:
-        for key, name in (("tlt/rollout_s", "rollout_time_ratio_ar_over_tlt"),
-                          ("timing_s/step", "step_time_ratio_ar_over_tlt")):
-            out[name] = _pooled_ratio(by["A"], by["C"], later, key)
-            out[name.replace("_ratio_", "_ratio_ci90_")] = _step_interval(by["A"], by["C"], later, key)
+        for key, name, ci_name in (
+                ("tlt/rollout_s", "rollout_time_ratio_ar_over_tlt", "rollout_time_ratio_ci90_ar_over_tlt"),
+                ("timing_s/step", "step_time_ratio_ar_over_tlt", "step_time_ratio_ci90_ar_over_tlt")):
+            out[name] = _ratio(by["A"], by["C"], later, _total(key))
+            out[ci_name] = _step_interval(by["A"], by["C"], later, _total(key))
         out["rollout_s_by_arm"] = {a: sum(by[a][s].get("tlt/rollout_s", 0.0) for s in later) for a in by}
     # The arms sample different responses: a rollout with longer ones takes longer whatever decodes it.
     out["response_length_mean_by_arm"] = {a: _mean(by[a][s].get("response_length/mean") for s in later)
