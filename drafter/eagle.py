@@ -165,6 +165,11 @@ class Drafter(nn.Module):
         """Width of the target feature at step 0 (H for EAGLE, 3H for EAGLE-3)."""
         return self.config.layer.hidden_size
 
+    @property
+    def vocab_size(self) -> int:
+        """Columns of :meth:`logits`: the draft vocabulary (EAGLE-3) or the target's."""
+        return self.config.draft_vocab_size or self.config.target_vocab_size
+
     def training_feature(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         """The target feature the drafter is trained on, from the post-norm last hidden state
         [.., H] and the concatenated aux layers [.., 3H] (None when not captured)."""

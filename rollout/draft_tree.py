@@ -13,6 +13,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from rollout.sampling import RowSampling
 from rollout.strategy import Arm
 
 
@@ -97,6 +98,9 @@ class ProposerInput:
     # token t + 1; valid for t < len(tokens[rows[i]]) - 1. None for model-free proposers.
     features: torch.Tensor | None
     arm: Arm
+    # per request id: seed keys and temperatures of coupled sampling (rollout.sampling); a proposer
+    # may draft argmax(log q + G) with the target's own noise. None: draft deterministically.
+    sampling: RowSampling | None = None
 
 
 class Proposer(Protocol):

@@ -13,6 +13,13 @@ stretch of plain decoding, or a tuner's exploration step, costs a bounded drafte
 Proposal: from the last pair's output, expand the ``topk`` best tokens, then at each further level
 expand the ``topk`` best candidates by cumulative draft log-prob; keep the ``tokens_to_verify``
 best of all candidates (EAGLE-2). ``topk == 1`` is a plain chain.
+
+Shared noise (coupled sampling, :mod:`rollout.sampling`): for a sampled request the draft scores
+at the position a candidate would occupy are ``log_softmax(log q_T + G)``, with ``G`` the target's
+own Gumbel noise for that request and position, so the first path is the drafter's guess of the
+target's *sample* and the other candidates are the next-best under the same noise. Still exact:
+what is committed depends only on the target's logits and the noise. Greedy requests (T = 0) draft
+by ``log q`` as before.
 """
 
 from __future__ import annotations
@@ -22,15 +29,19 @@ import torch
 from drafter.eagle import Drafter
 from rollout.draft_tree import DraftTree, ProposerInput, right_pad
 from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
+from rollout.sampling import gumbel
 
 
 class EagleProposer:
-    def __init__(self, drafter: Drafter, *, max_batch: int, max_len: int, catch_up_window: int = 16) -> None:
+    def __init__(self, drafter: Drafter, *, max_batch: int, max_len: int, catch_up_window: int = 16,
+                 shared_noise: bool = True) -> None:
         if catch_up_window < 1:
             raise ValueError(f"catch_up_window={catch_up_window} must be >= 1")
         cfg = drafter.config.layer
         self.drafter = drafter.eval()
         self.device = drafter.embed_weight.device
+        self.shared_noise = shared_noise
+        self._draft_ids = drafter.draft_to_target(torch.arange(drafter.vocab_size, device=self.device))  # [Vd]
         self.feature_layers = drafter.feature_layers
         self.cache = StaticKVCache(1, max_batch, cfg.num_key_value_heads, max_len, cfg.head_dim,
                                    dtype=drafter.fc.weight.dtype, device=self.device)
@@ -56,7 +67,8 @@ class EagleProposer:
         above = self._above_floor(floor, base_max + arm.depth * arm.topk)  # [B, largest span]
         k = arm.topk
         d = self.drafter
-        logp = d.logits(root).float().log_softmax(-1)  # [B, Vd]
+        scores_at = self._scorer(inp, base)
+        logp = scores_at(d.logits(root)[:, None], 0)[:, 0]  # [B, Vd]
         score, idx = logp.topk(k, -1)  # level-1 candidates [B, k]
         tokens = [d.draft_to_target(idx)]
         scores = [score]
@@ -85,7 +97,7 @@ class EagleProposer:
                               exp_anc)
             pos = base[:, None] + level - 1 + torch.zeros(b, k, dtype=torch.long, device=self.device)
             out = d(exp_tok, exp_feat, pos, CachedBackend(self.cache, slots, to_additive(vis | tree_vis)))
-            lp = d.logits(out).float().log_softmax(-1)  # [B, k, Vd]
+            lp = scores_at(d.logits(out), level)  # [B, k, Vd]
             child_score, child_idx = lp.topk(k, -1)  # [B, k, k]
             child_score = child_score + lvl_scores.gather(1, top)[..., None]
             exp_cand = level_start + top  # candidate index of each expanded parent
@@ -108,6 +120,25 @@ class EagleProposer:
         return DraftTree(all_tokens.gather(1, chosen), par, torch.ones(b, n, dtype=torch.bool, device=self.device))
 
     # ---------------------------------------------------------------- internals
+    def _scorer(self, inp: ProposerInput, base: torch.Tensor):
+        """scores(logits [B, N, Vd], level) -> [B, N, Vd] draft scores of candidates for position
+        ``base + 1 + level`` (base: [B] position of each row's last committed token): log q, or
+        log_softmax(log q_T + G) with the target's noise on sampled rows."""
+        s = inp.sampling if self.shared_noise else None
+        if s is None:
+            return lambda logits, level: logits.float().log_softmax(-1)
+        rows = torch.tensor(self.rows, device=self.device)
+        keys, temp = s.keys[rows], s.temperature[rows]  # [B]
+        sampled = (temp > 0)[:, None, None]
+        t = torch.where(temp > 0, temp, torch.ones_like(temp))[:, None, None]
+
+        def scores(logits: torch.Tensor, level: int) -> torch.Tensor:
+            lp = (logits.float() / t).log_softmax(-1)
+            pos = (base + 1 + level)[:, None].expand(-1, logits.shape[1])  # [B, N]
+            noisy = (lp + gumbel(keys, pos, self._draft_ids)).log_softmax(-1)
+            return torch.where(sampled, noisy, lp)
+        return scores
+
     def _follow_rows(self, inp: ProposerInput) -> None:
         """Bring the drafter cache rows into the engine's order: a new generation starts empty;
         otherwise rows of finished requests are dropped by one compaction."""

@@ -10,6 +10,12 @@ paying is learned), optionally capped by ``elastic_threshold``; or a fixed arm. 
 to the proposer while speculation is off: the engine keeps each request's tokens and writes the
 target features into a buffer laid out like the KV cache (rows, positions), and a proposer reads
 what it missed from there (:class:`~rollout.draft_tree.ProposerInput`) when it is next asked.
+
+Sampling is coupled (:mod:`rollout.sampling`): a request's token at a position is a function of its
+seed, the position and the target's logits, so speculative and plain decoding sample the same
+tokens. A :class:`FeatureSink` receives every finished request's tokens and the target features
+its own rollout computed (last hidden state, and EAGLE-3 layers), whatever proposer is active:
+the drafter's training data from the policy that is rolling out.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from rollout.generate import SamplingParams
 from rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, GraphPlanConfig
 from rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, swap_remove, to_additive, tree_mask
+from rollout.sampling import RowSampling, sample
 from rollout.static_step import StaticTargetStep
 from rollout.strategy import Arm
 from rollout.target import TargetModel
@@ -36,6 +43,16 @@ class Tuner(Protocol):
     def record(self, batch_size: int, arm: Arm, accepted_tokens: int, step_time_s: float) -> None: ...
 
 
+class FeatureSink(Protocol):
+    """Receives each finished request with the target features its rollout computed."""
+
+    aux_layers: tuple[int, ...]  # target layers whose inputs are captured beside the last hidden state
+
+    def add(self, tokens: list[int], prompt_len: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """tokens: prompt + response minus the last token (whose feature no forward computed);
+        hidden: [T, H] post-norm last hidden state at each of those positions; aux: [T, A*H] or None."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     max_batch: int = 64
@@ -46,7 +63,6 @@ class EngineConfig:
     elastic_threshold: int | None = None
     arm: Arm | None = None  # fixed strategy; None = ask the tuner
     seed: int = 0
-    logprobs: bool = False  # also return each response token's log-probability
     # Static step shapes (batch padded to a captured size, tree to the arm's width, attention over
     # the whole cache): what CUDA graphs need. None: on CUDA only (eager dynamic shapes on CPU).
     static_shapes: bool | None = None
@@ -82,7 +98,7 @@ class RolloutResult:
     accept_lengths: list[int]  # committed tokens per request per speculative step
     seconds: float
     # log p(token) per response token under the target's logits / temperature (1 when greedy),
-    # the quantity RL trainers recompute as old log-probs (zeros unless EngineConfig.logprobs)
+    # the quantity RL trainers recompute as old log-probs
     logprobs: list[list[float]] = dataclasses.field(default_factory=list)
 
     @property
@@ -92,10 +108,15 @@ class RolloutResult:
 
 class RolloutEngine:
     def __init__(self, target: TargetModel, cfg: EngineConfig = EngineConfig(), *,
-                 proposer: Proposer | None = None, tuner: Tuner | None = None) -> None:
+                 proposer: Proposer | None = None, tuner: Tuner | None = None,
+                 sink: FeatureSink | None = None) -> None:
         if proposer is not None and cfg.arm is None and tuner is None:
             raise ValueError("a proposer needs a strategy: set EngineConfig.arm or pass a tuner")
-        self.target, self.cfg, self.proposer, self.tuner = target, cfg, proposer, tuner
+        layers = getattr(proposer, "feature_layers", None)
+        if sink is not None and layers and tuple(layers) != tuple(sink.aux_layers):
+            raise ValueError(f"the proposer reads target layers {tuple(layers)} but the feature sink captures "
+                             f"{tuple(sink.aux_layers)}: give both the same drafter's aux layers")
+        self.target, self.cfg, self.proposer, self.tuner, self.sink = target, cfg, proposer, tuner, sink
         mc = target.config
         self.device = target.embed_weight.device
         self.cache = StaticKVCache(mc.num_hidden_layers, cfg.max_batch, mc.num_key_value_heads,
@@ -132,13 +153,14 @@ class RolloutEngine:
         if seeds is not None and len(seeds) != n:
             raise ValueError("seeds must have one entry per prompt")
         seeds = list(seeds) if seeds is not None else [self.cfg.seed * 1_000_003 + i for i in range(n)]
-        gens = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
+        sampling = RowSampling.build(plist, seeds, self.device)  # by request id
+        stops = [p.stop_ids for p in plist]
         rows = list(range(n))  # running request id per cache row
         seqs = [list(map(int, p)) for p in prompts]  # prompt + committed tokens (the last one's KV is pending)
         plens = [len(p) for p in prompts]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         self._generation += 1
-        first, first_lp = self._prefill(prompts, plist, gens)
+        first, first_lp = self._prefill(prompts, sampling, stops)
         steps: list[StepRecord] = []
         accept_lengths: list[int] = []
         last = [[t] for t in first]
@@ -154,6 +176,8 @@ class RolloutEngine:
                     if tok in p.stop_ids or len(seq) - plens[r] >= p.max_new_tokens:
                         gone.add(k)
                         break
+            if gone and self.sink is not None:
+                self._hand_over(rows, gone, seqs, plens)
             keep = swap_remove(len(rows), gone)
             self.cache.compact_rows(keep)
             if self._features_buf is not None:
@@ -161,59 +185,78 @@ class RolloutEngine:
             rows = [rows[k] for k in keep]
             if not rows:
                 break
-            inp = ProposerInput(self._generation, tuple(rows), seqs, plens, groups, self._features_buf, Arm.off())
-            last, last_lp, rec, acc = self._step(inp, plist, gens)
+            inp = ProposerInput(self._generation, tuple(rows), seqs, plens, groups, self._proposer_features(),
+                                Arm.off(), sampling)
+            last, last_lp, rec, acc = self._step(inp, sampling, stops)
             steps.append(rec)
             accept_lengths += acc
         outputs = [seq[plen:] for seq, plen in zip(seqs, plens)]
         return RolloutResult(outputs, steps, accept_lengths, time.perf_counter() - t_start, logprobs)
 
     # ------------------------------------------------------------------ internals
-    def _prefill(self, prompts, plist, gens):
+    def _prefill(self, prompts, sampling: RowSampling, stops):
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         ids = right_pad(prompts, device=self.device)  # [B, T]
-        t = ids.shape[1]
+        b, t = ids.shape
         pos = torch.arange(t, device=self.device).expand_as(ids)
         mask = to_additive(prefill_mask(lens, t, t=t))
         out = self.target(ids, pos, CachedBackend(self.cache, pos, mask), capture=self._capture)
-        first, first_lp = [], []
-        for i, p in enumerate(prompts):
-            logits = out.logits[i, len(p) - 1: len(p)]
-            first.append(verify(logits[None], DraftTree.empty(1, self.device), [plist[i]], [gens[i]]).tokens[0][0])
-            if self.cfg.logprobs:
-                first_lp.append(_logprobs(logits, [first[-1]], plist[i])[0])
-            else:
-                first_lp.append(0.0)
+        last = out.logits[torch.arange(b, device=self.device), lens - 1][:, None]  # [B, 1, V]
+        tok, lp = sample(last, sampling, lens[:, None])  # the first token sits at position len(prompt)
+        host = torch.cat([tok.double(), lp.double()], 1).tolist()  # one host read
         # The pending first token's KV (and feature) is written by the next step, as its tree root.
         feats = self._features(out)
         if feats is not None:
             if self._features_buf is None or self._features_buf.shape[-1] != feats.shape[-1]:
                 self._features_buf = torch.zeros(self.cfg.max_batch, self.cache.max_len, feats.shape[-1],
                                                  dtype=feats.dtype, device=self.device)
-            self._features_buf[: len(prompts), :t] = feats
-        return first, first_lp
+            self._features_buf[:b, :t] = feats
+        return [int(r[0]) for r in host], [r[1] for r in host]
+
+    def _hand_over(self, rows: list[int], gone: set[int], seqs, plens) -> None:
+        """Finished requests' tokens and features to the sink, before their rows are compacted away."""
+        h = self.target.config.hidden_size
+        for k in sorted(gone):
+            r = rows[k]
+            n = len(seqs[r]) - 1  # the last token was never fed forward: no feature
+            if n <= plens[r]:
+                continue
+            feats = self._features_buf[k, :n].to("cpu", copy=True)  # [n, H (+ A*H)]
+            aux = feats[:, h:].contiguous() if self.sink.aux_layers else None
+            self.sink.add(seqs[r][:n], plens[r], feats[:, :h].contiguous(), aux)
 
     @property
     def _capture(self) -> tuple[int, ...]:
-        layers = self.proposer.feature_layers if self.proposer is not None else None
-        return tuple(layers or ())
+        """Target layers whose inputs the forward records (the sink's, else the proposer's)."""
+        if self.sink is not None:
+            return tuple(self.sink.aux_layers)
+        return tuple(getattr(self.proposer, "feature_layers", None) or ())
 
     @property
-    def _features_wanted(self) -> bool:
-        return self.proposer is not None and self.proposer.feature_layers is not None
+    def _stores_hidden(self) -> bool:
+        return self.sink is not None or getattr(self.proposer, "feature_layers", None) == ()
 
     def _features(self, out) -> torch.Tensor | None:
-        """What the proposer pairs with tokens: [B, T, F] post-norm hidden or concatenated layers."""
-        if not self._features_wanted:
+        """What the engine keeps per position: [B, T, F] = the post-norm last hidden state (when the
+        sink or an EAGLE proposer reads it), then the captured layers' inputs; None: nothing."""
+        parts = ([out.hidden] if self._stores_hidden else []) + [out.aux[i] for i in self._capture]
+        return torch.cat(parts, -1) if parts else None
+
+    def _proposer_features(self) -> torch.Tensor | None:
+        """The proposer's view of the feature buffer [max_batch, S, F] (hidden, or the layers)."""
+        layers = getattr(self.proposer, "feature_layers", None)
+        if layers is None or self._features_buf is None:
             return None
-        layers = self.proposer.feature_layers
-        return torch.cat([out.aux[i] for i in layers], -1) if layers else out.hidden
+        h = self.target.config.hidden_size
+        if layers == ():
+            return self._features_buf[..., :h]
+        return self._features_buf[..., h:] if self._stores_hidden else self._features_buf
 
     def _speculate(self, b: int) -> bool:
         cap = self.cfg.elastic_threshold
         return self.proposer is not None and (cap is None or b <= cap)
 
-    def _step(self, inp: ProposerInput, plist, gens):
+    def _step(self, inp: ProposerInput, sampling: RowSampling, stops):
         rows = inp.rows
         b = len(rows)
         sd = self._speculate(b)
@@ -252,7 +295,8 @@ class RolloutEngine:
             logits, feats = out.logits, self._features(out)
         if feats is not None:  # laid out like the KV cache: row, slot
             self._features_buf[torch.arange(b, device=self.device)[:, None], slots] = feats
-        res = verify(logits, tree, [plist[r] for r in rows], [gens[r] for r in rows])
+        row_ids = torch.tensor(rows, device=self.device)
+        res = verify(logits, tree, sampling.select(row_ids), roots[:, None] + depth + 1, [stops[r] for r in rows])
         # Move accepted nodes' keys/values (and features) right after the root, one batched copy.
         moves = [(k, node, d) for k, nodes in enumerate(res.nodes) for d, node in enumerate(nodes) if node != d]
         if moves:
@@ -262,9 +306,6 @@ class RolloutEngine:
             self.cache.move_slots(mv[:, 0], src, dst)
             if feats is not None:
                 self._features_buf[mv[:, 0], dst] = self._features_buf[mv[:, 0], src]
-        lps = [_logprobs(logits[k, [0] + [1 + j for j in nodes]], res.tokens[k], plist[r])
-               if self.cfg.logprobs else [0.0] * len(res.tokens[k])
-               for k, (r, nodes) in enumerate(zip(rows, res.nodes))]
         seconds = time.perf_counter() - t0
         accepted = sum(len(x) for x in res.nodes)
         if sd and self.tuner is not None and self.cfg.arm is None:
@@ -272,11 +313,4 @@ class RolloutEngine:
         rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(len(t) for t in res.tokens), seconds,
                          res.drafted, draft_s)
         acc = [len(t) for t in res.tokens] if rec.sd else []
-        return res.tokens, lps, rec, acc
-
-
-def _logprobs(logits: torch.Tensor, tokens: Sequence[int], p: SamplingParams) -> list[float]:
-    """log softmax(logits / T)[token] per committed token; logits: [n, V], row i produced tokens[i]."""
-    t = p.temperature if p.temperature > 0 else 1.0
-    lp = torch.log_softmax(logits.float() / t, -1)
-    return lp[torch.arange(len(tokens), device=lp.device), torch.tensor(list(tokens), device=lp.device)].tolist()
+        return res.tokens, res.logprobs, rec, acc

@@ -1,7 +1,8 @@
 """Plain autoregressive batched generation on the static KV cache.
 
-Owns the reference decoding loop (right-padded prefill, one token per step, per-request stop)
-and the sampling rule (temperature, top-k, top-p) that the speculative engine must reproduce.
+Owns the reference decoding loop (right-padded prefill, one token per step, per-request stop) and
+the sampling settings (:class:`SamplingParams`); each token is drawn by the coupled-sampling rule
+of :mod:`rollout.sampling`, which the speculative engine reproduces token for token.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from rollout.draft_tree import right_pad
 from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
+from rollout.sampling import RowSampling, sample
 from rollout.target import TargetModel
 
 
@@ -33,34 +35,15 @@ class SamplingParams:
                              f"{self.max_new_tokens}")
 
 
-def probs_from_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Sampling distribution [..., V] after temperature, top-k and top-p (requires temperature>0)."""
-    logits = logits.float() / p.temperature
-    if p.top_k:
-        kth = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if p.top_p < 1:
-        sorted_p, idx = probs.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= p.top_p  # keep the smallest prefix reaching top_p
-        probs = probs.masked_fill(drop.scatter(-1, idx, drop), 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def next_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
-    # logits: [B, V] -> [B]
-    if p.temperature == 0:
-        return logits.argmax(-1)
-    return torch.multinomial(probs_from_logits(logits, p), 1, generator=gen).squeeze(-1)
-
-
 @torch.no_grad()
 def generate(model: TargetModel, prompts: list[list[int]], params: SamplingParams,
-             *, generator: torch.Generator | None = None) -> list[list[int]]:
-    """Response token ids per prompt (stop token included when hit)."""
+             *, seeds: list[int] | None = None) -> list[list[int]]:
+    """Response token ids per prompt (stop token included when hit); ``seeds``: one sampling seed
+    per prompt (default 0, 1, ...), the key of :mod:`rollout.sampling`."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and no empty prompt")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     cfg, device = model.config, model.embed_weight.device
     b = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -69,8 +52,9 @@ def generate(model: TargetModel, prompts: list[list[int]], params: SamplingParam
                           dtype=model.embed_weight.dtype, device=device)
     ids = right_pad(prompts, device=device)  # [B, T]
     pos = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    rs = RowSampling.build([params] * b, seeds if seeds is not None else list(range(b)), device)
     out = model(ids, pos, CachedBackend(cache, pos, to_additive(prefill_mask(lengths, span))))
-    tok = next_token(out.logits[torch.arange(b), lengths - 1], params, generator)
+    tok = sample(out.logits[torch.arange(b), lengths - 1][:, None], rs, lengths[:, None])[0][:, 0]
     results: list[list[int]] = [[] for _ in range(b)]
     done = torch.zeros(b, dtype=torch.bool, device=device)
     cur = lengths.clone()
@@ -85,6 +69,6 @@ def generate(model: TargetModel, prompts: list[list[int]], params: SamplingParam
         slots = cur[:, None]
         mask = to_additive(slot_range[None, None] <= cur[:, None, None])
         out = model(tok[:, None], slots, CachedBackend(cache, slots, mask))
-        tok = next_token(out.logits[:, 0], params, generator)
+        tok = sample(out.logits, rs, slots + 1)[0][:, 0]
         cur = cur + 1
     return results

@@ -1,13 +1,13 @@
 """Lossless verification of a draft tree against the target.
 
 Owns the acceptance rule. For each request the verifier walks down from the root (the last
-committed token): it draws the target's next token ``y ~ p(. | path)`` (the argmax when greedy),
+committed token): it takes the target's own draw ``y`` at the current node -- the coupled sample of
+:mod:`rollout.sampling` (the argmax when greedy), computed for every node at once on the device --
 descends into the child whose draft token equals ``y`` if there is one, and otherwise stops with
-``y`` as the bonus token. Every committed token is therefore a draw from the target's own
-(temperature / top-k / top-p processed) distribution given the tokens before it, which is exactly
-autoregressive sampling: the drafts only decide how many of those draws one target pass yields.
-This is target-only tree verification (as in SGLang with both accept thresholds at 1.0); since the
-drafts are deterministic candidates (top-k, n-gram), no draft probabilities are needed.
+``y`` as the bonus token. Every committed token is therefore the draw plain decoding makes at that
+position for that seed, given the tokens before it: the drafts only decide how many of those draws
+one target pass yields. This is target-only tree verification (as in SGLang with both accept
+thresholds at 1.0); drafts are deterministic candidates, so no draft probabilities are needed.
 
 Terms: *accepted* = draft nodes on the walked path; *bonus* = the final draw, always committed;
 committed = accepted + 1.
@@ -20,54 +20,57 @@ import dataclasses
 import torch
 
 from rollout.draft_tree import DraftTree
-from rollout.generate import SamplingParams, probs_from_logits
+from rollout.sampling import RowSampling, sample
 
 
 @dataclasses.dataclass
 class VerifyResult:
     tokens: list[list[int]]  # committed tokens per request (accepted drafts then the bonus)
     nodes: list[list[int]]  # tree node index of each accepted draft (-1 excluded)
+    logprobs: list[list[float]]  # log_softmax(logits / T) of each committed token
     drafted: int = 0  # valid draft nodes over the batch
 
 
-def verify(logits: torch.Tensor, tree: DraftTree, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> VerifyResult:
+def verify(logits: torch.Tensor, tree: DraftTree, sampling: RowSampling, positions: torch.Tensor,
+           stop_ids: list[tuple[int, ...]]) -> VerifyResult:
     """Walk each request's tree.
 
-    logits: [B, 1 + N, V] target logits at the root (index 0) and at each draft node (1 + j).
+    logits: [B, 1 + N, V] target logits at the root (index 0) and at each draft node (1 + j);
+    positions: [B, 1 + N] absolute position of the token each logits row produces (the row's own
+    position + 1); stop_ids: per request (a stop ends the walk). One device -> host read: the
+    draws, their log-probs and the tree.
     """
     b, n = tree.tokens.shape
-    assert logits.shape[:2] == (b, 1 + n), (tuple(logits.shape), b, n)
-    # One device -> host transfer for the whole walk: the argmax at every node, and the tree.
-    host = torch.cat([logits.argmax(-1), tree.tokens.to(logits.device), tree.parents.to(logits.device),
-                      tree.valid.to(logits.device, torch.long)], 1).tolist()  # [B, 1 + 3N]
-    greedy_choice = [r[: 1 + n] for r in host]  # [B, 1 + N]
-    toks = [r[1 + n: 1 + 2 * n] for r in host]
-    parents = [r[1 + 2 * n: 1 + 3 * n] for r in host]
-    valid = [r[1 + 3 * n:] for r in host]
+    if logits.shape[:2] != (b, 1 + n) or positions.shape != (b, 1 + n):
+        raise ValueError(f"logits {tuple(logits.shape)} / positions {tuple(positions.shape)} do not match "
+                         f"a tree of {b} x {n} nodes")
+    dev = logits.device
+    choice, lp = sample(logits, sampling, positions)  # [B, 1 + N] each
+    host = torch.cat([choice.double(), lp.double(), tree.tokens.to(dev).double(), tree.parents.to(dev).double(),
+                      tree.valid.to(dev).double()], 1).tolist()  # [B, 2 + 5N]
     out_tokens: list[list[int]] = []
     out_nodes: list[list[int]] = []
+    out_lps: list[list[float]] = []
     for i in range(b):
-        p = params[i]
+        row = host[i]
+        draws, lps = row[: 1 + n], row[1 + n: 2 + 2 * n]
+        toks, parents, valid = row[2 + 2 * n: 2 + 3 * n], row[2 + 3 * n: 2 + 4 * n], row[2 + 4 * n:]
         children: dict[int, dict[int, int]] = {}
         for j in range(n):
-            if valid[i][j]:
+            if valid[j]:
                 # First node wins on duplicate tokens under one parent (proposers should not emit them).
-                children.setdefault(parents[i][j], {}).setdefault(toks[i][j], j)
-        cur, committed, nodes = -1, [], []
+                children.setdefault(int(parents[j]), {}).setdefault(int(toks[j]), j)
+        cur, committed, nodes, clps = -1, [], [], []
         while True:
-            row = cur + 1  # logits row of the current node
-            if p.temperature == 0:
-                y = greedy_choice[i][row]
-            else:
-                probs = probs_from_logits(logits[i, row], p)
-                y = int(torch.multinomial(probs, 1, generator=generators[i]))
+            y = int(draws[cur + 1])  # the draw at the current node's logits row
             committed.append(y)
+            clps.append(lps[cur + 1])
             nxt = children.get(cur, {}).get(y)
-            if nxt is None or y in p.stop_ids:
+            if nxt is None or y in stop_ids[i]:
                 break
             nodes.append(nxt)
             cur = nxt
         out_tokens.append(committed)
         out_nodes.append(nodes)
-    return VerifyResult(out_tokens, out_nodes, sum(map(sum, valid)))
+        out_lps.append(clps)
+    return VerifyResult(out_tokens, out_nodes, out_lps, int(sum(sum(r[2 + 4 * n:]) for r in host)))

@@ -140,7 +140,7 @@ def _cmd_demo(a: argparse.Namespace) -> None:
 
     if not set(a.arms) <= set("ABC") or not a.arms:
         raise ValueError(f"--arms {a.arms!r}: use letters from ABC (A no speculation, B stale drafter, C full TLT)")
-    out = Path(a.out)
+    out = Path(a.out).resolve()
     print("\n".join(summary_lines(run_demo(out, quick=a.quick, progress=not a.quiet, arms=a.arms))))
     print(f"wrote {out / 'summary.json'} and {out / 'demo.png'}")
 

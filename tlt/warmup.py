@@ -94,14 +94,14 @@ def collect_rollouts(cfg: WarmupConfig, model: TargetModel, tok: TextTokenizer,
     params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                             stop_ids=model.config.eos_ids or ((tok.eos_id,) if tok.eos_id is not None else ()))
     jobs = [p for p in prompts for _ in range(cfg.samples_per_prompt)]
-    gen = torch.Generator(device=model.embed_weight.device).manual_seed(cfg.train.seed)
     # Sort by prompt length so batches pad little; results are put back in order.
     order = sorted(range(len(jobs)), key=lambda i: len(jobs[i]))
     out: list[dict] = [{} for _ in jobs]
     bs = cfg.gen_batch_size
     for s in tqdm(range(0, len(order), bs), desc="generate rollouts", disable=not progress):
         idx = order[s: s + bs]
-        for i, resp in zip(idx, generate(model, [jobs[i] for i in idx], params, generator=gen)):
+        seeds = [cfg.train.seed * 1_000_003 + i for i in idx]  # one sampling seed per job
+        for i, resp in zip(idx, generate(model, [jobs[i] for i in idx], params, seeds=seeds)):
             out[i] = {"prompt": jobs[i], "response": resp}
     return out
 

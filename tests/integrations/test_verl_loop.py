@@ -1,6 +1,7 @@
 """Whole verl 0.9.1 GRPO runs on this CPU (real Ray, TransferQueue, FSDP2 on gloo, our rollout).
 
-- ``tlt demo --quick``: three arms, 2 RL steps each; arm C (full TLT) must show speculation
+- ``tlt demo --quick``, run as README command 1 runs it (the console script, an empty working
+  directory, no ``--out``): three arms, 2 RL steps each; arm C (full TLT) must show speculation
   (accept length > 1), a DataBuffer that grew from the old-log-prob capture, a drafter version
   that advanced, replicas the coordinator promoted and stopped (IDLE -> TRAINING -> BUSY), rollout
   log-probs equal to the actor's recomputed ones (fp32), and the summary keys.
@@ -13,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,9 +30,13 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
     os.environ.setdefault("TLT_CACHE", str(tmp_path_factory.mktemp("cache")))
-    out = tmp_path_factory.mktemp("demo")
-    summary = demo.run_demo(out, quick=True, progress=False)
-    return out, summary
+    cwd = tmp_path_factory.mktemp("fresh")  # empty: the default --out runs/demo is relative to it
+    tlt = Path(sys.executable).with_name("tlt")  # the console script pip installed beside python
+    p = subprocess.run([str(tlt), "-q", "demo", "--quick"], cwd=cwd, capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = cwd / "runs" / "demo"
+    assert f"wrote {out / 'summary.json'}" in p.stdout
+    return out, json.loads((out / "summary.json").read_text())
 
 
 def _records(out, arm):

@@ -16,7 +16,7 @@ import torch
 from drafter.model_config import ModelConfig
 from rollout.draft_tree import DraftTree
 from rollout.engine import EngineConfig, RolloutEngine
-from rollout.generate import SamplingParams, probs_from_logits
+from rollout.generate import SamplingParams
 from rollout.strategy import Arm
 from rollout.target import TargetModel
 
@@ -33,6 +33,22 @@ def _target() -> TargetModel:
             if p.dim() > 1:
                 p.normal_(0, 0.4)
     return model
+
+
+def probs_from_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The target's sampling distribution [..., V] after temperature, top-k and top-p: the reference
+    definition the samples are tested against (independent of rollout.sampling's implementation)."""
+    logits = logits.float() / p.temperature
+    if p.top_k:
+        kth = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if p.top_p < 1:
+        sorted_p, idx = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= p.top_p  # keep the smallest prefix reaching top_p
+        probs = probs.masked_fill(drop.scatter(-1, idx, drop), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 class TopTree:

@@ -23,7 +23,7 @@ from tests.rollout.test_engine import setup  # noqa: F401  (fixture)
 
 
 def _run(model, prompts, params, *, static, arm=None, proposer=None, tuner=None, groups=None, device="cpu"):
-    cfg = EngineConfig(max_batch=8, max_len=512, arm=arm, static_shapes=static, logprobs=True)
+    cfg = EngineConfig(max_batch=8, max_len=512, arm=arm, static_shapes=static)
     eng = RolloutEngine(model, cfg, proposer=proposer, tuner=tuner)
     return eng, eng.generate(prompts, params, groups)
 

@@ -15,7 +15,11 @@ versions=("$@")
 [ ${#versions[@]} -eq 0 ] && versions=(0.5.12 0.5.23)
 common=(pybase64==1.5.1 openai==3.54.0 httpx2==2.16.2 partial-json-parser==0.2.1.1.post7
         sentencepiece==0.2.3 einops==0.8.2 compressed-tensors==0.20.0 loguru==0.7.3 gguf==0.19.0
-        uvloop==0.23.0 setproctitle==1.3.8 soundfile==0.14.0 python-multipart==0.0.34)
+        uvloop==0.23.0 setproctitle==1.3.8 soundfile==0.14.0 python-multipart==0.0.34
+        # sglang/utils.py imports IPython.display: IPython and what it imports
+        ipython==8.37.0 traitlets==5.16.1 decorator==5.3.1 jedi==0.20.1 parso==0.8.7 matplotlib-inline==0.2.2
+        pexpect==4.9.0 ptyprocess==0.7.0 prompt_toolkit==3.0.53 wcwidth==0.9.4 pygments==2.21.0
+        stack-data==0.6.3 asttokens==3.0.2 executing==2.3.0 pure-eval==0.2.4)
 for v in "${versions[@]}"; do
   case "$v" in
     0.5.12) extra=() ;;
@@ -23,10 +27,13 @@ for v in "${versions[@]}"; do
     *) echo "unsupported SGLang version $v (supported: 0.5.12 0.5.23)" >&2; exit 2 ;;
   esac
   dest="$envs/$v"
-  if [ -f "$dest/.complete" ]; then echo "SGLang $v: $dest (already installed)"; continue; fi
+  want="sglang==$v ${common[*]} ${extra[*]}"  # a changed list reinstalls
+  if [ -f "$dest/.complete" ] && [ "$(cat "$dest/.complete")" = "$want" ]; then
+    echo "SGLang $v: $dest (already installed)"; continue
+  fi
   rm -rf "$dest"
   python -m pip install -q --disable-pip-version-check --no-deps --target "$dest" \
     "sglang==$v" "${common[@]}" "${extra[@]}"
-  touch "$dest/.complete"
+  echo "$want" > "$dest/.complete"
   echo "SGLang $v: $dest"
 done

@@ -68,6 +68,7 @@ def configs_dir() -> Path:
 
 def run_demo(workdir: Path, *, quick: bool = False, progress: bool = True, arms: str = "ABC") -> dict:
     t0 = time.monotonic()
+    workdir = Path(workdir).resolve()  # the verl runs start in the arm directories
     size = QUICK if quick else DEFAULT
     log.info("1/5 target: %s, %d training steps (cached after the first run)", size.target.family,
              size.target.train_steps)

@@ -113,7 +113,7 @@ class TLTServer:
         self.engine_cfg = EngineConfig(max_batch=self.cfg.engine.max_batch, max_len=self.max_len,
                                        max_draft_tokens=spec.max_draft_tokens,
                                        elastic_threshold=spec.elastic_threshold, arm=spec.parsed_arm(),
-                                       seed=seed * 7919 + replica_rank, logprobs=True)
+                                       seed=seed * 7919 + replica_rank)
         self.tuner = None if spec.arm is not None else BegMab(TunerConfig.for_device("cpu", seed=seed))
         self.drafter_cfg = DrafterConfig.for_target(self.model.config, self.cfg.drafter.method)
         self.drafter: Drafter | None = None
