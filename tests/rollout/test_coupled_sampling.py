@@ -157,3 +157,45 @@ def test_noisy_argmax_chunks_agree():
         assert torch.equal(sampling.noisy_argmax(scores, keys, pos), whole)
     finally:
         sampling._CHUNK_ELEMENTS = old
+
+
+# ---------------------------------------------------------------- features handed to the sink
+class _Sink:
+    def __init__(self, aux_layers=()):
+        self.aux_layers, self.got = tuple(aux_layers), []
+
+    def add(self, tokens, prompt_len, hidden, aux):
+        self.got.append((list(tokens), prompt_len, hidden, aux))
+
+
+@pytest.mark.parametrize("proposer", ["none", "ngram", "eagle", "eagle3"])
+def test_rollout_features_equal_a_direct_forward(setup, warm_drafters, proposer):
+    """Every finished request reaches the sink with the features its rollout computed (prompt and
+    response, the last token excluded); they equal a direct forward of the same weights."""
+    model, tok, prompts = setup
+    p = _params(tok, "t1")
+    prop, aux = None, ()
+    if proposer == "ngram":
+        prop = NgramProposer()
+    elif proposer.startswith("eagle"):
+        d = Drafter.load(warm_drafters[proposer], model.embed_weight, model.lm_head.weight)
+        prop, aux = EagleProposer(d, max_batch=8, max_len=320), d.feature_layers
+    sink = _Sink(aux or (1, 2))  # without an EAGLE-3 proposer the sink still captures its own layers
+    res = RolloutEngine(model, EngineConfig(max_batch=8, max_len=256, arm=Arm(3, 2, 6) if prop else None),
+                        proposer=prop, sink=sink).generate(prompts, p, [i // 2 for i in range(6)], seeds=SEEDS)
+    assert sorted(t for t, *_ in sink.got) == sorted((q + o)[:-1] for q, o in zip(prompts, res.outputs))
+    for tokens, plen, hidden, got_aux in sink.got:
+        assert tokens[:plen] in prompts  # the prompt length the sink was told
+        with torch.no_grad():
+            ref = model(torch.tensor([tokens]), capture=sink.aux_layers)
+        assert torch.allclose(hidden, ref.hidden[0], atol=1e-4), (hidden - ref.hidden[0]).abs().max()
+        want = torch.cat([ref.aux[i][0] for i in sink.aux_layers], -1)
+        assert torch.allclose(got_aux, want, atol=1e-4), (got_aux - want).abs().max()
+
+
+def test_a_sink_and_an_eagle3_proposer_must_agree_on_layers(setup, warm_drafters):
+    model, _, _ = setup
+    d = Drafter.load(warm_drafters["eagle3"], model.embed_weight, model.lm_head.weight)
+    with pytest.raises(ValueError, match="aux layers"):
+        RolloutEngine(model, EngineConfig(arm=Arm(2, 1, 2)), proposer=EagleProposer(d, max_batch=8, max_len=64),
+                      sink=_Sink((0,)))
