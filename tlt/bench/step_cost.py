@@ -7,6 +7,10 @@ speculative``. Acceptance needs trained weights; step cost does not, so this ben
 of a real model's shape with random weights (bf16 on CUDA, where the engine replays CUDA graphs;
 fp32 on CPU) and an untrained EAGLE drafter for it, and times both engines at batch 1 / 8 / 32
 (alternating, after a warm-up), checking the speculative tokens equal the plain ones (greedy).
+``--shape demo`` is the demo's own target (read from its ``TargetSpec``), timed at batch 1 and 4 on
+``--threads`` torch threads (1: what each Ray-hosted replica of ``tlt demo`` gets): whether the
+demo is a faithful scale model of a GPU target (a verify costing about one plain step, a drafter
+step about 1/L of one) is this figure.
 """
 
 from __future__ import annotations
@@ -25,9 +29,7 @@ from tlt.bench.rollout import fixed_batch
 
 log = logging.getLogger(__name__)
 
-SHAPES = {  # ModelConfig fields of public configs (no weights)
-    "demo": dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+SHAPES = {  # ModelConfig fields of public configs (no weights); "demo" is read from the demo's TargetSpec
     "qwen2-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
                        qkv_bias=True, tie_word_embeddings=True),
@@ -36,26 +38,47 @@ SHAPES = {  # ModelConfig fields of public configs (no weights)
 }
 
 
+def demo_shape() -> dict:
+    """ModelConfig fields of ``tlt demo``'s target."""
+    from tlt.demo.job import DEFAULT
+
+    cfg = DEFAULT.target.model_config()
+    return {k: getattr(cfg, k) for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                                         "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                         "head_dim", "qkv_bias", "qk_norm")}
+
+
 def run(args: argparse.Namespace) -> dict:
+    before = torch.get_num_threads()
+    if getattr(args, "threads", 0):
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(args: argparse.Namespace) -> dict:
     quick = bool(args.quick)
     cuda = torch.cuda.is_available()
     shape = getattr(args, "shape", "auto") or "auto"
     if shape == "auto":
         shape = "qwen2-1.5b" if cuda and not quick else "demo"
-    if shape not in SHAPES:
-        raise ValueError(f"--shape {shape!r}: use auto or one of {sorted(SHAPES)}")
+    if shape != "demo" and shape not in SHAPES:
+        raise ValueError(f"--shape {shape!r}: use auto, demo or one of {sorted(SHAPES)}")
+    fields = demo_shape() if shape == "demo" else SHAPES[shape]
     dev, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     torch.manual_seed(args.seed)
-    cfg = ModelConfig(**SHAPES[shape], max_position_embeddings=4096)
+    cfg = ModelConfig(**fields, max_position_embeddings=4096)
     log.info("building a random-weight %s target on %s", shape, dev)
     with dev:
         model = TargetModel(cfg).to(dtype).eval()
         drafter = Drafter(DrafterConfig.for_target(cfg), model.embed_weight, model.lm_head.weight).to(dtype).eval()
     chain = Arm(4, 1, 4)
-    prompt_len, new_tokens, repeats = (16, 16, 2) if quick else (128, 128, 3)
+    prompt_len, new_tokens, repeats = (16, 16, 2) if quick else (128, 128, getattr(args, "repeats", 0) or 5)
     gen = torch.Generator().manual_seed(args.seed)
     by_batch = {}
-    for b in (1, 4) if quick else (1, 8, 32):
+    for b in (1, 4) if quick or (shape == "demo" and not cuda) else (1, 8, 32):
         prompts = torch.randint(10, cfg.vocab_size, (b, prompt_len), generator=gen).tolist()
         log.info("batch %d", b)
         by_batch[b] = fixed_batch(model, drafter, prompts, new_tokens, chain, prompt_len + new_tokens + 8, repeats)
@@ -72,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
                      f"lossless {r['lossless']}")
     if not all(r["lossless"] for r in by_batch.values()):
         raise AssertionError("speculative output differs from plain decoding: not lossless")
-    return {"bench": "step-cost", "quick": quick, "shape": shape, "config": SHAPES[shape], "dtype": str(dtype),
+    return {"bench": "step-cost", "quick": quick, "shape": shape, "config": fields, "dtype": str(dtype),
             "device": str(dev), "chain": str(chain), "by_batch": by_batch,
             "machine": {"python": platform.python_version(), "torch": torch.__version__,
                         "gpu": torch.cuda.get_device_name() if cuda else None}, "summary": lines}

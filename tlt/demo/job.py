@@ -54,8 +54,8 @@ QUICK = DemoSize(target=TargetSpec(hidden_size=64, num_layers=2, intermediate_si
 
 ARMS = {
     "A": ("no speculation", ["tlt.speculation.enable=false", "tlt.drafter.train=false",
-                             "tlt.buffer.capture=false"]),
-    "B": ("TLT, warm-up drafter frozen (stale)", ["tlt.drafter.train=false", "tlt.buffer.capture=false"]),
+                             "tlt.buffer.capture=off"]),
+    "B": ("TLT, warm-up drafter frozen (stale)", ["tlt.drafter.train=false", "tlt.buffer.capture=off"]),
     "C": ("full TLT (spot training)", []),
 }
 

@@ -55,6 +55,15 @@ class TargetSpec:
         if self.vocab_size < 300:
             raise ValueError(f"vocab_size must be >= 300 (256 bytes + specials), got {self.vocab_size}")
 
+    def model_config(self, vocab_size: int | None = None, **token_ids: int | None) -> ModelConfig:
+        """The architecture (``vocab_size``: the trained tokenizer's; ``token_ids``: bos/eos/pad)."""
+        return ModelConfig(
+            model_type=self.family, vocab_size=vocab_size or self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+            head_dim=self.hidden_size // self.num_heads, max_position_embeddings=self.max_position_embeddings,
+            qkv_bias=self.family == "qwen2", qk_norm=self.family == "qwen3", **token_ids)
+
     def key(self) -> str:
         blob = json.dumps({**dataclasses.asdict(self), "v": FACTORY_VERSION}, sort_keys=True)
         return f"{self.family}-s{self.train_steps}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
@@ -74,16 +83,8 @@ def build_target(spec: TargetSpec, out: Path, *, progress: bool = True) -> dict:
         tok = train_tokenizer((t for p in corpus for t in (p.prompt, p.response)),
                               spec.vocab_size, Path(tmp))
         vocab = tok.vocab_size
-        cfg = ModelConfig(
-            model_type=spec.family, vocab_size=vocab, hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-            num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-            head_dim=spec.hidden_size // spec.num_heads,
-            max_position_embeddings=spec.max_position_embeddings,
-            qkv_bias=spec.family == "qwen2", qk_norm=spec.family == "qwen3",
-            bos_token_id=tok.tok.token_to_id("<|bos|>"), eos_token_id=tok.eos_id,
-            pad_token_id=tok.pad_id,
-        )
+        cfg = spec.model_config(vocab, bos_token_id=tok.tok.token_to_id("<|bos|>"), eos_token_id=tok.eos_id,
+                                pad_token_id=tok.pad_id)
         model = TargetModel(cfg)
         _init_weights(model)
         meta = {"family": spec.family, "spec": dataclasses.asdict(spec), "train_steps": 0}

@@ -11,7 +11,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from rollout.strategy import Arm
 
@@ -88,7 +88,9 @@ class SpotSection:
 class BufferSection:
     max_mb: int = 1024             # host memory for hidden states, per replica
     dtype: str = "float32"         # float32 | bfloat16 | float16
-    capture: bool = True           # capture hidden states during the old-log-prob forward
+    # where the drafter's training features come from: the rollout's own forwards (the policy
+    # being rolled out), verl's old-log-prob forward (one step later), or nowhere
+    capture: Literal["rollout", "old_log_prob", "off"] = "rollout"
 
     def check(self, p: str) -> None:
         if self.max_mb < 1:
@@ -175,6 +177,12 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return _build(tp, value if value is not None else {}, key)
     args = typing.get_args(tp)
+    if typing.get_origin(tp) is Literal:
+        if value is False and "off" in args:  # YAML 1.1 reads a bare `off` as false
+            return "off"
+        if value in args:
+            return value
+        raise _bad(key, value, "use " + ", ".join(map(str, args)))
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None

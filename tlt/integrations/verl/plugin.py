@@ -1,8 +1,9 @@
 """The ``verl.plugins`` entry point: registers TLT with verl in every process that imports verl.
 
-Owns registration, in this order: the CPU platform and its shims (only when
-``VERL_PLATFORM=cpu``), the ``tlt`` rollout backend (replica + worker-side adapter), TLT's
-adapter for verl's ``sglang`` rollout (target-only policy pushes) and the ``tlt`` trainer mode.
+Owns registration, in this order: the ``tlt_agent`` agent loop (request seeds; on import), the CPU
+platform and its shims (only when ``VERL_PLATFORM=cpu``), the ``tlt`` rollout backend (replica +
+worker-side adapter), TLT's adapter for verl's ``sglang`` rollout (target-only policy pushes) and
+the ``tlt`` trainer mode.
 verl only DEBUG-logs a plugin that fails to load, so a failure here prints its traceback to
 stderr and is remembered: the ``tlt`` trainer refuses to start with it.
 """
@@ -19,7 +20,7 @@ def register() -> None:
     from verl.workers.rollout import base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from tlt.integrations.verl import cpu_platform, replica, trainer
+    from tlt.integrations.verl import agent_loop, cpu_platform, replica, trainer  # noqa: F401 (registers tlt_agent)
 
     cpu_platform.install()
     RolloutReplicaRegistry.register("tlt", replica.load_replica)

@@ -9,8 +9,9 @@ Owns everything TLT runs per replica, in the replica's own Ray actor process:
   that the n-gram drafter over the GRPO siblings in the batch; swapped only between batches;
 - policy weight updates (target tensors copied in place: the drafter's shared embedding / LM head
   follow, its own weights are untouched) and drafter updates (``load_drafter``, versioned);
-- the DataBuffer of target hidden states for the sequences this replica's worker computed, and the
-  spot agent: in-flight count 0 -> IDLE to the coordinator, PROMOTE -> FSDP2 spot training on this
+- the DataBuffer of target hidden states: fed by the engine itself as requests finish
+  (``tlt.buffer.capture=rollout``: the policy being rolled out) or by this replica's actor worker
+  from verl's old-log-prob forward (``old_log_prob``); and the spot agent: in-flight count 0 -> IDLE to the coordinator, PROMOTE -> FSDP2 spot training on this
   process, a new request or rollout end -> stop (checkpointed);
 - per-step statistics for the trainer's metrics.
 
@@ -48,6 +49,7 @@ from rollout.ngram import NgramProposer
 from rollout.target import TargetModel
 from rollout.tuner import BegMab, TunerConfig
 from tlt.integrations.verl.config import TLTConfig
+from tlt.integrations.verl.requests import engine_params
 
 log = logging.getLogger(__name__)
 PORT_SPAN = 256
@@ -57,8 +59,20 @@ PORT_SPAN = 256
 class _Request:
     prompt: list[int]
     params: SamplingParams
-    seed: int  # this replica's request counter: a fresh sampling stream per request
+    seed: int  # the request's seed (verl's sampling_params["seed"]), else unique to this replica
     future: asyncio.Future
+
+
+class BufferFeed:
+    """The engine's feature sink: each finished request becomes a DataBuffer sample of this step."""
+
+    def __init__(self, buffer: DataBuffer, aux_layers: tuple[int, ...], step) -> None:
+        self.buffer, self.aux_layers, self._step = buffer, tuple(aux_layers), step  # step(): the RL step
+
+    def add(self, tokens, prompt_len, hidden, aux) -> None:
+        mask = torch.zeros(len(tokens), dtype=torch.bool)
+        mask[prompt_len:] = True
+        self.buffer.add(FeatureSample(torch.tensor(tokens), mask, hidden, aux), self._step())
 
 
 def server_name(replica_rank: int) -> str:
@@ -82,14 +96,6 @@ def load_spot_drafter(root: str | Path, cfg: DrafterConfig, embed: torch.Tensor,
     d = Drafter(cfg, embed, head)
     step = load_weights(root, d, frozen=(embed, head))
     return None if step is None else (d.eval(), step)
-
-
-# Sampling keys verl sends that the engine honours, and keys it may send whose neutral value is
-# the only one the engine can serve losslessly (anything else is refused, not silently dropped).
-_SERVED = {"temperature", "top_p", "top_k", "logprobs", "max_tokens", "max_new_tokens", "stop_token_ids"}
-_NEUTRAL = {"repetition_penalty": (1, 1.0, None), "min_p": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
-            "frequency_penalty": (0, 0.0, None), "ignore_eos": (False, None), "stop": (None, (), []),
-            "n": (1, None), "seed": (None,)}
 
 
 class TLTServer:
@@ -133,10 +139,13 @@ class TLTServer:
                 self.drafter, self.drafter_version = got[0], -1  # restored: the driver's version is unknown
         self._forwarded_to: int | None = None
         self.buffer = DataBuffer(BufferConfig(dtype=self.cfg.buffer.dtype, max_bytes=self.cfg.buffer.max_mb << 20))
+        self.step = 0
+        train = self.cfg.enable and self.cfg.drafter.train and coordinator and spot_base_port
+        self.feed = (BufferFeed(self.buffer, self.drafter_cfg.aux_layers, lambda: self.step)
+                     if train and self.cfg.buffer.capture == "rollout" else None)
         self.engine = self._build_engine()
         self.pending: collections.deque[_Request] = collections.deque()
         self.inflight = 0
-        self.step = 0
         self.weight_version = 0  # verl's global step of the policy being served
         self._seeds = itertools.count()  # one sampling seed per request, never reused
         self._batcher_task: asyncio.Task | None = None
@@ -147,7 +156,6 @@ class TLTServer:
         self._probe: list[list[int]] = []
         self.drift_top1 = None  # top-1 agreement of the last two policies on the last batch's probe
         self._spot_rate: float | None = None  # spot training tokens/s measured by the last session
-        train = self.cfg.enable and self.cfg.drafter.train and coordinator and spot_base_port
         self.agent = self._start_agent(coordinator, ray.util.get_node_ip_address(), spot_base_port) if train else None
 
     # ------------------------------------------------------------------ engine assembly
@@ -161,7 +169,7 @@ class TLTServer:
         elif on and spec.ngram:
             proposer = NgramProposer()
         return RolloutEngine(self.model, self.engine_cfg, proposer=proposer,
-                             tuner=self.tuner if proposer is not None else None)
+                             tuner=self.tuner if proposer is not None else None, sink=self.feed)
 
     @property
     def proposer_name(self) -> str:
@@ -235,10 +243,14 @@ class TLTServer:
                                    "yet, and no other replica has it; refusing to sample from stale weights")
             return await peer.generate.remote(request_id, prompt_ids, sampling_params, image_data=image_data,
                                               video_data=video_data, **kwargs)
-        params = self._params(prompt_ids, dict(sampling_params))
+        params, seed = engine_params(dict(sampling_params), prompt_len=len(prompt_ids), max_len=self.max_len,
+                                     response_length=self.response_length,
+                                     eos_ids=tuple(self.model.config.eos_ids or ()))
+        if seed is None:  # no identity from verl: a stream no other request of this run uses
+            seed = ((self.seed * 1_000_003 + self.rank) * 1_000_003 + next(self._seeds)) | (1 << 63)
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
-        self.pending.append(_Request(list(prompt_ids), params, next(self._seeds), fut))
+        self.pending.append(_Request(list(prompt_ids), params, seed, fut))
         self.inflight += 1
         self._wake.set()
         tokens, lps, reason = await fut
@@ -269,24 +281,6 @@ class TLTServer:
 
     def is_stale(self) -> bool:
         return self.stale
-
-    def _params(self, prompt: list[int], sp: dict[str, Any]) -> SamplingParams:
-        for key, value in sp.items():
-            if key in _NEUTRAL and value not in _NEUTRAL[key]:
-                raise ValueError(f"sampling parameter {key}={value!r} is not served by the tlt rollout "
-                                 "(it would change the distribution speculation verifies against)")
-            if key not in _SERVED and key not in _NEUTRAL:
-                log.warning("replica %d: ignoring unknown sampling parameter %s=%r", self.rank, key, value)
-        room = self.max_len - 1 - len(prompt)
-        if room < 1:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room to generate within "
-                             f"prompt_length + response_length = {self.max_len - 1}")
-        max_new = sp.get("max_new_tokens") or sp.get("max_tokens") or self.response_length
-        temperature = sp.get("temperature")
-        stops = tuple(self.model.config.eos_ids or ()) + tuple(sp.get("stop_token_ids") or ())
-        return SamplingParams(temperature=1.0 if temperature is None else float(temperature),
-                              top_p=float(sp.get("top_p") or 1.0), top_k=max(0, int(sp.get("top_k") or 0)),
-                              max_new_tokens=min(int(max_new), room), stop_ids=stops)
 
     def _ensure_loop(self) -> None:
         if self._batcher_task is None:
@@ -341,9 +335,8 @@ class TLTServer:
             prompts = [r.prompt for r in batch]
             ids: dict[tuple[int, ...], int] = {}
             groups = [ids.setdefault(tuple(p), len(ids)) for p in prompts]
-            seeds = [(self.seed * 1_000_003 + self.rank) * 1_000_003 + r.seed for r in batch]
             t0 = time.monotonic()
-            res = self.engine.generate(prompts, [r.params for r in batch], groups, seeds)
+            res = self.engine.generate(prompts, [r.params for r in batch], groups, [r.seed for r in batch])
             gen_s = time.monotonic() - t0
             self._probe = [r.prompt + toks for r, toks in zip(batch[:4], res.outputs[:4])]
         with self._stats_lock:

@@ -8,10 +8,16 @@ pinned to its semantics. With ``tlt.enable=false`` none of the hooks below run. 
   the drafter (:mod:`tlt.integrations.verl.server`);
 - ``on_sample_end`` (rollout ends): ``rollout_done`` preempts training (bounded wait), replica
   stats are collected; then verl sleeps the replicas;
-- ``_compute_old_log_prob``: the actor workers capture hidden states into the replicas' buffers;
+- training batches: each prompt's requests get seeds from their identity (the ``tlt_agent`` loop),
+  a duplicate (index, prompt) is refused, and the batch is put in a canonical order (prompt index,
+  sample index) before verl balances it, so equal responses give equal updates whatever order
+  they arrived in;
+- the replicas feed their DataBuffers from the rollout (``tlt.buffer.capture=rollout``), or
+  ``_compute_old_log_prob`` has the actor workers capture hidden states (``old_log_prob``);
 - ``on_step_end``: verl pushes the policy (target only), then a newer drafter goes to every
   replica (draft only, versioned); TLT metrics join verl's (``_pending_sync_metrics``);
-- ``_compute_metrics``: one JSON line per step (``tlt report`` plots them).
+- ``_compute_metrics``: one JSON line per step (``tlt report`` plots them) and one per response
+  (``tlt_responses.jsonl``: step, prompt index, sample index, a hash of its tokens).
 
 The coordinator runs as a child process of the trainer (a crash of either is survivable by the
 other): its address, the rendezvous ports and the checkpoint directory reach the replicas through
@@ -20,6 +26,7 @@ other): its address, the rendezvous ports and the checkpoint directory reach the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import statistics
@@ -67,9 +74,10 @@ def check_verl_config(config, tlt: TLTConfig) -> None:
         raise ValueError(f"actor_rollout_ref.model.lora rank {lora}: the tlt rollout takes merged full "
                          "weights only; train without LoRA")
     bypass = OmegaConf.select(config, "algorithm.rollout_correction.bypass_mode", default=False)
-    if bypass and tlt.drafter.train and tlt.buffer.capture:
+    if bypass and tlt.drafter.train and tlt.buffer.capture == "old_log_prob":
         raise ValueError("algorithm.rollout_correction.bypass_mode=true skips the old-log-prob forward, "
-                         "where TLT captures hidden states; set tlt.buffer.capture=false or turn bypass off")
+                         "where tlt.buffer.capture=old_log_prob captures hidden states; use tlt.buffer.capture="
+                         "rollout or turn bypass off")
 
 
 def trainer_class():
@@ -92,6 +100,7 @@ def trainer_class():
             self._drafter_pushed = 0  # spot checkpoint step last pushed
             self._drafter_version = 0
             self._aux_layers = None
+            self._uid_index: dict[str, int] = {}  # prompt uid -> dataset index, this step's batch
             if not self.tlt.enable:
                 return
             self.replay_buffer.poll_interval = self.tlt.replay_poll_s
@@ -105,6 +114,7 @@ def trainer_class():
             out.mkdir(parents=True, exist_ok=True)
             spot_root = self.tlt.spot.checkpoint_dir or str(out / "tlt_spot")
             self._record_path = Path(self.tlt.record_path or out / "tlt_steps.jsonl")
+            self._responses_path = self._record_path.with_name("tlt_responses.jsonl")
             self._record_path.parent.mkdir(parents=True, exist_ok=True)
             node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
             address = None
@@ -145,6 +155,55 @@ def trainer_class():
                     if role in self.role_worker_mapping:
                         self.role_worker_mapping[role] = cls
 
+        # -------------------------------------------------------------- request identity and order
+        def _next_train_batch(self, num_prompts=None):
+            batch = super()._next_train_batch(num_prompts)
+            if not self.tlt.enable:
+                return batch
+            from verl.utils import tensordict_utils as tu
+
+            from tlt.integrations.verl.agent_loop import TRAIN_KEY
+            from tlt.integrations.verl.requests import duplicate_requests
+
+            index = [int(i) for i in _as_list(batch["index"])]
+            dups = duplicate_requests(index, _as_list(batch["raw_prompt"]))
+            if dups:
+                i, prompt = dups[0]
+                raise ValueError(f"step {self.global_steps}: dataset index {i} with the same prompt appears "
+                                 f"{index.count(i)} times in one batch ({prompt[:80]}...): its samples would share "
+                                 "seeds and give identical responses (zero GRPO advantages); give every row a "
+                                 "unique extra_info.index or remove duplicate prompts")
+            self._uid_index.update(zip(_as_list(batch["uid"]), index))
+            tu.assign_non_tensor_data(batch, TRAIN_KEY, True)
+            return batch
+
+        def _canonical_order(self, keys: list[str]) -> list[int]:
+            """Positions of ``keys`` ({uid}_{sample}_{output}) sorted by (prompt index, sample, output)."""
+            def rank(k: str):
+                uid, sample, out = k.rsplit("_", 2)
+                return self._uid_index.get(uid, -1), int(sample), int(out), uid
+            return sorted(range(len(keys)), key=lambda j: rank(keys[j]))
+
+        def _balance_batch(self, batch, metrics, *args, **kwargs):
+            if self.tlt.enable and batch.partition_id == "train":
+                batch.reorder(self._canonical_order(list(batch.keys)))
+            return super()._balance_batch(batch, metrics, *args, **kwargs)
+
+        def _record_responses(self, batch, step: int) -> None:
+            """One line per response: step, prompt index, sample index, length, token hash."""
+            import transfer_queue as tq
+
+            keys = [k for k, tag in zip(batch.keys, batch.tags) if not tag.get("is_padding", False)]
+            data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["responses"])
+            rows = data["responses"].to_padded_tensor(padding=-1).tolist()
+            with open(self._responses_path, "a") as f:
+                for key, row in zip(keys, rows):
+                    uid, sample, _ = key.rsplit("_", 2)
+                    toks = [t for t in row if t >= 0]
+                    f.write(json.dumps({"step": step, "index": self._uid_index.get(uid, -1), "sample": int(sample),
+                                        "length": len(toks), "sha1": hashlib.sha1(
+                                            json.dumps(toks).encode()).hexdigest()}) + "\n")
+
         def _servers(self) -> list:
             return [r.servers[0] for r in self.llm_server_manager.get_replicas()]
 
@@ -182,7 +241,7 @@ def trainer_class():
 
         def _compute_old_log_prob(self, batch, metrics):
             # Features are only worth capturing when something trains on them.
-            if self._driver is not None and self.tlt.buffer.capture:
+            if self._driver is not None and self.tlt.buffer.capture == "old_log_prob":
                 with marked_timer("tlt_capture_arm", self.timing_raw):
                     self.actor_rollout_wg.tlt_arm_capture(self.global_steps, self._aux_layers)
             return super()._compute_old_log_prob(batch, metrics)
@@ -263,6 +322,11 @@ def trainer_class():
                        **getattr(self, "_step_extra", {})}
                 with open(self._record_path, "a") as f:
                     f.write(json.dumps(rec, default=float) + "\n")
+                try:
+                    self._record_responses(batch, global_steps)
+                except Exception:  # a record, not the run: the step goes on
+                    log.exception("tlt: could not record step %d's responses", global_steps)
+                self._uid_index.clear()
             return out
 
         def fit(self, agent_loop_manager):
@@ -284,6 +348,13 @@ def trainer_class():
                 _stop_process(self._coord_proc)
 
     return TLTTrainer
+
+
+def _as_list(x) -> list:
+    """A batch column (tensor, numpy array or NonTensorStack) as a Python list."""
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return [getattr(v, "data", v) for v in x]
 
 
 def _stop_process(proc: subprocess.Popen) -> None:
