@@ -29,7 +29,7 @@ import torch
 from drafter.eagle import Drafter
 from rollout.draft_tree import DraftTree, ProposerInput, right_pad
 from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
-from rollout.sampling import gumbel
+from rollout.sampling import gumbel, token_hash
 
 
 class EagleProposer:
@@ -41,7 +41,8 @@ class EagleProposer:
         self.drafter = drafter.eval()
         self.device = drafter.embed_weight.device
         self.shared_noise = shared_noise
-        self._draft_ids = drafter.draft_to_target(torch.arange(drafter.vocab_size, device=self.device))  # [Vd]
+        # [Vd] hashed target ids of the draft vocabulary: the noise key's token word
+        self._draft_hash = token_hash(drafter.draft_to_target(torch.arange(drafter.vocab_size, device=self.device)))
         self.feature_layers = drafter.feature_layers
         self.cache = StaticKVCache(1, max_batch, cfg.num_key_value_heads, max_len, cfg.head_dim,
                                    dtype=drafter.fc.weight.dtype, device=self.device)
@@ -125,7 +126,7 @@ class EagleProposer:
         ``base + 1 + level`` (base: [B] position of each row's last committed token): log q, or
         log_softmax(log q_T + G) with the target's noise on sampled rows."""
         s = inp.sampling if self.shared_noise else None
-        if s is None:
+        if s is None or not s.sampled:
             return lambda logits, level: logits.float().log_softmax(-1)
         rows = torch.tensor(self.rows, device=self.device)
         keys, temp = s.keys[rows], s.temperature[rows]  # [B]
@@ -135,7 +136,7 @@ class EagleProposer:
         def scores(logits: torch.Tensor, level: int) -> torch.Tensor:
             lp = (logits.float() / t).log_softmax(-1)
             pos = (base + 1 + level)[:, None].expand(-1, logits.shape[1])  # [B, N]
-            noisy = (lp + gumbel(keys, pos, self._draft_ids)).log_softmax(-1)
+            noisy = (lp + gumbel(keys, pos, self._draft_hash)).log_softmax(-1)
             return torch.where(sampled, noisy, lp)
         return scores
 

@@ -57,11 +57,27 @@ def request_keys(seeds: Sequence[int], device: torch.device | str = "cpu") -> to
     return mix32(mix32(hi ^ _SALT_SEED) ^ lo)
 
 
-def gumbel(keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Gumbel noise [B, N, K] (fp32) for keys [B], absolute positions [B, N] and token ids [K]."""
+def token_hash(token_ids: torch.Tensor) -> torch.Tensor:
+    """The token-id word of the key [K] (hashed once per vocabulary, then reused)."""
+    return mix32((token_ids & _M32) ^ _SALT_TOK)
+
+
+_VOCAB_HASH: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def vocab_hash(size: int, device: torch.device) -> torch.Tensor:
+    """token_hash(0..size-1), cached per (size, device)."""
+    key = (size, str(device))
+    if key not in _VOCAB_HASH:
+        _VOCAB_HASH[key] = token_hash(torch.arange(size, device=device))
+    return _VOCAB_HASH[key]
+
+
+def gumbel(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise [B, N, K] (fp32) for keys [B], absolute positions [B, N] and hashed token ids
+    [K] (:func:`token_hash`)."""
     kp = mix32(keys[:, None] ^ mix32((positions & _M32) ^ _SALT_POS))  # [B, N]
-    kt = mix32((token_ids & _M32) ^ _SALT_TOK)  # [K]
-    h = mix32(mix32(kp[..., None] ^ kt))  # [B, N, K]
+    h = mix32(kp[..., None] ^ tokens)  # [B, N, K]
     u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24-bit uniforms in (0, 1)
     return -torch.log(-torch.log(u))
 
@@ -75,6 +91,7 @@ class RowSampling:
     top_k: torch.Tensor  # [B] int64, 0 = off
     top_p: torch.Tensor  # [B] fp32, 1 = off
     masked: bool  # some row uses top-k or top-p (the sort is skipped otherwise)
+    sampled: bool  # some row samples (temperature > 0); False: every row is greedy, no noise
 
     @classmethod
     def build(cls, params: Sequence, seeds: Sequence[int], device: torch.device | str = "cpu") -> "RowSampling":
@@ -85,12 +102,18 @@ class RowSampling:
                    torch.tensor([float(p.temperature) for p in params], device=device),
                    torch.tensor([int(p.top_k) for p in params], dtype=torch.long, device=device),
                    torch.tensor([float(p.top_p) for p in params], device=device),
-                   any(p.top_k or p.top_p < 1 for p in params))
+                   any(p.top_k or p.top_p < 1 for p in params), any(p.temperature > 0 for p in params))
 
     def select(self, rows: torch.Tensor) -> "RowSampling":
         """The settings of rows [B'] (indices into these rows)."""
         return RowSampling(self.keys[rows], self.temperature[rows], self.top_k[rows], self.top_p[rows],
-                           self.masked)
+                           self.masked, self.sampled)
+
+
+def _scaled(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
+    """logits / T in fp32 ([B, N, V]); greedy rows are scaled by 1."""
+    t = torch.where(s.temperature > 0, s.temperature, torch.ones_like(s.temperature))
+    return logits.float() / t[:, None, None]
 
 
 def processed_logprobs(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
@@ -98,8 +121,11 @@ def processed_logprobs(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
 
     logits: [B, N, V]; greedy rows are scaled by 1 (their draw is the raw argmax anyway).
     """
-    t = torch.where(s.temperature > 0, s.temperature, torch.ones_like(s.temperature))
-    x = logits.float() / t[:, None, None]
+    return _masked(_scaled(logits, s), s).log_softmax(-1)
+
+
+def _masked(x: torch.Tensor, s: RowSampling) -> torch.Tensor:
+    """Scaled logits x [B, N, V] with top-k / top-p dropped tokens at -inf."""
     if s.masked:
         v = x.shape[-1]
         srt = x.sort(-1, descending=True).values  # [B, N, V]
@@ -114,15 +140,16 @@ def processed_logprobs(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
         last_kept = torch.where(s.top_p[:, None, None] >= 1, v - 1, last_kept)  # no rounding drops
         floor = srt.gather(-1, last_kept.clamp(min=0))
         x = x.masked_fill(x < floor, float("-inf"))
-    return x.log_softmax(-1)
+    return x
 
 
 def noisy_argmax(scores: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                 token_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """argmax_v scores + G(key, position, token_ids[v]) per row and position -> [B, N] (indices
-    into the last dim). scores: [B, N, K] fp32; token_ids: [K] (default 0..K-1). Chunked over K."""
+                 tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax_v scores + G(key, position, token v) per row and position -> [B, N] (indices into the
+    last dim). scores: [B, N, K] fp32; tokens: [K] hashed token ids (default: of 0..K-1). Chunked
+    over K."""
     b, n, k = scores.shape
-    ids = torch.arange(k, device=scores.device) if token_ids is None else token_ids
+    ids = vocab_hash(k, scores.device) if tokens is None else tokens
     step = max(1, _CHUNK_ELEMENTS // max(1, b * n))
     best_val = best_idx = None
     for lo in range(0, k, step):
@@ -140,10 +167,12 @@ def sample(logits: torch.Tensor, s: RowSampling, positions: torch.Tensor) -> tup
     """Coupled draws and their log-probs. logits: [B, N, V]; positions: [B, N] absolute position
     of the token each logits row produces. Returns tokens [B, N] long and log-probs [B, N] fp32
     (log_softmax(logits / T) of the token; T = 1 for greedy rows). No host read."""
-    lp = processed_logprobs(logits, s)  # [B, N, V]
-    drawn = noisy_argmax(lp, s.keys, positions)
-    greedy = (s.temperature == 0)[:, None]
-    tokens = torch.where(greedy, logits.argmax(-1), drawn)
-    t = torch.where(s.temperature > 0, s.temperature, torch.ones_like(s.temperature))
-    plain = (logits.float() / t[:, None, None]).log_softmax(-1)
+    x = _scaled(logits, s)  # [B, N, V]
+    plain = x.log_softmax(-1)
+    if s.sampled:
+        lp = _masked(x, s).log_softmax(-1) if s.masked else plain
+        drawn = noisy_argmax(lp, s.keys, positions)
+        tokens = torch.where((s.temperature == 0)[:, None], logits.argmax(-1), drawn)
+    else:
+        tokens = logits.argmax(-1)
     return tokens, plain.gather(-1, tokens[..., None]).squeeze(-1)

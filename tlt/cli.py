@@ -136,12 +136,15 @@ def _cmd_doctor(a: argparse.Namespace) -> None:
 
 
 def _cmd_demo(a: argparse.Namespace) -> None:
-    from tlt.demo.job import run_demo, summary_lines
+    from tlt.demo.job import run_demo
+    from tlt.demo.summary import summary_lines
 
     if not set(a.arms) <= set("ABC") or not a.arms:
         raise ValueError(f"--arms {a.arms!r}: use letters from ABC (A no speculation, B stale drafter, C full TLT)")
+    if a.steps is not None and a.steps < 1:
+        raise ValueError(f"--steps {a.steps}: use at least 1 RL step per arm")
     out = Path(a.out).resolve()
-    print("\n".join(summary_lines(run_demo(out, quick=a.quick, progress=not a.quiet, arms=a.arms))))
+    print("\n".join(summary_lines(run_demo(out, quick=a.quick, progress=not a.quiet, arms=a.arms, steps=a.steps))))
     print(f"wrote {out / 'summary.json'} and {out / 'demo.png'}")
 
 
@@ -270,15 +273,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_bench)
 
     s = sub.add_parser("demo", help="the main job: real verl GRPO on CPU, with and without TLT",
-                       description="Build and train the tiny target, warm up an EAGLE drafter on its "
-                       "rollouts, export it for SGLang, then run verl 0.9.1's GRPO loop (2 rollout "
-                       "replicas, FSDP2 on gloo) three times on the same seeds: A) no speculation, "
-                       "B) TLT with the warm-up drafter frozen, C) full TLT with spot training. Writes "
-                       "OUT/summary.json and OUT/demo.png; each arm's verl log is in OUT/arm-X/verl.log. "
-                       "No network, no GPU; about 15 minutes on 2 cores (--quick: a few minutes).")
+                       description="Build and train the demo's deep, narrow target (cached), warm up an "
+                       "EAGLE drafter on its rollouts, export it for SGLang, then run verl 0.9.1's GRPO loop "
+                       "(2 rollout replicas, FSDP2 on gloo) three times on the same seeds, sampling the same "
+                       "tokens (coupled sampling): A) no speculation, B) TLT with the warm-up drafter "
+                       "frozen, C) full TLT with spot training. Writes OUT/summary.json and OUT/demo.png; "
+                       "each arm's verl log is in OUT/arm-X/verl.log. No network, no GPU; about 20 minutes "
+                       "on 2 cores the first time (--quick: a few minutes).")
     s.add_argument("--out", "--workdir", dest="out", default="runs/demo", help="output directory (replaced)")
     s.add_argument("--quick", action="store_true", help="tiny sizes and 2 RL steps per arm, for tests")
     s.add_argument("--arms", default="ABC", help="which arms to run (default ABC)")
+    s.add_argument("--steps", type=int, default=None,
+                   help="RL steps per arm (default 8: two epochs of the 32 prompts); more steps, more epochs")
     s.set_defaults(fn=_cmd_demo)
     return p
 

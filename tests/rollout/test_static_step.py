@@ -14,7 +14,6 @@ from drafter.eagle import Drafter
 from rollout.draft_tree import DraftTree
 from rollout.eagle_proposer import EagleProposer
 from rollout.engine import EngineConfig, RolloutEngine
-from rollout.generate import SamplingParams
 from rollout.ngram import NgramProposer
 from rollout.strategy import Arm
 from rollout.target import TargetModel

@@ -1,10 +1,11 @@
-"""`tlt demo`'s summary: accept lengths are pooled over verifies, not averaged over steps."""
+"""`tlt demo`'s summary: accept lengths pooled over verifies, paired step intervals, identical
+responses matched by (step, prompt index, sample index), reward over the first and last two steps."""
 
 from __future__ import annotations
 
 import math
 
-from tlt.demo import job as demo
+from tlt.demo import summary as demo
 
 
 def _step(step: int, verifies: int, committed: int, version: int) -> dict:
@@ -19,7 +20,7 @@ def test_accept_lengths_are_pooled_and_steps_without_verifies_do_not_count():
         "B": [_step(1, 10, 20, 0), _step(2, 0, 0, 0), _step(3, 100, 150, 0), _step(4, 2, 8, 0)],
         "C": [_step(1, 10, 20, 0), _step(2, 4, 12, 1), _step(3, 100, 200, 2), _step(4, 0, 0, 3)],
     }
-    s = demo.summarize(records, demo.QUICK)
+    s = demo.summarize(records)
     assert s["accept_length_by_arm"] == {"B": 158 / 102, "C": 212 / 104}
     assert s["accept_length_steps"] == [3, 4]
     assert s["accept_length_verifies"] == {"B": 102, "C": 100}
@@ -31,7 +32,7 @@ def test_accept_lengths_are_pooled_and_steps_without_verifies_do_not_count():
 
 def test_no_verifies_at_all_gives_no_ratio():
     records = {a: [_step(1, 0, 0, 0), _step(2, 0, 0, 1)] for a in "BC"}
-    s = demo.summarize(records, demo.QUICK)
+    s = demo.summarize(records)
     assert s["accept_length_by_arm"] == {"B": None, "C": None}
     assert s["accept_length_ratio_spot_vs_stale"] is None
     assert "spot vs stale accept length n/a" in "\n".join(demo.summary_lines({**s, "seconds": 1.0}))
@@ -39,26 +40,49 @@ def test_no_verifies_at_all_gives_no_ratio():
 
 def test_ratio_intervals_resample_steps_for_both_arms_at_once():
     same = {a: [_step(s, 50, 100, s - 1) for s in range(1, 6)] for a in "BC"}
-    s = demo.summarize(same, demo.QUICK)
+    s = demo.summarize(same)
     assert s["accept_length_ratio_ci90"] == [1.0, 1.0]  # paired steps: identical arms never differ
     records = {"B": [_step(s, 50, 100, 0) for s in range(1, 6)],
                "C": [_step(s, 50, 100 + 25 * (s % 2), s - 1) for s in range(1, 6)]}
-    s = demo.summarize(records, demo.QUICK)
+    s = demo.summarize(records)
     lo, hi = s["accept_length_ratio_ci90"]
     assert 1.0 <= lo < s["accept_length_ratio_spot_vs_stale"] < hi <= 1.25
     assert "(90% CI " in "\n".join(demo.summary_lines({**s, "seconds": 1.0}))
     one = {a: [_step(1, 10, 20, 0), _step(2, 10, 20, 1)] for a in "BC"}
-    assert demo.summarize(one, demo.QUICK)["accept_length_ratio_ci90"] is None  # one step: no interval
+    assert demo.summarize(one)["accept_length_ratio_ci90"] is None  # one step: no interval
 
 
 def test_time_ratio_intervals_come_with_the_ratios():
     records = {a: [{**_step(s, 0, 0, 0), "tlt/rollout_s": 1.0 + (a == "C") * 0.1 * s,
                     "response_length/mean": 50.0 + 10 * (a == "C") + (s == 1) * 100} for s in range(1, 7)]
                for a in "AC"}
-    s = demo.summarize(records, demo.QUICK)
+    s = demo.summarize(records)
     assert s["response_length_mean_by_arm"] == {"A": 50.0, "C": 60.0}  # step 1 left out, like the times
     lo, hi = s["rollout_time_ratio_ci90_ar_over_tlt"]
     assert lo < s["rollout_time_ratio_ar_over_tlt"] < hi < 1.0
     assert s["step_time_ratio_ci90_ar_over_tlt"] == [1.0, 1.0]
     line = next(x for x in demo.summary_lines({**s, "seconds": 1.0}) if x.startswith("AR / TLT"))
     assert "rollout time" in line and line.count("90% CI") == 2
+
+
+def test_identical_share_matches_responses_by_step_prompt_and_sample():
+    def resp(step, index, sample, sha):
+        return {"step": step, "index": index, "sample": sample, "length": 3, "sha1": sha}
+
+    a = [resp(1, 0, 0, "x"), resp(1, 0, 1, "y"), resp(2, 5, 0, "z"), resp(2, 5, 1, "w")]
+    c = [resp(1, 0, 1, "y"), resp(1, 0, 0, "x"), resp(2, 5, 0, "z"), resp(2, 5, 1, "DIFF"), resp(3, 1, 0, "q")]
+    got = demo.identical_share({"A": a, "C": c}, "A", "C")
+    assert got == {"share": 0.75, "matched": 4, "by_step": {1: 1.0, 2: 0.5}}  # order does not matter
+    records = {x: [_step(s, 0, 0, 0) for s in (1, 2)] for x in "AC"}
+    s = demo.summarize(records, {"A": a, "C": c})
+    assert s["identical_response_share"]["AC"]["share"] == 0.75
+    assert "75.0% of 4 responses token-identical between arms A and C" in "\n".join(
+        demo.summary_lines({**s, "seconds": 1.0}))
+    assert demo.identical_share({"A": a}, "A", "C") is None
+
+
+def test_reward_first_and_last_are_two_step_means():
+    records = {"A": [{**_step(s, 0, 0, 0), "critic/score/mean": r} for s, r in enumerate((0.1, 0.2, 0.3, 0.5, 0.4), 1)]}
+    s = demo.summarize(records)
+    first, last = s["reward_first_last_by_arm"]["A"]
+    assert math.isclose(first, 0.15) and math.isclose(last, 0.45) and math.isclose(s["reward_rise_a"], 3.0)

@@ -1,4 +1,4 @@
-"""The embedded GRPO task: its reward rule and the verl parquet files."""
+"""The embedded GRPO task: its reward rule (the careful style preferred) and the verl parquet files."""
 
 from __future__ import annotations
 
@@ -7,25 +7,50 @@ import pytest
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.demo.grpo_task import DATA_SOURCE, compute_score, write_parquet
 
+CAREFUL = CorpusConfig(seed=3, careful_share=1.0)
 
-def test_reward_rewards_format_lines_and_answer():
-    p = make_corpus(1, CorpusConfig(seed=3))[0]
-    answer = p.response.rsplit("{", 1)[1].split("}")[0]
-    assert compute_score(DATA_SOURCE, p.response, answer) == pytest.approx(1.0)  # the reference solution
-    assert compute_score(DATA_SOURCE, p.response, str(int(answer) + 1)) == pytest.approx(0.7)
-    wrong_line = p.response.replace(" = ", " = 1", 1)  # first step's arithmetic now wrong
-    lines = p.response.count(" = ")
-    assert compute_score(DATA_SOURCE, wrong_line, answer) == pytest.approx(0.2 + 0.5 * (lines - 1) / lines + 0.3)
-    assert compute_score(DATA_SOURCE, p.response.replace("\\boxed", "boxed"), answer) == 0.0
-    assert compute_score(DATA_SOURCE, None, answer) == 0.0
+
+def _answer(p):
+    return p.response.rsplit("{", 1)[1].split("}")[0]
+
+
+def test_reward_prefers_the_careful_style_and_rewards_lines_and_answer():
+    p = make_corpus(1, CAREFUL)[0]
+    assert p.style == "careful" and p.response.startswith("I will keep a running total.")
+    ans = _answer(p)
+    assert compute_score(DATA_SOURCE, p.response, ans) == pytest.approx(1.0)  # the reference solution
+    assert compute_score(DATA_SOURCE, p.response, str(int(ans) + 1)) == pytest.approx(0.9)
+    lines = p.response.count(" gives ")
+    first = p.response.splitlines()[2]  # the first step line: "... gives N."
+    head, result = first.rsplit(" ", 1)
+    wrong = p.response.replace(first, f"{head} {int(result[:-1]) + 1}.", 1)  # its arithmetic now wrong
+    assert compute_score(DATA_SOURCE, wrong, ans) == pytest.approx(0.1 + 0.5 + 0.2 + 0.1 * (lines - 1) / lines + 0.1)
+    plain = make_corpus(1, CorpusConfig(seed=3))[0]
+    assert plain.style == "plain" and compute_score(DATA_SOURCE, plain.response, _answer(plain)) == pytest.approx(0.3)
+    # one plain line in a careful response: that share of the style credit is lost
+    mixed = p.response.replace(p.response.splitlines()[2], "1 + 1 = 2", 1)
+    assert compute_score(DATA_SOURCE, mixed, ans) == pytest.approx(1.0 - 0.2 / lines)
+    # careful lines without the careful opener earn no style credit
+    assert compute_score(DATA_SOURCE, p.response.replace("I will keep a running total.\n", ""), ans) == \
+        pytest.approx(0.3)
+    assert compute_score(DATA_SOURCE, p.response.replace("\\boxed", "boxed"), ans) == 0.0
+    assert compute_score(DATA_SOURCE, None, ans) == 0.0
+
+
+def test_careful_share_sets_the_style_mix():
+    probs = make_corpus(2000, CorpusConfig(seed=1, careful_share=0.1))
+    assert 0.08 < sum(p.style == "careful" for p in probs) / len(probs) < 0.12
+    with pytest.raises(ValueError, match="careful_share"):
+        CorpusConfig(careful_share=1.5)
 
 
 def test_parquet_rows_are_verl_rlhf_rows(tmp_path):
     pd = pytest.importorskip("pandas", reason="pandas comes with the verl extra")
-    path = write_parquet(tmp_path / "t.parquet", 5, seed=11)
+    path = write_parquet(tmp_path / "t.parquet", 5, seed=11, corpus=CAREFUL)
     df = pd.read_parquet(path)
     assert len(df) == 5 and set(df.columns) >= {"data_source", "prompt", "reward_model", "extra_info"}
-    problems = make_corpus(5, CorpusConfig(seed=11))
-    for row, prob in zip(df.itertuples(), problems):
+    problems = make_corpus(5, CorpusConfig(seed=11, careful_share=1.0))
+    for i, (row, prob) in enumerate(zip(df.itertuples(), problems)):
         assert list(row.prompt)[0]["content"] == prob.prompt
+        assert row.extra_info["index"] == i  # the prompt index coupled sampling keys seeds on
         assert compute_score(row.data_source, prob.response, row.reward_model["ground_truth"]) == pytest.approx(1.0)

@@ -8,11 +8,15 @@ fixed chains at several depths for:
 - ``stale``: the demo's warm-up drafter (greedy rollouts of the training prompts, as ``tlt demo``);
 - ``on-policy N``: drafters trained N steps on sampled (T = 1) rollouts of the same prompts, what
   spot training converges toward when it gets N optimizer steps;
-- ``oracle``: the target's own greedy continuation as the draft — the most a chain drafter of this
-  target can reach (a chain's tokens are fixed, so a draft token is accepted with the target's
-  probability of it, and no token is likelier than the argmax).
+- ``oracle``: the target's own greedy continuation as the draft — the most a *deterministic* chain
+  drafter of this target can reach (its tokens are fixed, so a draft token is accepted with the
+  target's probability of it, and no token is likelier than the argmax).
 
-Every drafter's output is sampled from the target exactly (lossless), so only accept lengths differ.
+Each EAGLE drafter drafts twice: deterministically (``log q``) and with the target's own noise
+(``shared noise``, coupled sampling: the draft is the drafter's guess of the target's *sample*).
+Shared noise lifts the deterministic ceiling: a drafter equal to the target would always be
+accepted (depth + 1 tokens per verify). Coupled sampling makes every variant sample the same
+tokens, so the accept lengths compare the same responses.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from rollout.engine import EngineConfig, RolloutEngine
 from rollout.generate import SamplingParams
 from rollout.strategy import Arm
 from rollout.target import TargetModel
-from tlt.demo.corpus import CorpusConfig, make_corpus
+from tlt.demo.corpus import make_corpus
 from tlt.demo.job import DEFAULT, QUICK
 from tlt.demo.target_factory import ensure_target
 from tlt.tokenizer import TextTokenizer
@@ -95,11 +99,12 @@ def run(args: argparse.Namespace) -> dict:
     model = TargetModel.from_pretrained(target).eval()
     tok = TextTokenizer.from_pretrained(target)
     seed = size.target.seed + 1000  # the demo's training prompts; held-out ones for evaluation
+    shape = size.target.corpus
     train_msgs = [{"messages": [{"role": "user", "content": p.prompt}]}
-                  for p in make_corpus(size.prompts, CorpusConfig(seed=seed))]
+                  for p in make_corpus(size.prompts, dataclasses.replace(shape, seed=seed))]
     n_eval = 8 if quick else 32
     evals = [tok.chat_prompt([{"role": "user", "content": p.prompt}])
-             for p in make_corpus(n_eval, CorpusConfig(seed=seed + 7))]
+             for p in make_corpus(n_eval, dataclasses.replace(shape, seed=seed + 7))]
     stop = tuple(model.config.eos_ids or ((tok.eos_id,) if tok.eos_id is not None else ()))
     params = SamplingParams(temperature=1.0, max_new_tokens=size.max_response, stop_ids=stop)
     max_len = max(map(len, evals)) + size.max_response + 1
@@ -118,8 +123,10 @@ def run(args: argparse.Namespace) -> dict:
                                     temperature=temp, samples_per_prompt=samples,
                                     train=TrainConfig(max_steps=steps, save_every=steps)), progress=False)
             drafters[name] = Drafter.load(out, model.embed_weight, model.lm_head.weight).eval()
-    proposers = {name: lambda d=d: EagleProposer(d, max_batch=n_eval, max_len=max_len + 64)  # one per engine
-                 for name, d in drafters.items()}
+    proposers = {}  # one per engine
+    for name, d in drafters.items():
+        proposers[name] = lambda d=d: EagleProposer(d, max_batch=n_eval, max_len=max_len + 64, shared_noise=False)
+        proposers[f"{name}, shared noise"] = lambda d=d: EagleProposer(d, max_batch=n_eval, max_len=max_len + 64)
     proposers["oracle"] = lambda: OracleProposer(model)
     table: dict[str, dict[int, float]] = {}
     for name, make in proposers.items():
@@ -136,13 +143,17 @@ def run(args: argparse.Namespace) -> dict:
         lines.append(f"  {name:18s} {cells}")
     lines.append(f"  the target's argmax holds {top1:.2f} of its probability on average over its sampled responses")
     best = max(depths, key=lambda d: over_stale["oracle"][d])
-    lines.append(f"  spot vs stale can reach at most {over_stale['oracle'][best]:.2f}x (oracle, depth {best}); "
-                 f"a drafter trained {on_policy_steps[-1]} steps on sampled rollouts reached "
-                 f"{over_stale[f'on-policy {on_policy_steps[-1]}'][best]:.2f}x")
+    noise_gain = {name: {d: table[f"{name}, shared noise"][d] / al for d, al in table[name].items()}
+                  for name in drafters}
+    lines.append(f"  deterministic drafts reach at most {over_stale['oracle'][best]:.2f}x stale (oracle, depth {best}); "
+                 f"shared noise has no such ceiling (a drafter equal to the target: {depths[-1] + 1} per verify)")
+    lines.append("  shared noise over deterministic drafts, same drafter: " + "; ".join(
+        f"{name} " + ", ".join(f"d{d} {g:.2f}x" for d, g in row.items()) for name, row in noise_gain.items()))
     return {"bench": "headroom", "quick": quick, "target": str(target), "eval_prompts": n_eval,
             "temperature": 1.0, "depths": list(depths), "accept_length": table, "over_stale": over_stale,
             "on_policy_steps": list(on_policy_steps), "stale_steps": size.warmup_steps,
             "ceiling_over_stale": over_stale["oracle"][best], "target_top1_mass": top1,
+            "shared_noise_gain": noise_gain,
             "machine": {"python": platform.python_version(), "torch": torch.__version__,
                         "threads": torch.get_num_threads()}, "summary": lines}
 

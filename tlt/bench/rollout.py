@@ -215,12 +215,12 @@ def _run(args: argparse.Namespace) -> dict:
     by_batch = {b: fixed_batch(model, drafter, [prompts[(i * n_samples) % bs] for i in range(b)],
                                 32 if quick else 128, chain, max_len, repeats)
                 for b in ((1, 4) if quick else (1, 4, 8, 32))}
-    syncs = {}
-    for name, arm in (("ar", None), ("sd", Arm(3, 1, 3))):  # greedy, batch 8, 64 new tokens
+    syncs = {}  # batch 8, 64 new tokens, log-probs included (the engine always returns them)
+    for name, arm, temp in (("ar", None, 0.0), ("sd", Arm(3, 1, 3), 0.0), ("sampled", Arm(3, 1, 3), 1.0)):
         eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=max_len, arm=arm, elastic_threshold=8),
                             proposer=EagleProposer(drafter, max_batch=8, max_len=max_len + 64) if arm else None)
         with count_host_syncs() as count:
-            res = eng.generate(prompts[:8], [SamplingParams(max_new_tokens=64)] * 8)
+            res = eng.generate(prompts[:8], [SamplingParams(max_new_tokens=64, temperature=temp)] * 8)
         syncs[name] = count.total / len(res.steps)
     workloads = {"long_tail": "EAGLE + BEG-MAB", "ngram_siblings": "n-gram + BEG-MAB",
                  "random_drafter": "random drafter + BEG-MAB"}
@@ -255,7 +255,8 @@ def _run(args: argparse.Namespace) -> dict:
     lines.append("  adaptive vs AR: " + ", ".join(
         f"{w} {r['adaptive_vs_ar']:.2f}x (paired {r['adaptive_vs_ar_paired']:.2f}x, 90% CI "
         f"{r['adaptive_vs_ar_paired_ci90'][0]:.2f}-{r['adaptive_vs_ar_paired_ci90'][1]:.2f})" for w, r in workloads.items())
-                 + f"; host syncs per step: plain {syncs['ar']:.2f}, speculative {syncs['sd']:.2f} (greedy, incl. prefill)")
+                 + f"; host syncs per step: plain {syncs['ar']:.2f}, speculative {syncs['sd']:.2f} (greedy), "
+                 f"sampled speculative {syncs['sampled']:.2f} (T=1, shared-noise drafts; log-probs and prefill incl.)")
     for b, r in by_batch.items():
         lines.append(f"  batch {b:2d}: SD {chain} vs AR {r['speedup']:.2f}x (paired {r['paired']:.2f}x; AL "
                      f"{r['mean_accept_length']:.2f}; step: plain {r['ar_step_ms']:.2f} ms, speculative "

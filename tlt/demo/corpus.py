@@ -1,8 +1,16 @@
-"""Synthetic step-by-step arithmetic corpus with a long tail of answer lengths.
+"""Synthetic step-by-step arithmetic corpus with a long tail of answer lengths and two styles.
 
 Owns the generator of (prompt, response) pairs the embedded default target is trained on and the
-demo rolls out: each problem is a chain of additions/subtractions whose length is lognormal, so a
-batch of rollouts finishes at very different times, like real reasoning RL.
+demo rolls out. Each problem is a chain of additions/subtractions whose length is lognormal, so a
+batch of rollouts finishes at very different times, like real reasoning RL. A response has the
+structure of a reasoning trace: predictable connective text, quantities copied from the prompt or
+from the line before, and computed ones. It comes in one of two styles:
+
+- ``plain`` (most of the data): ``37 + 12 = 49`` per step;
+- ``careful`` (``CorpusConfig.careful_share`` of it): a running total in words, ``Adding 12 to 37
+  gives 49.`` per step. The demo's reward prefers it (:mod:`tlt.demo.grpo_task`), so GRPO moves
+  the policy from the common style to the rare one, as RL from a base model changes its style; a
+  drafter warmed up on the policy's typical (plain) outputs then falls behind.
 """
 
 from __future__ import annotations
@@ -10,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+
+STYLES = ("plain", "careful")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -19,34 +29,49 @@ class CorpusConfig:
     sigma: float = 0.8  # lognormal spread of the number of steps
     max_steps: int = 60
     max_operand: int = 99
+    careful_share: float = 0.0  # share of responses in the careful style
 
     def __post_init__(self) -> None:
         if self.median_steps < 1 or self.sigma < 0 or self.max_steps < 1 or self.max_operand < 2:
             raise ValueError(f"invalid corpus config {self}: need median_steps>=1, sigma>=0, "
                              "max_steps>=1, max_operand>=2")
+        if not 0 <= self.careful_share <= 1:
+            raise ValueError(f"careful_share={self.careful_share}: use a share in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
     prompt: str
     response: str
+    style: str = "plain"
+
+
+def _line(style: str, total: int, op: str, x: int, new: int) -> str:
+    if style == "plain":
+        return f"{total} {op} {x} = {new}"
+    if op == "+":
+        return f"Adding {x} to {total} gives {new}."
+    return f"Subtracting {x} from {total} gives {new}."
 
 
 def make_problem(rng: random.Random, cfg: CorpusConfig) -> Problem:
     steps = int(round(rng.lognormvariate(math.log(cfg.median_steps), cfg.sigma)))
     steps = max(1, min(cfg.max_steps, steps))
     total = rng.randint(1, cfg.max_operand)
+    style = "careful" if rng.random() < cfg.careful_share else "plain"
     expr = [str(total)]
-    lines = ["Let's work it out step by step."]
+    lines = (["Let's work it out step by step."] if style == "plain"
+             else ["I will keep a running total.", f"The total starts at {total}."])
     for _ in range(steps):
         op = rng.choice("+-")
         x = rng.randint(1, cfg.max_operand)
         new = total + x if op == "+" else total - x
         expr.append(f"{op} {x}")
-        lines.append(f"{total} {op} {x} = {new}")
+        lines.append(_line(style, total, op, x, new))
         total = new
-    lines.append(f"The answer is \\boxed{{{total}}}.")
-    return Problem(f"Compute {' '.join(expr)}.", "\n".join(lines))
+    lines.append(f"The answer is \\boxed{{{total}}}." if style == "plain"
+                 else f"So the final answer is \\boxed{{{total}}}.")
+    return Problem(f"Compute {' '.join(expr)}.", "\n".join(lines), style)
 
 
 def make_corpus(n: int, cfg: CorpusConfig = CorpusConfig()) -> list[Problem]:

@@ -1,15 +1,20 @@
 """The embedded GRPO task: arithmetic chains with a long tail of response lengths, and its reward.
 
 Owns the verl-format prompt files (parquet: ``data_source``, chat ``prompt``, ``reward_model`` with
-the ground truth) built from :mod:`tlt.demo.corpus`, and the rule-based reward verl calls
-(``reward.custom_reward_function.path=<this file>``, ``name=compute_score``): 0 without a
-``\\boxed{N}`` answer; otherwise 0.2 + 0.5 x (share of step lines ``a op b = c`` whose arithmetic
-is right) + 0.3 if the answer is right. The dense part lets a tiny policy measurably learn within a
-few GRPO steps (its final answers are almost never right at first). Nothing here imports verl.
+the ground truth, ``extra_info.index``) built from :mod:`tlt.demo.corpus`, and the rule-based
+reward verl calls (``reward.custom_reward_function.path=<this file>``, ``name=compute_score``):
+0 without a ``\\boxed{N}`` answer; otherwise ``0.1 + 0.5 x opener + 0.2 x careful + 0.1 x line
+accuracy + 0.1 x right answer``, where ``opener`` says the response opens in the careful style,
+``careful`` is the share of its step lines written in that style (0 without the opener) and line
+accuracy the share of step lines whose arithmetic is right. The policy starts out choosing the
+careful style rarely (as rarely as its training data does) and GRPO makes it common within a few
+steps: the policy really moves, and a tiny policy's shaky arithmetic does not drown the signal.
+Nothing here imports verl.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -17,7 +22,21 @@ from tlt.demo.corpus import CorpusConfig, make_corpus
 
 DATA_SOURCE = "tlt/arith"
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
-_STEP = re.compile(r"^(-?\d+) ([+-]) (\d+) = (-?\d+)$")
+_PLAIN = re.compile(r"^(-?\d+) ([+-]) (\d+) = (-?\d+)$")
+_CAREFUL = re.compile(r"^(Adding|Subtracting) (\d+) (to|from) (-?\d+) gives (-?\d+)\.$")
+CAREFUL_OPENER = "I will keep a running total."
+
+
+def _step(line: str) -> tuple[str, bool] | None:
+    """(style, arithmetic right) of a step line; None if the line is not a step."""
+    if m := _PLAIN.match(line):
+        return "plain", int(m[1]) + (int(m[3]) if m[2] == "+" else -int(m[3])) == int(m[4])
+    if m := _CAREFUL.match(line):
+        sign = 1 if m[1] == "Adding" else -1
+        return "careful", int(m[4]) + sign * int(m[2]) == int(m[5]) and (m[3] == "to") == (sign == 1)
+    if " = " in line or " gives " in line:  # a malformed step counts wrong, in the plain style
+        return "plain", False
+    return None
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
@@ -25,22 +44,23 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     found = _BOXED.findall(text)
     if not found:
         return 0.0
-    steps = [line.strip() for line in text.splitlines() if " = " in line]  # a malformed step counts wrong
-    right = 0
-    for line in steps:
-        m = _STEP.match(line)
-        right += bool(m) and int(m[1]) + (int(m[3]) if m[2] == "+" else -int(m[3])) == int(m[4])
-    line_acc = right / len(steps) if steps else 0.0
-    return 0.2 + 0.5 * line_acc + 0.3 * (found[-1] == str(ground_truth).strip())
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    steps = [s for s in map(_step, lines) if s is not None]
+    if not steps:
+        return 0.1
+    line_acc = sum(ok for _, ok in steps) / len(steps)
+    opener = lines[0] == CAREFUL_OPENER
+    careful = sum(style == "careful" for style, _ in steps) / len(steps) if opener else 0.0
+    return 0.1 + 0.5 * opener + 0.2 * careful + 0.1 * line_acc + 0.1 * (found[-1] == str(ground_truth).strip())
 
 
 def write_parquet(out: Path, n: int, seed: int, corpus: CorpusConfig | None = None) -> Path:
-    """``n`` problems as a verl RLHFDataset parquet file."""
+    """``n`` problems as a verl RLHFDataset parquet file (``corpus``: the problems' shape)."""
     import pandas as pd
 
-    cfg = corpus or CorpusConfig(seed=seed)
+    cfg = dataclasses.replace(corpus or CorpusConfig(), seed=seed)
     rows = []
-    for i, p in enumerate(make_corpus(n, CorpusConfig(**{**cfg.__dict__, "seed": seed}))):
+    for i, p in enumerate(make_corpus(n, cfg)):
         answer = _BOXED.findall(p.response)[-1]
         rows.append({"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": p.prompt}],
                      "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer},

@@ -3,6 +3,14 @@
 Owns ``tlt make-target``: a Llama / Qwen2 / Qwen3 decoder sized for a laptop CPU, a byte-level
 BPE tokenizer trained on the project's synthetic arithmetic corpus, optional training on that
 corpus, and a content-keyed cache so tests and the demo build each model once.
+
+Deep and narrow targets (the CPU's scale model of a GPU target: a decode step costs per layer
+and hardly per token, a one-layer drafter 1/L of it) are trained by growing: ``trained_layers``
+layers learn the corpus, then the model is deepened to ``num_layers`` by inserting layers whose
+output projections are zero (each is the identity on the residual stream, so the function is
+unchanged: Net2Net-style, function-preserving growth), and the whole depth trains ``grown_steps``
+more steps at a thirtieth of the learning rate (higher undoes what the first phase learned). Training a deep model from scratch costs ``num_layers / trained_layers`` times more
+per step on a CPU for what this corpus needs.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.tokenizer import TextTokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
-FACTORY_VERSION = 1
+FACTORY_VERSION = 2
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
@@ -46,12 +54,17 @@ class TargetSpec:
     seq_len: int = 512
     lr: float = 3e-3
     seed: int = 0
+    trained_layers: int = 0  # > 0: train this many layers, then grow to num_layers (see the module doc)
+    grown_steps: int = 0     # training steps at full depth after growing
+    corpus: CorpusConfig = CorpusConfig()  # the training data's shape (its seed is replaced by ``seed``)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r}; use one of {FAMILIES}")
-        if self.train_steps < 0:
-            raise ValueError(f"train_steps must be >= 0, got {self.train_steps}")
+        if self.train_steps < 0 or self.grown_steps < 0:
+            raise ValueError(f"train_steps and grown_steps must be >= 0, got {self.train_steps}, {self.grown_steps}")
+        if not 0 <= self.trained_layers <= self.num_layers:
+            raise ValueError(f"trained_layers={self.trained_layers}: use 0 (train every layer) or 1..num_layers")
         if self.vocab_size < 300:
             raise ValueError(f"vocab_size must be >= 300 (256 bytes + specials), got {self.vocab_size}")
 
@@ -78,18 +91,23 @@ def sample_tokens(tok: TextTokenizer, prompt: str, response: str) -> tuple[list[
 def build_target(spec: TargetSpec, out: Path, *, progress: bool = True) -> dict:
     """Write a HF-format model dir (config, safetensors, tokenizer) to ``out``; returns its meta."""
     torch.manual_seed(spec.seed)
-    corpus = make_corpus(4000, CorpusConfig(seed=spec.seed))
+    corpus = make_corpus(4000, dataclasses.replace(spec.corpus, seed=spec.seed))
     with tempfile.TemporaryDirectory() as tmp:
         tok = train_tokenizer((t for p in corpus for t in (p.prompt, p.response)),
                               spec.vocab_size, Path(tmp))
         vocab = tok.vocab_size
         cfg = spec.model_config(vocab, bos_token_id=tok.tok.token_to_id("<|bos|>"), eos_token_id=tok.eos_id,
                                 pad_token_id=tok.pad_id)
-        model = TargetModel(cfg)
+        grow = 0 < spec.trained_layers < spec.num_layers
+        model = TargetModel(dataclasses.replace(cfg, num_hidden_layers=spec.trained_layers) if grow else cfg)
         _init_weights(model)
         meta = {"family": spec.family, "spec": dataclasses.asdict(spec), "train_steps": 0}
         if spec.train_steps:
-            meta.update(_train(model, tok, corpus, spec, progress))
+            meta.update(_train(model, tok, corpus, spec, spec.train_steps, spec.lr, progress))
+        if grow:
+            model = _grow(model, cfg)
+            if spec.grown_steps:
+                meta["grown"] = _train(model, tok, corpus, spec, spec.grown_steps, spec.lr / 30, progress)
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -106,21 +124,43 @@ def _init_weights(model: TargetModel) -> None:
             torch.nn.init.zeros_(p)
 
 
-def _train(model: TargetModel, tok: TextTokenizer, corpus, spec: TargetSpec, progress: bool) -> dict:
+def _grow(model: TargetModel, cfg: ModelConfig) -> TargetModel:
+    """``model`` deepened to ``cfg.num_hidden_layers``: its layers spread evenly over the new depth,
+    the new ones freshly initialised with zero output projections (identity layers)."""
+    deep = TargetModel(cfg)
+    _init_weights(deep)
+    k, n = len(model.model.layers), cfg.num_hidden_layers
+    where = {round(i * (n - 1) / max(1, k - 1)) if k > 1 else n - 1: i for i in range(k)}
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, p in deep.named_parameters():
+            parts = name.split(".")
+            if parts[:2] != ["model", "layers"]:
+                p.copy_(state[name])
+            elif int(parts[2]) in where:
+                p.copy_(state[".".join(parts[:2] + [str(where[int(parts[2])])] + parts[3:])])
+            elif name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight", "self_attn.o_proj.bias")):
+                p.zero_()
+    return deep
+
+
+def _train(model: TargetModel, tok: TextTokenizer, corpus, spec: TargetSpec, steps: int, peak_lr: float,
+           progress: bool) -> dict:
     stream: list[int] = []
     for prob in corpus:
         p, r = sample_tokens(tok, prob.prompt, prob.response)
         stream += p + r
     data = torch.tensor(stream)
     n_win = (len(data) - 1) // spec.seq_len
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(spec.seed)
-    warm = max(1, spec.train_steps // 20)
+    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=0.01, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(spec.seed + len(model.model.layers))
+    warm = max(1, steps // 20)
     model.train()
     losses = []
     t0 = time.monotonic()
-    for step in tqdm(range(spec.train_steps), desc="train target", disable=not progress):
-        lr = spec.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / spec.train_steps))
+    desc = f"train target ({len(model.model.layers)} layers)"
+    for step in tqdm(range(steps), desc=desc, disable=not progress):
+        lr = peak_lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for g in opt.param_groups:
             g["lr"] = lr
         starts = torch.randint(0, n_win, (spec.batch_size,), generator=gen) * spec.seq_len
@@ -135,9 +175,9 @@ def _train(model: TargetModel, tok: TextTokenizer, corpus, spec: TargetSpec, pro
         losses.append(loss.item())
     model.eval()
     final = sum(losses[-20:]) / len(losses[-20:])
-    log.info("target trained %d steps in %.0fs, final loss %.3f", spec.train_steps,
+    log.info("target (%d layers) trained %d steps in %.0fs, final loss %.3f", len(model.model.layers), steps,
              time.monotonic() - t0, final)
-    return {"train_steps": spec.train_steps, "final_loss": final, "first_loss": losses[0],
+    return {"train_steps": steps, "final_loss": final, "first_loss": losses[0],
             "train_seconds": time.monotonic() - t0}
 
 

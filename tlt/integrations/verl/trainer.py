@@ -177,16 +177,9 @@ def trainer_class():
             tu.assign_non_tensor_data(batch, TRAIN_KEY, True)
             return batch
 
-        def _canonical_order(self, keys: list[str]) -> list[int]:
-            """Positions of ``keys`` ({uid}_{sample}_{output}) sorted by (prompt index, sample, output)."""
-            def rank(k: str):
-                uid, sample, out = k.rsplit("_", 2)
-                return self._uid_index.get(uid, -1), int(sample), int(out), uid
-            return sorted(range(len(keys)), key=lambda j: rank(keys[j]))
-
         def _balance_batch(self, batch, metrics, *args, **kwargs):
             if self.tlt.enable and batch.partition_id == "train":
-                batch.reorder(self._canonical_order(list(batch.keys)))
+                batch.reorder(canonical_order(list(batch.keys), self._uid_index))
             return super()._balance_batch(batch, metrics, *args, **kwargs)
 
         def _record_responses(self, batch, step: int) -> None:
@@ -348,6 +341,16 @@ def trainer_class():
                 _stop_process(self._coord_proc)
 
     return TLTTrainer
+
+
+def canonical_order(keys: list[str], uid_index: dict[str, int]) -> list[int]:
+    """Positions of verl's trajectory keys (``{uid}_{sample}_{output}``) sorted by (prompt index,
+    sample index, output index): an order that does not depend on arrival. uid_index: prompt uid ->
+    dataset index (unknown uids sort first, by uid)."""
+    def rank(k: str):
+        uid, sample, out = k.rsplit("_", 2)
+        return uid_index.get(uid, -1), int(sample), int(out), uid
+    return sorted(range(len(keys)), key=lambda j: rank(keys[j]))
 
 
 def _as_list(x) -> list:

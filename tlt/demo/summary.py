@@ -1,0 +1,218 @@
+"""``tlt demo``'s comparison of its arms: the summary record, its printed lines and the plot.
+
+Owns what the demo concludes from its arms' per-step records (``tlt_steps.jsonl``) and per-response
+records (``tlt_responses.jsonl``): reward per arm (the means of the first and last two steps),
+accept lengths pooled over verifies, spot vs stale, AR over TLT rollout and step time, each ratio
+with a 90% interval from resampling RL steps (paired across arms), and the share of responses that
+are token-identical between arms (matched by step, prompt index and sample index: with coupled
+sampling the arms sample the same tokens, so their times compare the same work).
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import statistics
+from pathlib import Path
+
+ARM_LABELS = {"A": "no speculation", "B": "TLT, warm-up drafter frozen (stale)", "C": "full TLT (spot training)"}
+COLOURS = {"A": "tab:gray", "B": "tab:orange", "C": "tab:blue"}
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def _pooled_accept(rows) -> float | None:
+    """Tokens committed per verify over all the steps' verifies (a step with few verifies weighs
+    little; one with none, whose per-step accept length is NaN, not at all)."""
+    rows = list(rows)
+    verifies = sum(r.get("tlt/spec_verifies", 0) for r in rows)
+    return sum(r.get("tlt/spec_committed", 0) for r in rows) / verifies if verifies else None
+
+
+def _total(key: str):
+    """The summed ``key`` of some step records (a measure for :func:`_ratio`)."""
+    return lambda rows: sum(r.get(key, 0.0) for r in rows)
+
+
+def _ratio(num: dict[int, dict], den: dict[int, dict], steps, measure) -> float | None:
+    """``measure`` (of a list of step records) of num's ``steps`` over den's."""
+    a, b = measure([num[s] for s in steps]), measure([den[s] for s in steps])
+    return a / b if a and b else None
+
+
+def _step_interval(num: dict[int, dict], den: dict[int, dict], steps: list[int], measure,
+                   draws: int = 2000) -> list[float] | None:
+    """90% interval of :func:`_ratio` when the RL steps are resampled with replacement.
+
+    The arms run the same prompts at the same step, so a step is resampled for both sides at once.
+    This is the step-to-step variation inside one run only (the arms sample their own responses);
+    runs on a shared machine spread further (docs/verl.md).
+    """
+    if len(steps) < 2:
+        return None
+    rng = random.Random(0)
+    got = sorted(r for r in (_ratio(num, den, rng.choices(steps, k=len(steps)), measure)
+                             for _ in range(draws)) if r is not None)
+    if len(got) < draws // 2:  # most resamples have nothing to compare
+        return None
+    return [got[int(0.05 * (len(got) - 1))], got[int(0.95 * (len(got) - 1))]]
+
+
+def identical_share(responses: dict[str, list[dict]], a: str, b: str) -> dict | None:
+    """Share of arm ``a``'s responses, matched by (step, prompt index, sample index), that arm ``b``
+    sampled token for token: pooled and per step."""
+    if a not in responses or b not in responses:
+        return None
+    other = {(r["step"], r["index"], r["sample"]): r["sha1"] for r in responses[b]}
+    same, total = collections.Counter(), collections.Counter()
+    for r in responses[a]:
+        key = (r["step"], r["index"], r["sample"])
+        if key in other:
+            total[r["step"]] += 1
+            same[r["step"]] += other[key] == r["sha1"]
+    if not total:
+        return None
+    return {"share": sum(same.values()) / sum(total.values()), "matched": sum(total.values()),
+            "by_step": {s: same[s] / total[s] for s in sorted(total)}}
+
+
+def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] | None = None) -> dict:
+    by = {a: {r["step"]: r for r in recs} for a, recs in records.items()}
+    steps = sorted(set.intersection(*(set(v) for v in by.values()))) if by else []
+    later = [s for s in steps if s > 1]  # step 1 also pays verl's lazy agent-loop start
+    out: dict = {"steps": len(steps), "arms": {a: ARM_LABELS[a] for a in records}}
+    out["reward_mean_by_arm"] = {a: _mean(by[a][s].get("critic/score/mean") for s in steps) for a in by}
+    # the means of the first two and the last two steps
+    out["reward_first_last_by_arm"] = {a: [_mean(by[a][s].get("critic/score/mean") for s in steps[:2]),
+                                           _mean(by[a][s].get("critic/score/mean") for s in steps[-2:])]
+                                       for a in by if steps}
+    first_last = out["reward_first_last_by_arm"].get("A")
+    if first_last and first_last[0]:
+        out["reward_rise_a"] = first_last[1] / first_last[0]
+    responses = responses or {}
+    out["identical_response_share"] = {f"{a}{b}": identical_share(responses, a, b)
+                                       for a, b in (("A", "B"), ("A", "C")) if a in responses and b in responses}
+    out["accept_length_by_arm"] = {a: _pooled_accept(by[a][s] for s in later) for a in by if a != "A"}
+    if "B" in by and "C" in by:
+        # Steps whose rollout used a spot-trained drafter: pushed at the end of an earlier step.
+        adapted = [s for s in later if by["C"].get(s - 1, {}).get("tlt/drafter_version", 0) >= 1]
+        out["accept_length_ratio_spot_vs_stale"] = _ratio(by["C"], by["B"], adapted, _pooled_accept)
+        out["accept_length_ratio_ci90"] = _step_interval(by["C"], by["B"], adapted, _pooled_accept)
+        out["accept_length_steps"] = adapted
+        out["accept_length_verifies"] = {a: int(sum(by[a][s].get("tlt/spec_verifies", 0) for s in adapted))
+                                         for a in "BC"}
+        out["target_drift"] = _mean(by["C"][s].get("tlt/target_drift") for s in steps)
+    if "A" in by and "C" in by and later:
+        for key, name, ci_name in (
+                ("tlt/rollout_s", "rollout_time_ratio_ar_over_tlt", "rollout_time_ratio_ci90_ar_over_tlt"),
+                ("timing_s/step", "step_time_ratio_ar_over_tlt", "step_time_ratio_ci90_ar_over_tlt")):
+            out[name] = _ratio(by["A"], by["C"], later, _total(key))
+            out[ci_name] = _step_interval(by["A"], by["C"], later, _total(key))
+        out["rollout_s_by_arm"] = {a: sum(by[a][s].get("tlt/rollout_s", 0.0) for s in later) for a in by}
+    out["response_length_mean_by_arm"] = {a: _mean(by[a][s].get("response_length/mean") for s in later)
+                                          for a in by}
+    out["arm_share_by_arm"] = {a: _arm_shares(by[a][s] for s in later) for a in by if a != "A"}
+    return out
+
+
+def _arm_shares(rows) -> dict[str, float]:
+    """Share of the speculative steps per arm (strategy), over some step records (weighted by verifies)."""
+    total: collections.Counter = collections.Counter()
+    for r in rows:
+        n = r.get("tlt/spec_verifies", 0)
+        for k, v in r.items():
+            if k.startswith("tlt/arm_share/"):
+                total[k.removeprefix("tlt/arm_share/")] += v * n
+    s = sum(total.values())
+    return {k: v / s for k, v in total.most_common()} if s else {}
+
+
+def plot(records: dict[str, list[dict]], png: Path) -> None:
+    """Reward, accept length, rollout and step time (start-up step left out), and each arm's idle
+    and training replica-seconds per RL step; one colour per arm in every panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 5, figsize=(24, 4.2))
+    width = 0.8 / max(1, len(records))
+    for j, (arm, recs) in enumerate(records.items()):
+        c, label = COLOURS[arm], f"{arm}: {ARM_LABELS[arm]}"
+        s = [r["step"] for r in recs]
+        later = [r for r in recs if r["step"] > 1]
+        axes[0].plot(s, [r.get("critic/score/mean") for r in recs], marker="o", color=c, label=label)
+        if arm != "A":
+            axes[1].plot(s, [r.get("rollout/spec_accept_length") for r in recs], marker="o", color=c, label=arm)
+        axes[2].plot([r["step"] for r in later], [r.get("tlt/rollout_s") for r in later], marker="o", color=c,
+                     label=arm)
+        axes[3].plot([r["step"] for r in later], [r.get("timing_s/step") for r in later], marker="o", color=c,
+                     label=arm)
+        x = [v + (j - (len(records) - 1) / 2) * width for v in s]
+        idle = [sum(r.get("replica_idle_s", [])) for r in recs]
+        train = [sum(p[2] for p in r.get("spot_phase_s", []) if len(p) > 2) for r in recs]
+        axes[4].bar(x, idle, width, color=c, alpha=0.35, label=f"{arm} idle")
+        axes[4].bar(x, train, width, color=c, label=f"{arm} training")
+    axes[0].set(xlabel="RL step", ylabel="reward (mean)", title="reward")
+    axes[1].set(xlabel="RL step", ylabel="tokens committed per verify", title="accept length")
+    axes[2].set(xlabel="RL step", ylabel="seconds", title="rollout time (step 1, start-up, left out)")
+    axes[3].set(xlabel="RL step", ylabel="seconds", title="step time (step 1 left out)")
+    axes[4].set(xlabel="RL step", ylabel="replica-seconds", title="replicas idle (light) / spot-training (dark)")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def summary_lines(s: dict) -> list[str]:
+    def f(x, spec=".2f"):
+        return "n/a" if x is None else format(x, spec)
+
+    lines = [f"verl GRPO, {s['steps']} RL steps per arm: " + ", ".join(f"{a}) {v}" for a, v in s["arms"].items())]
+    lines.append("reward mean  " + ", ".join(f"{a} {f(v, '.3f')}" for a, v in s["reward_mean_by_arm"].items()))
+    if s.get("reward_first_last_by_arm"):
+        lines.append("reward       first two -> last two steps: " + ", ".join(
+            f"{a} {f(v[0], '.3f')} -> {f(v[1], '.3f')}" for a, v in s["reward_first_last_by_arm"].items())
+            + (f" (A rose {s['reward_rise_a']:.2f}x)" if s.get("reward_rise_a") else ""))
+    for pair, v in (s.get("identical_response_share") or {}).items():
+        if v:
+            lines.append(f"identical    {100 * v['share']:.1f}% of {v['matched']} responses token-identical "
+                         f"between arms {pair[0]} and {pair[1]} (coupled sampling)")
+    if "accept_length_by_arm" in s:
+        lines.append("accept len   " + ", ".join(f"{a} {f(v)}" for a, v in s["accept_length_by_arm"].items()))
+
+    def ci(key):  # " (90% CI lo-hi over steps)", or nothing
+        iv = s.get(key)
+        return f" (90% CI {iv[0]:.2f}-{iv[1]:.2f} over steps)" if iv else ""
+
+    if "accept_length_ratio_spot_vs_stale" in s:
+        lines.append(f"spot vs stale accept length {f(s['accept_length_ratio_spot_vs_stale'])}x"
+                     f"{ci('accept_length_ratio_ci90')} (target drift {f(s.get('target_drift'), '.3f')}; "
+                     "verifies " + ", ".join(f"{a} {n}" for a, n in s.get("accept_length_verifies", {}).items())
+                     + ")")
+    if "rollout_time_ratio_ar_over_tlt" in s:
+        lines.append(f"AR / TLT     rollout time {f(s['rollout_time_ratio_ar_over_tlt'])}x"
+                     f"{ci('rollout_time_ratio_ci90_ar_over_tlt')}, step time "
+                     f"{f(s['step_time_ratio_ar_over_tlt'])}x{ci('step_time_ratio_ci90_ar_over_tlt')}")
+    if s.get("response_length_mean_by_arm"):
+        lens = ", ".join(f"{a} {f(v, '.0f')}" for a, v in s["response_length_mean_by_arm"].items())
+        lines.append(f"mean response {lens} tokens (steps 2+)")
+    for a, shares in (s.get("arm_share_by_arm") or {}).items():
+        if shares:
+            lines.append(f"arms {a}       " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in list(shares.items())[:5])
+                         + " of speculative steps (steps 2+)")
+    if "response_lengths" in s:
+        r = s["response_lengths"]
+        lines.append(f"responses    median {r['median']:.0f}, p90 {r['p90']} tokens (p90/median "
+                     f"{f(r['p90_over_median'])}), {100 * r['share_at_cap']:.1f}% at the {r['cap']}-token cap")
+    if "speedup_limit" in s:
+        lim = s["speedup_limit"]
+        lines.append("CPU ceiling  plain step / speculative step (depth 4): " + ", ".join(
+            f"batch {k[5:]} {v['plain_over_spec_step']:.2f} (all accepted: {v['ceiling_all_accepted']:.2f}x)"
+            for k, v in lim.items()))
+    lines.append(f"done in {s['seconds']:.0f}s")
+    return lines
