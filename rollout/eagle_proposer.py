@@ -24,6 +24,8 @@ by ``log q`` as before.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from drafter.eagle import Drafter
@@ -52,6 +54,7 @@ class EagleProposer:
         self.floor: dict[int, int] = {}  # positions below were skipped (never visible to the drafter)
         self.catch_up_window = catch_up_window
         self.pairs_processed = 0  # total catch-up work, for tests and metrics
+        self.catch_up_s = 0.0  # seconds the last proposal spent catching up (host-timed)
 
     @torch.no_grad()
     def propose(self, inp: ProposerInput) -> DraftTree:
@@ -61,7 +64,9 @@ class EagleProposer:
         if inp.features is None:
             raise ValueError("EagleProposer needs the target features (ProposerInput.features)")
         self._follow_rows(inp)
+        t0 = time.perf_counter()
         root = self._catch_up(inp)  # [B, H] output of each request's last pair
+        self.catch_up_s = time.perf_counter() - t0
         base_host = [self.seen[r] for r in self.rows]
         base, base_max = torch.tensor(base_host, device=self.device), max(base_host)  # [B]
         floor = torch.tensor([self.floor[r] for r in self.rows], device=self.device)

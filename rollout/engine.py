@@ -11,6 +11,11 @@ to the proposer while speculation is off: the engine keeps each request's tokens
 target features into a buffer laid out like the KV cache (rows, positions), and a proposer reads
 what it missed from there (:class:`~rollout.draft_tree.ProposerInput`) when it is next asked.
 
+Proposers are arms: the engine holds named proposers (``""``: the main one, e.g. EAGLE; e.g.
+``"suffix"``: the model-free drafter) and the arm chosen for a step names the one that drafts.
+Every arm the engine may run (the fixed one, or every arm of the tuner's buckets) is checked at
+construction against ``max_draft_tokens`` and the proposers it names.
+
 Sampling is coupled (:mod:`rollout.sampling`): a request's token at a position is a function of its
 seed, the position and the target's logits, so speculative and plain decoding sample the same
 tokens. A :class:`FeatureSink` receives every finished request's tokens and the target features
@@ -109,14 +114,15 @@ class RolloutResult:
 class RolloutEngine:
     def __init__(self, target: TargetModel, cfg: EngineConfig = EngineConfig(), *,
                  proposer: Proposer | None = None, tuner: Tuner | None = None,
-                 sink: FeatureSink | None = None) -> None:
-        if proposer is not None and cfg.arm is None and tuner is None:
-            raise ValueError("a proposer needs a strategy: set EngineConfig.arm or pass a tuner")
-        layers = getattr(proposer, "feature_layers", None)
-        if sink is not None and layers and tuple(layers) != tuple(sink.aux_layers):
-            raise ValueError(f"the proposer reads target layers {tuple(layers)} but the feature sink captures "
-                             f"{tuple(sink.aux_layers)}: give both the same drafter's aux layers")
-        self.target, self.cfg, self.proposer, self.tuner, self.sink = target, cfg, proposer, tuner, sink
+                 sink: FeatureSink | None = None, proposers: dict[str, Proposer] | None = None) -> None:
+        """``proposer``: the main proposer (arms with ``proposer=""``); ``proposers``: more, by name."""
+        named = {**({"": proposer} if proposer is not None else {}), **(proposers or {})}
+        self.target, self.cfg, self.sink = target, cfg, sink
+        self.proposers: dict[str, Proposer] = {}
+        self.tuner: Tuner | None = None
+        self._aux_layers: tuple[int, ...] = ()
+        self._last_proposer: str | None = None  # the proposer that drafted the previous step (None: off)
+        self.set_proposers(named, tuner)
         mc = target.config
         self.device = target.embed_weight.device
         self.cache = StaticKVCache(mc.num_hidden_layers, cfg.max_batch, mc.num_key_value_heads,
@@ -160,6 +166,7 @@ class RolloutEngine:
         plens = [len(p) for p in prompts]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         self._generation += 1
+        self._last_proposer = None
         first, first_lp = self._prefill(prompts, sampling, stops)
         steps: list[StepRecord] = []
         accept_lengths: list[int] = []
@@ -185,13 +192,57 @@ class RolloutEngine:
             rows = [rows[k] for k in keep]
             if not rows:
                 break
-            inp = ProposerInput(self._generation, tuple(rows), seqs, plens, groups, self._proposer_features(),
-                                Arm.off(), sampling)
+            inp = ProposerInput(self._generation, tuple(rows), seqs, plens, groups, None, Arm.off(), sampling)
             last, last_lp, rec, acc = self._step(inp, sampling, stops)
             steps.append(rec)
             accept_lengths += acc
         outputs = [seq[plen:] for seq, plen in zip(seqs, plens)]
         return RolloutResult(outputs, steps, accept_lengths, time.perf_counter() - t_start, logprobs)
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The main proposer (arms with ``proposer=""``)."""
+        return self.proposers.get("")
+
+    def set_proposers(self, proposers: dict[str, Proposer], tuner: Tuner | None) -> None:
+        """Set the proposers and the tuner (between ``generate`` calls: the KV cache stays, the
+        feature buffer is re-laid out at the next prefill if what is captured changed). Every arm
+        the engine may run is checked against them; on a ValueError nothing changed."""
+        if proposers and self.cfg.arm is None and tuner is None:
+            raise ValueError("a proposer needs a strategy: set EngineConfig.arm or pass a tuner")
+        aux = {tuple(p.feature_layers) for p in proposers.values() if p.feature_layers}
+        if self.sink is not None:
+            aux.add(tuple(self.sink.aux_layers))
+        if len(aux) > 1:
+            raise ValueError(f"the proposers and the feature sink read different target layers {sorted(aux)}: give "
+                             "them the same drafter's aux layers")
+        old = self.proposers, self.tuner, self._aux_layers
+        kept = (self._aux_layers, self._stores_hidden)
+        self.proposers, self.tuner, self._aux_layers = dict(proposers), tuner, (aux.pop() if aux else ())
+        try:
+            if getattr(self, "static_step", None) is not None and (self._aux_layers, self._stores_hidden) != kept:
+                raise ValueError("the new proposers read other target features than the captured CUDA graphs "
+                                 "produce: build a new engine")
+            self._check_arms()
+        except ValueError:
+            self.proposers, self.tuner, self._aux_layers = old
+            raise
+
+    def _check_arms(self) -> None:
+        """Every arm this engine may run fits its KV slots and names one of its proposers."""
+        if not self.proposers:
+            return
+        arms = [self.cfg.arm] if self.cfg.arm is not None else [
+            a for _, bucket in getattr(getattr(self.tuner, "config", None), "buckets", ()) for a in bucket]
+        for arm in arms:
+            if arm.is_off:
+                continue
+            if arm.tokens_to_verify > self.cfg.max_draft_tokens:
+                raise ValueError(f"arm {arm} verifies {arm.tokens_to_verify} tokens but EngineConfig.max_draft_tokens="
+                                 f"{self.cfg.max_draft_tokens}: raise max_draft_tokens or drop the arm")
+            if arm.proposer not in self.proposers:
+                raise ValueError(f"arm {arm} names proposer {arm.proposer!r}, the engine has "
+                                 f"{sorted(self.proposers)}")
 
     # ------------------------------------------------------------------ internals
     def _prefill(self, prompts, sampling: RowSampling, stops):
@@ -227,14 +278,12 @@ class RolloutEngine:
 
     @property
     def _capture(self) -> tuple[int, ...]:
-        """Target layers whose inputs the forward records (the sink's, else the proposer's)."""
-        if self.sink is not None:
-            return tuple(self.sink.aux_layers)
-        return tuple(getattr(self.proposer, "feature_layers", None) or ())
+        """Target layers whose inputs the forward records (the sink's and the proposers')."""
+        return self._aux_layers
 
     @property
     def _stores_hidden(self) -> bool:
-        return self.sink is not None or getattr(self.proposer, "feature_layers", None) == ()
+        return self.sink is not None or any(p.feature_layers == () for p in self.proposers.values())
 
     def _features(self, out) -> torch.Tensor | None:
         """What the engine keeps per position: [B, T, F] = the post-norm last hidden state (when the
@@ -242,9 +291,9 @@ class RolloutEngine:
         parts = ([out.hidden] if self._stores_hidden else []) + [out.aux[i] for i in self._capture]
         return torch.cat(parts, -1) if parts else None
 
-    def _proposer_features(self) -> torch.Tensor | None:
-        """The proposer's view of the feature buffer [max_batch, S, F] (hidden, or the layers)."""
-        layers = getattr(self.proposer, "feature_layers", None)
+    def _proposer_features(self, proposer: Proposer) -> torch.Tensor | None:
+        """A proposer's view of the feature buffer [max_batch, S, F] (hidden, or the layers)."""
+        layers = proposer.feature_layers
         if layers is None or self._features_buf is None:
             return None
         h = self.target.config.hidden_size
@@ -254,7 +303,7 @@ class RolloutEngine:
 
     def _speculate(self, b: int) -> bool:
         cap = self.cfg.elastic_threshold
-        return self.proposer is not None and (cap is None or b <= cap)
+        return bool(self.proposers) and (cap is None or b <= cap)
 
     def _step(self, inp: ProposerInput, sampling: RowSampling, stops):
         rows = inp.rows
@@ -264,17 +313,25 @@ class RolloutEngine:
         if sd:
             arm = self.cfg.arm if self.cfg.arm is not None else self.tuner.choose(b)
         t0 = time.perf_counter()
+        switch_s = 0.0  # catching up what other arms committed: the switch's cost, not this arm's
         if sd and not arm.is_off:
-            tree = self.proposer.propose(dataclasses.replace(inp, arm=arm))
+            prop = self.proposers[arm.proposer]
+            tree = prop.propose(dataclasses.replace(inp, arm=arm, features=self._proposer_features(prop)))
             tree = DraftTree(tree.tokens.to(self.device), tree.parents.to(self.device), tree.valid.to(self.device))
             draft_s = time.perf_counter() - t0
+            if arm.proposer != self._last_proposer:
+                switch_s = min(draft_s, getattr(prop, "catch_up_s", 0.0))
+            self._last_proposer = arm.proposer
         else:
             draft_s = 0.0
             tree = DraftTree.empty(b, self.device)
+            self._last_proposer = None
         if self.static_step is not None:
             tree = tree.padded_to(arm.tokens_to_verify)
         n = tree.num_nodes
-        assert n <= self.cfg.max_draft_tokens, f"proposer drafted {n} > max_draft_tokens nodes"
+        if n > self.cfg.max_draft_tokens:  # arms were checked: only a proposer breaking its arm gets here
+            raise RuntimeError(f"proposer {arm.proposer!r} drafted {n} > max_draft_tokens="
+                               f"{self.cfg.max_draft_tokens} nodes for arm {arm}")
         lengths = [len(inp.tokens[r]) for r in rows]  # committed incl. the pending one
         roots = torch.tensor(lengths, device=self.device) - 1
         last_tok = torch.tensor([inp.tokens[r][-1] for r in rows], device=self.device)
@@ -309,7 +366,7 @@ class RolloutEngine:
         seconds = time.perf_counter() - t0
         accepted = sum(len(x) for x in res.nodes)
         if sd and self.tuner is not None and self.cfg.arm is None:
-            self.tuner.record(b, arm, accepted, seconds)
+            self.tuner.record(b, arm, accepted, max(seconds - switch_s, 1e-9))
         rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(len(t) for t in res.tokens), seconds,
                          res.drafted, draft_s)
         acc = [len(t) for t in res.tokens] if rec.sd else []

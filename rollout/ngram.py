@@ -23,6 +23,10 @@ Sources
       the same GRPO group, running or finished. Only continuations starting in a sibling's output
       count (the matched n-gram itself may lie in its prompt): the shared prompt is covered by the
       request's own prompt and is not counted once per sibling. Other groups are never used.
+    * history (a :class:`HistorySource` given to the proposer, :mod:`rollout.history`): the same
+      prompt's responses from earlier RL steps and a bounded pool of recent responses across
+      prompts, each an indexed :class:`Corpus` (responses joined by a separator no continuation
+      crosses). Its stamps are older than every prompt token.
 Match length
     Suffix lengths ``n = min(max_n, len(context))`` down to ``min_n`` are tried. A position found
     at several lengths counts once, at its longest. Occurrences are collected longest ``n`` first,
@@ -66,7 +70,9 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import logging
+import time
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -75,7 +81,8 @@ from rollout.strategy import Arm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NgramConfig", "NgramProposer"]
+__all__ = ["HistorySource", "IndexedSeq", "NgramConfig", "NgramIndex", "NgramProposer", "SEP"]
+SEP = -1  # separates the responses of a history corpus: never a token, so no n-gram matches across it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,7 +116,7 @@ class NgramConfig:
                              "enable at least one source (or run with Arm.off())")
 
 
-class _Index:
+class NgramIndex:
     """n-gram (tuple) -> the positions right after each of its occurrences, oldest first."""
 
     __slots__ = ("table",)
@@ -118,20 +125,29 @@ class _Index:
         self.table: dict[tuple[int, ...], list[int]] = {}
 
 
-class _Seq:
-    """One request: its tokens, their stamps and its two indexes."""
+class IndexedSeq:
+    """One request (or a history corpus): its tokens, their stamps and its two indexes."""
 
-    __slots__ = ("rid", "group", "tokens", "stamps", "prompt_len", "prompt_index", "output_index", "finished")
+    __slots__ = ("rid", "group", "tokens", "stamps", "prompt_len", "prompt_index", "output_index", "finished",
+                 "history")
 
-    def __init__(self, rid: int, group: "_Group", prompt_len: int, prompt_index: _Index) -> None:
+    def __init__(self, rid: int, group: "_Group | None", prompt_len: int, prompt_index: NgramIndex) -> None:
         self.rid = rid
         self.group = group
         self.tokens: list[int] = []
         self.stamps: list[int] = []  # stamps[i]: i - prompt_len in the prompt, else the global clock
         self.prompt_len = prompt_len
         self.prompt_index = prompt_index  # positions p < prompt_len (may be shared with siblings)
-        self.output_index = _Index()  # positions p >= prompt_len
+        self.output_index = NgramIndex()  # positions p >= prompt_len
         self.finished = False
+        self.history: list[IndexedSeq] = []  # history corpora of its prompt (looked up when it starts)
+
+
+class HistorySource(Protocol):
+    """Earlier responses to draft from: indexed, finished sequences for a prompt (its own history, a
+    global pool); :class:`rollout.history.ResponseHistory` is the implementation."""
+
+    def sources(self, prompt: tuple[int, ...]) -> list[IndexedSeq]: ...
 
 
 class _Group:
@@ -139,9 +155,9 @@ class _Group:
 
     def __init__(self, gid: int) -> None:
         self.gid = gid
-        self.members: list[_Seq] = []
+        self.members: list[IndexedSeq] = []
         self.running = 0
-        self.prompt_indexes: dict[tuple[int, ...], _Index] = {}  # equal prompts share one index
+        self.prompt_indexes: dict[tuple[int, ...], NgramIndex] = {}  # equal prompts share one index
 
 
 def _as_list(tokens: Iterable[int]) -> list[int]:
@@ -153,9 +169,11 @@ class NgramProposer:
 
     feature_layers = None  # needs no target features
 
-    def __init__(self, config: NgramConfig | None = None) -> None:
+    def __init__(self, config: NgramConfig | None = None, history: HistorySource | None = None) -> None:
         self.config = config if config is not None else NgramConfig()
-        self._reqs: dict[int, _Seq] = {}
+        self.history = history
+        self.catch_up_s = 0.0  # seconds the last proposal spent indexing what was committed since
+        self._reqs: dict[int, IndexedSeq] = {}
         self._groups: dict[int, _Group] = {}
         self._clock = 0
         self._generation: int | None = None  # ProposerInput.generation being followed
@@ -180,7 +198,9 @@ class NgramProposer:
                 group = self._groups[gid] = _Group(gid)
             key = tuple(prompt)
             shared = group.prompt_indexes.get(key)
-            seq = _Seq(rid, group, len(prompt), shared if shared is not None else _Index())
+            seq = IndexedSeq(rid, group, len(prompt), shared if shared is not None else NgramIndex())
+            if self.history is not None:
+                seq.history = self.history.sources(key)
             self._append(seq, prompt, index_prompt=shared is None)
             if shared is None:
                 group.prompt_indexes[key] = seq.prompt_index
@@ -240,6 +260,7 @@ class NgramProposer:
             self.start(list(every), [inp.groups[r] for r in every],
                        [inp.tokens[r][: inp.prompt_lens[r]] for r in every])
             self._live = set(every)
+        t0 = time.perf_counter()
         running = set(inp.rows)
         for r in sorted(self._live):  # running requests and those that finished since the last call
             seq = self._reqs[r]
@@ -248,6 +269,7 @@ class NgramProposer:
             if r not in running:
                 self._live.discard(r)
                 self.finish([r])
+        self.catch_up_s = time.perf_counter() - t0
         return self.draft(inp.rows, inp.arm)
 
     def draft(self, rids: Sequence[int], arm: Arm) -> DraftTree:
@@ -262,7 +284,7 @@ class NgramProposer:
 
     # --- internals --------------------------------------------------------------------------
 
-    def _running(self, rid: int, op: str) -> _Seq:
+    def _running(self, rid: int, op: str) -> IndexedSeq:
         seq = self._reqs.get(rid)
         if seq is None:
             raise ValueError(f"{op}: unknown request {rid} (never started, or its group was dropped)")
@@ -270,7 +292,7 @@ class NgramProposer:
             raise ValueError(f"{op}: request {rid} has finished")
         return seq
 
-    def _append(self, seq: _Seq, new: list[int], *, index_prompt: bool) -> None:
+    def _append(self, seq: IndexedSeq, new: list[int], *, index_prompt: bool) -> None:
         """Append tokens and index every n-gram ending at each new token (keyed by the next position)."""
         lo, hi = self.config.min_n, self.config.max_n
         toks, plen = seq.tokens, seq.prompt_len
@@ -296,22 +318,23 @@ class NgramProposer:
                 else:
                     bucket.append(p)
 
-    def _sources(self, seq: _Seq) -> list[tuple[_Index, _Seq]]:
+    def _sources(self, seq: IndexedSeq) -> list[tuple[NgramIndex, IndexedSeq]]:
         cfg = self.config
-        out: list[tuple[_Index, _Seq]] = []
+        out: list[tuple[NgramIndex, IndexedSeq]] = []
         if cfg.use_prompt:
             out.append((seq.prompt_index, seq))
         if cfg.use_own_output:
             out.append((seq.output_index, seq))
         if cfg.use_siblings:
             out.extend((sib.output_index, sib) for sib in seq.group.members if sib is not seq)
+        out.extend((h.output_index, h) for h in seq.history)
         return out
 
-    def _occurrences(self, seq: _Seq) -> list[tuple[int, int, _Seq, int]]:
+    def _occurrences(self, seq: IndexedSeq) -> list[tuple[int, int, IndexedSeq, int]]:
         """(match length n, stamp, source, position) of the collected occurrences, best first."""
         cfg, ctx = self.config, seq.tokens
         sources = self._sources(seq)
-        found: list[tuple[int, int, _Seq, int]] = []
+        found: list[tuple[int, int, IndexedSeq, int]] = []
         seen: set[tuple[int, int]] = set()  # (id(source), position): counted at its longest n
         for n in range(min(cfg.max_n, len(ctx)), cfg.min_n - 1, -1):
             key = tuple(ctx[len(ctx) - n:])
@@ -340,7 +363,7 @@ class NgramProposer:
                 break
         return found
 
-    def _draft(self, seq: _Seq, arm: Arm) -> list[tuple[int, int]]:
+    def _draft(self, seq: IndexedSeq, arm: Arm) -> list[tuple[int, int]]:
         """The tree for one request as (token, parent) pairs in topological order."""
         occurrences = self._occurrences(seq)
         if not occurrences:
@@ -351,6 +374,8 @@ class NgramProposer:
         for n, stamp, src, p in occurrences:
             node = root
             for tok in src.tokens[p:p + arm.depth]:
+                if tok == SEP:  # a history response ends here
+                    break
                 children = node[3]
                 child = children.get(tok)
                 if child is None:

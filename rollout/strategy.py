@@ -1,8 +1,10 @@
-"""Speculation strategies (arms): how deep and how wide to draft, and how many tokens to verify.
+"""Speculation strategies (arms): which proposer drafts, how deep and how wide, and how many tokens
+to verify.
 
 Owns the :class:`Arm` value type shared by the proposers, the BEG-MAB tuner and the CUDA-graph
 planner. ``Arm.off()`` (all zeros) means plain autoregressive decoding: the tuner may pick it
-when speculation does not pay.
+when speculation does not pay. ``proposer`` names one of the engine's proposers ("" = its main
+one, e.g. the EAGLE drafter; "suffix" = the model-free drafter): proposers are arms, not fallbacks.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ class Arm:
     depth: int  # draft levels
     topk: int  # children expanded per node (1 = chain)
     tokens_to_verify: int  # draft nodes sent to the target (the root token is not counted)
+    proposer: str = ""  # which of the engine's proposers drafts ("": the main one)
 
     def __post_init__(self) -> None:
         if (self.depth, self.topk, self.tokens_to_verify) == (0, 0, 0):
+            if self.proposer:
+                raise ValueError(f"{self!r}: the off arm drafts nothing; give it no proposer")
             return
         if self.depth < 1 or self.topk < 1 or self.tokens_to_verify < 1:
             raise ValueError(f"{self}: depth, topk and tokens_to_verify must all be >= 1 "
@@ -44,4 +49,6 @@ class Arm:
         return self.topk + (self.depth - 1) * self.topk * self.topk
 
     def __str__(self) -> str:
-        return "off" if self.is_off else f"d{self.depth}k{self.topk}v{self.tokens_to_verify}"
+        if self.is_off:
+            return "off"
+        return f"d{self.depth}k{self.topk}v{self.tokens_to_verify}" + (f"@{self.proposer}" if self.proposer else "")

@@ -91,6 +91,27 @@ def compute_bound_buckets() -> tuple[Bucket, ...]:
     return ((1, (d5, d7, d3, off)), (4, (d7, d5, d3, off)), (16, (d5, d3, off)), (64, (d5, d3, off)))
 
 
+# The model-free drafter's chains: drafting costs microseconds, so only verifying costs; a long
+# chain pays where a history match runs long, a short one where it does not.
+SUFFIX_ARMS = (Arm(4, 1, 4, "suffix"), Arm(8, 1, 8, "suffix"))
+
+
+def with_proposers(buckets: Iterable[Bucket], proposers: tuple[str, ...]) -> tuple[Bucket, ...]:
+    """``buckets`` (arms of the main proposer "") for an engine with these proposers: the main
+    one's arms only if "" is among them, the suffix chains if "suffix" is; ``off`` always."""
+    if not proposers:
+        raise ValueError("with_proposers: give at least one proposer name")
+    unknown = set(proposers) - {"", "suffix"}
+    if unknown:
+        raise ValueError(f"with_proposers: unknown proposers {sorted(unknown)}; use '' (main) and 'suffix'")
+    out = []
+    for mx, arms in buckets:
+        main = [a for a in arms if not a.is_off] if "" in proposers else []
+        extra = list(SUFFIX_ARMS) if "suffix" in proposers else []
+        out.append((mx, tuple(main + extra + [Arm.off()])))
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TunerConfig:
     # ((max_batch_size, (arm, ...)), ...), sorted by max_batch_size; a batch larger than the last
@@ -147,10 +168,13 @@ class TunerConfig:
             raise ValueError(f"TunerConfig.seed={self.seed!r} must be an int")
 
     @classmethod
-    def for_device(cls, device_type: str, **overrides: Any) -> TunerConfig:
-        """The default for GPUs (memory-bound small batches); small chains on ``"cpu"``."""
-        if device_type == "cpu":
-            overrides.setdefault("buckets", compute_bound_buckets())
+    def for_device(cls, device_type: str, *, proposers: tuple[str, ...] = ("",), **overrides: Any) -> TunerConfig:
+        """The default for GPUs (memory-bound small batches); small chains on ``"cpu"``. ``proposers``:
+        the engine's proposers by name ("" = the main, learned drafter; "suffix" = the model-free
+        one, whose chains are added to every bucket)."""
+        if "buckets" not in overrides:
+            base = compute_bound_buckets() if device_type == "cpu" else _default_buckets()
+            overrides["buckets"] = with_proposers(base, proposers)
         return cls(**overrides)
 
     @classmethod
@@ -249,6 +273,18 @@ class BegMab:
         toks, times = zip(*window)
         return sum(toks) / len(toks) / statistics.median(times)
 
+    def forget(self, proposer: str) -> int:
+        """Drop what was learned about ``proposer``'s arms (its drafter was swapped: a new drafter's
+        acceptance is not the old one's); they are tried again first. Returns the arms reset."""
+        n = 0
+        for b, (_, arms) in enumerate(self.config.buckets):
+            for a in arms:
+                if not a.is_off and a.proposer == proposer:
+                    self._steps[b][a].clear()
+                    self._estimate[b].pop(a, None)
+                    n += 1
+        return n
+
     def best(self, batch_size: int) -> Arm | None:
         """The current exploitation choice (None while an arm of the bucket is untried)."""
         b = self.bucket_index(batch_size)
@@ -270,8 +306,8 @@ class BegMab:
         per = [(b, arms) for b, (_, arms) in enumerate(self.config.buckets)]
         return {
             "version": 1,
-            "buckets": [[mx, [[a.depth, a.topk, a.tokens_to_verify] for a in arms]]
-                        for mx, arms in self.config.buckets],
+            "buckets": [[mx, [[a.depth, a.topk, a.tokens_to_verify] + ([a.proposer] if a.proposer else [])
+                              for a in arms]] for mx, arms in self.config.buckets],
             "steps": [[[list(s) for s in self._steps[b][a]] for a in arms] for b, arms in per],
             "count": [[self._count[b][a] for a in arms] for b, arms in per],
             "chosen": [[self._chosen[b][a] for a in arms] for b, arms in per],

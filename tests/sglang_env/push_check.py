@@ -110,7 +110,10 @@ async def _main(model_path: str) -> dict:
         draft_calls, calls[:] = list(calls), []
         await adapter.rotate_ngram_corpus(0, ["12 + 7 = 19", ""])
         await adapter.rotate_ngram_corpus(1, ["3 * 4 = 12"])
-        corpus_calls = list(calls)
+        corpus_calls, calls[:] = list(calls), []
+        for step in range(3):  # a two-step history window: step 0's corpus leaves at step 2
+            await adapter.rotate_ngram_corpus(step, [f"step {step}"], window=2)
+        window_calls = [(e, b["corpus_id"]) for e, b in calls]
     finally:
         await runner.cleanup()
 
@@ -144,6 +147,8 @@ async def _main(model_path: str) -> dict:
     assert corpus_calls == [("add_external_corpus", {"corpus_id": "tlt-step-0", "documents": ["12 + 7 = 19"]}),
                             ("add_external_corpus", {"corpus_id": "tlt-step-1", "documents": ["3 * 4 = 12"]}),
                             ("remove_external_corpus", {"corpus_id": "tlt-step-0"})], corpus_calls
+    assert window_calls == [("add_external_corpus", "tlt-step-0"), ("add_external_corpus", "tlt-step-1"),
+                            ("add_external_corpus", "tlt-step-2"), ("remove_external_corpus", "tlt-step-0")], window_calls
     return {"api": dataclasses.asdict(api), "policy_calls": seq, "draft_calls": dseq,
             "corpus_calls": [c[0] for c in corpus_calls],
             "policy_fields": sorted(set(updates[0]) - {"serialized_named_tensors"}),

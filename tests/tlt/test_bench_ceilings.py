@@ -32,14 +32,16 @@ def test_bench_headroom_quick(tmp_path, monkeypatch, capsys):
     rec = tmp_path / "h.json"
     assert main(["-q", "bench", "headroom", "--quick", "--target-steps", "12", "--json", str(rec)]) == 0
     r = json.loads(rec.read_text())
-    assert set(r["accept_length"]) == {"stale", "on-policy 5", "on-policy 20", "oracle"}
+    drafters = {"stale", "on-policy 5", "on-policy 20"}
+    assert set(r["accept_length"]) == drafters | {f"{d}, shared noise" for d in drafters} | {"oracle"}
+    assert set(r["shared_noise_gain"]) == drafters
     for name, row in r["accept_length"].items():
         assert set(row) == {"1", "3"} and all(al >= 1 for al in row.values()), name
         assert r["over_stale"][name]["3"] == pytest.approx(row["3"] / r["accept_length"]["stale"]["3"])
     assert 0 < r["target_top1_mass"] <= 1
     assert r["ceiling_over_stale"] == max(r["over_stale"]["oracle"].values())
     assert "-s12-" in r["target"]  # the target --target-steps trained
-    assert "spot vs stale can reach at most" in capsys.readouterr().out
+    assert "shared noise over deterministic drafts" in capsys.readouterr().out
     assert main(["-q", "bench", "headroom", "--target-steps", "-1"]) == 2
     assert "--target-steps=-1: must be >= 0" in capsys.readouterr().err
 
@@ -54,4 +56,19 @@ def test_bench_step_cost_quick(tmp_path, capsys):
         assert b["all_accepted_limit"] == pytest.approx(5 * b["ar_step_ms"] / b["sd_step_ms"])
     assert "with all 4 drafts accepted at most" in capsys.readouterr().out
     assert main(["-q", "bench", "step-cost", "--shape", "gpt-9"]) == 2
-    assert "--shape 'gpt-9': use auto or one of" in capsys.readouterr().err
+    assert "--shape 'gpt-9': use auto, demo or one of" in capsys.readouterr().err
+
+
+def test_bench_drafters_quick(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
+    rec = tmp_path / "d.json"
+    assert main(["-q", "bench", "drafters", "--quick", "--json", str(rec)]) == 0
+    r = json.loads(rec.read_text())
+    assert set(r["variants"]) == {"suffix, siblings only", "suffix + history", "suffix + history + global",
+                                  "EAGLE (warm-up)", "BEG-MAB: EAGLE + suffix"}
+    for name, row in r["variants"].items():
+        for shape in ("chain", "tree"):
+            assert row[shape]["accept_length"] >= 1.0 and row[shape]["verifies"] > 0, (name, shape)
+            assert all(us > 0 for us in row[shape]["us_per_propose_per_request"].values())
+    assert r["variants"]["suffix + history"]["chain"]["history"]["responses"] > 0
+    assert "x siblings-only" in capsys.readouterr().out

@@ -86,3 +86,17 @@ def test_reward_first_and_last_are_two_step_means():
     s = demo.summarize(records)
     first, last = s["reward_first_last_by_arm"]["A"]
     assert math.isclose(first, 0.15) and math.isclose(last, 0.45) and math.isclose(s["reward_rise_a"], 3.0)
+
+
+def test_proposer_shares_and_the_model_free_drafters_contribution():
+    def step(s, arm, proposer_suffix, rollout):
+        return {**_step(s, 10, 20, 1), f"tlt/arm_share/{arm}": 1.0, "tlt/proposer_share/suffix": proposer_suffix,
+                "tlt/proposer_share/eagle": 1.0 - proposer_suffix, "tlt/rollout_s": rollout}
+
+    records = {"C": [step(s, "d4k1v4@suffix", 0.75, 1.0) for s in range(1, 5)],
+               "D": [step(s, "d5k1v5", 0.0, 1.5) for s in range(1, 5)]}
+    s = demo.summarize(records)
+    assert s["proposer_share_by_arm"]["C"] == {"suffix": 0.75, "eagle": 0.25}
+    assert math.isclose(s["rollout_time_ratio_d_over_c"], 1.5)
+    text = "\n".join(demo.summary_lines({**s, "seconds": 1.0}))
+    assert "suffix 75%, eagle 25%" in text and "EAGLE only / EAGLE + suffix drafter 1.50x" in text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tlt.demo.corpus import CorpusConfig, make_corpus
-from tlt.demo.grpo_task import DATA_SOURCE, compute_score, write_parquet
+from tlt.demo.grpo_task import DATA_SOURCE, compute_score, line_accuracy, write_parquet
 
 CAREFUL = CorpusConfig(seed=3, careful_share=1.0)
 
@@ -14,27 +14,35 @@ def _answer(p):
     return p.response.rsplit("{", 1)[1].split("}")[0]
 
 
-def test_reward_prefers_the_careful_style_and_rewards_lines_and_answer():
+def test_reward_prefers_the_careful_style():
     p = make_corpus(1, CAREFUL)[0]
     assert p.style == "careful" and p.response.startswith("I will keep a running total.")
     ans = _answer(p)
     assert compute_score(DATA_SOURCE, p.response, ans) == pytest.approx(1.0)  # the reference solution
-    assert compute_score(DATA_SOURCE, p.response, str(int(ans) + 1)) == pytest.approx(0.9)
-    lines = p.response.count(" gives ")
-    first = p.response.splitlines()[2]  # the first step line: "... gives N."
-    head, result = first.rsplit(" ", 1)
-    wrong = p.response.replace(first, f"{head} {int(result[:-1]) + 1}.", 1)  # its arithmetic now wrong
-    assert compute_score(DATA_SOURCE, wrong, ans) == pytest.approx(0.1 + 0.5 + 0.2 + 0.1 * (lines - 1) / lines + 0.1)
+    assert compute_score(DATA_SOURCE, p.response, str(int(ans) + 1)) == pytest.approx(1.0)  # style only
     plain = make_corpus(1, CorpusConfig(seed=3))[0]
-    assert plain.style == "plain" and compute_score(DATA_SOURCE, plain.response, _answer(plain)) == pytest.approx(0.3)
+    assert plain.style == "plain" and compute_score(DATA_SOURCE, plain.response, _answer(plain)) == pytest.approx(0.1)
+    lines = p.response.count(" gives ")
     # one plain line in a careful response: that share of the style credit is lost
     mixed = p.response.replace(p.response.splitlines()[2], "1 + 1 = 2", 1)
-    assert compute_score(DATA_SOURCE, mixed, ans) == pytest.approx(1.0 - 0.2 / lines)
+    assert compute_score(DATA_SOURCE, mixed, ans) == pytest.approx(1.0 - 0.3 / lines)
     # careful lines without the careful opener earn no style credit
     assert compute_score(DATA_SOURCE, p.response.replace("I will keep a running total.\n", ""), ans) == \
-        pytest.approx(0.3)
+        pytest.approx(0.1)
     assert compute_score(DATA_SOURCE, p.response.replace("\\boxed", "boxed"), ans) == 0.0
     assert compute_score(DATA_SOURCE, None, ans) == 0.0
+
+
+def test_line_accuracy_checks_the_arithmetic_in_both_styles():
+    for share in (0.0, 1.0):
+        p = make_corpus(1, CorpusConfig(seed=4, careful_share=share))[0]
+        assert line_accuracy(p.response) == 1.0
+        first = p.response.splitlines()[2 if share else 1]  # the first step line
+        head, result = first.rsplit(" ", 1)
+        wrong = f"{head} {int(result.rstrip('.')) + 1}" + ("." if share else "")
+        lines = len([x for x in p.response.splitlines() if " = " in x or " gives " in x])
+        assert line_accuracy(p.response.replace(first, wrong, 1)) == pytest.approx((lines - 1) / lines)
+    assert line_accuracy("no steps here") is None
 
 
 def test_careful_share_sets_the_style_mix():

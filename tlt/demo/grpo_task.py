@@ -3,12 +3,13 @@
 Owns the verl-format prompt files (parquet: ``data_source``, chat ``prompt``, ``reward_model`` with
 the ground truth, ``extra_info.index``) built from :mod:`tlt.demo.corpus`, and the rule-based
 reward verl calls (``reward.custom_reward_function.path=<this file>``, ``name=compute_score``):
-0 without a ``\\boxed{N}`` answer; otherwise ``0.1 + 0.5 x opener + 0.2 x careful + 0.1 x line
-accuracy + 0.1 x right answer``, where ``opener`` says the response opens in the careful style,
-``careful`` is the share of its step lines written in that style (0 without the opener) and line
-accuracy the share of step lines whose arithmetic is right. The policy starts out choosing the
-careful style rarely (as rarely as its training data does) and GRPO makes it common within a few
-steps: the policy really moves, and a tiny policy's shaky arithmetic does not drown the signal.
+0 without a ``\\boxed{N}`` answer; otherwise ``0.1 + 0.6 x opener + 0.3 x careful``, where
+``opener`` says the response opens in the careful style and ``careful`` is the share of its step
+lines written in that style (0 without the opener). The policy starts out choosing the careful
+style rarely (as rarely as its training data does) and GRPO makes it common within a few steps:
+the policy really moves. The reward judges style only: a tiny policy's shaky arithmetic would
+drown the signal, and rewarding right answers taught it to shorten its responses (fewer steps,
+fewer mistakes), which erases the long tail. :func:`line_accuracy` reports the arithmetic.
 Nothing here imports verl.
 """
 
@@ -41,17 +42,19 @@ def _step(line: str) -> tuple[str, bool] | None:
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
     text = solution_str or ""
-    found = _BOXED.findall(text)
-    if not found:
+    if not _BOXED.findall(text):
         return 0.0
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     steps = [s for s in map(_step, lines) if s is not None]
-    if not steps:
-        return 0.1
-    line_acc = sum(ok for _, ok in steps) / len(steps)
-    opener = lines[0] == CAREFUL_OPENER
-    careful = sum(style == "careful" for style, _ in steps) / len(steps) if opener else 0.0
-    return 0.1 + 0.5 * opener + 0.2 * careful + 0.1 * line_acc + 0.1 * (found[-1] == str(ground_truth).strip())
+    opener = bool(lines) and lines[0] == CAREFUL_OPENER
+    careful = sum(style == "careful" for style, _ in steps) / len(steps) if opener and steps else 0.0
+    return 0.1 + 0.6 * opener + 0.3 * careful
+
+
+def line_accuracy(solution_str: str) -> float | None:
+    """Share of a response's step lines whose arithmetic is right (None without step lines)."""
+    steps = [s for s in map(_step, (x.strip() for x in (solution_str or "").splitlines())) if s is not None]
+    return sum(ok for _, ok in steps) / len(steps) if steps else None
 
 
 def write_parquet(out: Path, n: int, seed: int, corpus: CorpusConfig | None = None) -> Path:

@@ -51,6 +51,8 @@ class DemoSize:
     warmup_steps: int       # drafter warm-up optimizer steps
     max_prompt: int = 128
     actor_lr: float = 2e-4
+    spot_lr: float = 3e-3      # the warm-up's learning rate: a few spot steps per RL step must count
+    spot_tokens: int = 1024    # tokens per spot micro-step: more steps in a short idle window
     timeout_s: int = 1500   # per arm
 
     def __post_init__(self) -> None:
@@ -58,19 +60,21 @@ class DemoSize:
             raise ValueError(f"steps={self.steps}: use at least 1 RL step")
 
 
-# The task's shape: a median of 5 steps with a lognormal tail; one response in ten in the careful style.
-DEMO_CORPUS = CorpusConfig(median_steps=5, max_steps=18, careful_share=0.1)
-DEFAULT = DemoSize(target=TargetSpec(num_layers=24, trained_layers=4, train_steps=300, grown_steps=10,
-                                     corpus=DEMO_CORPUS),
-                   prompts=32, batch=8, n=4, steps=8, max_response=320, warmup_steps=60, actor_lr=2e-4)
+# The task's shape: a median of 6 steps with a lognormal tail; one response in ten in the careful style.
+DEMO_CORPUS = CorpusConfig(median_steps=6, max_steps=18, careful_share=0.1)
+DEFAULT = DemoSize(target=TargetSpec(hidden_size=64, intermediate_size=176, num_layers=20, trained_layers=4,
+                                     train_steps=300, grown_steps=10, corpus=DEMO_CORPUS),
+                   prompts=32, batch=8, n=4, steps=8, max_response=320, warmup_steps=60, actor_lr=4e-4)
 QUICK = DemoSize(target=TargetSpec(hidden_size=64, num_layers=2, intermediate_size=128, train_steps=10,
                                    batch_size=4, seq_len=128, corpus=DEMO_CORPUS),
                  prompts=8, batch=4, n=2, steps=2, max_response=64, warmup_steps=5, timeout_s=600)
 
-ARMS = {  # arm -> verl overrides
+ARMS = {  # arm -> verl overrides (D is not in the default run: `tlt demo --arms ACD` measures the
+    # model-free drafter's contribution)
     "A": ["tlt.speculation.enable=false", "tlt.drafter.train=false", "tlt.buffer.capture=off"],
     "B": ["tlt.drafter.train=false", "tlt.buffer.capture=off"],
     "C": [],
+    "D": ["tlt.speculation.ngram=false"],
 }
 
 
@@ -147,7 +151,7 @@ def run_demo(workdir: Path, *, quick: bool = False, progress: bool = True, arms:
 def arm_overrides(arm: str, workdir: Path, size: DemoSize, target: Path, drafter: Path, train: Path,
                   val: Path) -> list[str]:
     out = workdir / f"arm-{arm}"
-    micro = max(1, size.batch * size.n // 4)
+    micro = max(1, size.batch * size.n // 2)  # one micro-batch per rank: fewer FSDP2 rounds over gloo
     return [
         f"data.train_files={train}", f"data.val_files={val}", f"data.train_batch_size={size.batch}",
         f"data.max_prompt_length={size.max_prompt}", f"data.max_response_length={size.max_response}", "data.seed=1",
@@ -164,7 +168,7 @@ def arm_overrides(arm: str, workdir: Path, size: DemoSize, target: Path, drafter
         f"trainer.default_local_dir={out}", f"trainer.rollout_data_dir={out / 'generations'}",
         f"trainer.experiment_name=tlt-demo-{arm}", "trainer.project_name=tlt",
         f"reward.custom_reward_function.path={Path(__file__).with_name('grpo_task.py')}",
-        f"tlt.drafter.init_path={drafter}",
+        f"tlt.drafter.init_path={drafter}", f"tlt.spot.lr={size.spot_lr}", f"tlt.spot.token_budget={size.spot_tokens}",
         *ARMS[arm],
     ]
 

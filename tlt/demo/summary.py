@@ -15,8 +15,9 @@ import random
 import statistics
 from pathlib import Path
 
-ARM_LABELS = {"A": "no speculation", "B": "TLT, warm-up drafter frozen (stale)", "C": "full TLT (spot training)"}
-COLOURS = {"A": "tab:gray", "B": "tab:orange", "C": "tab:blue"}
+ARM_LABELS = {"A": "no speculation", "B": "TLT, warm-up drafter frozen (stale)", "C": "full TLT (spot training)",
+              "D": "full TLT, EAGLE only (no model-free drafter)"}
+COLOURS = {"A": "tab:gray", "B": "tab:orange", "C": "tab:blue", "D": "tab:green"}
 
 
 def _mean(xs) -> float | None:
@@ -115,17 +116,27 @@ def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] |
     out["response_length_mean_by_arm"] = {a: _mean(by[a][s].get("response_length/mean") for s in later)
                                           for a in by}
     out["arm_share_by_arm"] = {a: _arm_shares(by[a][s] for s in later) for a in by if a != "A"}
+    out["proposer_share_by_arm"] = {a: _shares((by[a][s] for s in later), "tlt/proposer_share/")
+                                    for a in by if a != "A"}
+    if "C" in by and "D" in by and later:  # what the model-free drafter adds beside EAGLE
+        out["rollout_time_ratio_d_over_c"] = _ratio(by["D"], by["C"], later, _total("tlt/rollout_s"))
+        out["rollout_time_ratio_ci90_d_over_c"] = _step_interval(by["D"], by["C"], later, _total("tlt/rollout_s"))
     return out
 
 
 def _arm_shares(rows) -> dict[str, float]:
     """Share of the speculative steps per arm (strategy), over some step records (weighted by verifies)."""
+    return _shares(rows, "tlt/arm_share/")
+
+
+def _shares(rows, prefix: str) -> dict[str, float]:
+    """Per-step shares under ``prefix`` pooled over steps, weighted by each step's verifies."""
     total: collections.Counter = collections.Counter()
     for r in rows:
         n = r.get("tlt/spec_verifies", 0)
         for k, v in r.items():
-            if k.startswith("tlt/arm_share/"):
-                total[k.removeprefix("tlt/arm_share/")] += v * n
+            if k.startswith(prefix):
+                total[k.removeprefix(prefix)] += v * n
     s = sum(total.values())
     return {k: v / s for k, v in total.most_common()} if s else {}
 
@@ -203,8 +214,13 @@ def summary_lines(s: dict) -> list[str]:
         lines.append(f"mean response {lens} tokens (steps 2+)")
     for a, shares in (s.get("arm_share_by_arm") or {}).items():
         if shares:
+            by_proposer = s.get("proposer_share_by_arm", {}).get(a) or {}
             lines.append(f"arms {a}       " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in list(shares.items())[:5])
-                         + " of speculative steps (steps 2+)")
+                         + " of speculative steps (steps 2+)" + (" = " + ", ".join(
+                             f"{k} {100 * v:.0f}%" for k, v in by_proposer.items()) if by_proposer else ""))
+    if s.get("rollout_time_ratio_d_over_c") is not None:
+        lines.append(f"model-free  rollout time EAGLE only / EAGLE + suffix drafter "
+                     f"{f(s['rollout_time_ratio_d_over_c'])}x{ci('rollout_time_ratio_ci90_d_over_c')}")
     if "response_lengths" in s:
         r = s["response_lengths"]
         lines.append(f"responses    median {r['median']:.0f}, p90 {r['p90']} tokens (p90/median "

@@ -36,7 +36,10 @@ class SpeculationSection:
     enable: bool = True
     elastic_threshold: int | None = None  # cap: speculate only at <= this many requests; None: learned
     arm: str | None = None         # fixed strategy "DEPTH,TOPK,TOKENS_TO_VERIFY" ("0,0,0" = off); None: BEG-MAB
-    ngram: bool = True             # model-free drafts from GRPO siblings until a drafter exists
+    # the model-free suffix drafter (prompt, GRPO group, earlier steps' responses) as arms beside EAGLE
+    ngram: bool = True
+    history_steps: int = 2         # a prompt's responses from this many earlier RL steps draft for it (0: none)
+    history_global_tokens: int = 8192  # a pool of recent responses across prompts (0: none)
     max_draft_tokens: int = 64
 
     def check(self, p: str) -> None:
@@ -44,6 +47,9 @@ class SpeculationSection:
             raise _bad(f"{p}.elastic_threshold", self.elastic_threshold, "use null (learned) or an int >= 0")
         if self.max_draft_tokens < 1:
             raise _bad(f"{p}.max_draft_tokens", self.max_draft_tokens, "use an int >= 1")
+        if self.history_steps < 0 or self.history_global_tokens < 0:
+            raise _bad(f"{p}.history_steps / history_global_tokens", (self.history_steps, self.history_global_tokens),
+                       "use ints >= 0 (0: off)")
         if self.arm is not None:
             self.parsed_arm(p)
 
@@ -140,6 +146,7 @@ class TLTConfig:
     coordinator: CoordinatorSection = CoordinatorSection()
     engine: EngineSection = EngineSection()
     record_path: str | None = None  # JSON lines, one per RL step; default <default_local_dir>/tlt_steps.jsonl
+    route_groups: bool = True      # a GRPO group's samples go to one replica (all siblings visible to drafts)
     replay_poll_s: float = 0.05    # verl's replay buffer polls every 2.0 s (hard-coded): lowered
 
     def __post_init__(self) -> None:

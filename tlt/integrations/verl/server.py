@@ -5,8 +5,9 @@ Owns everything TLT runs per replica, in the replica's own Ray actor process:
 - the engine (target model, static KV cache, proposer, BEG-MAB tuner) and the batcher that turns
   verl's concurrent per-request ``generate`` calls into engine batches (requests that arrive
   within ``engine.batch_window_ms`` of each other decode together; later ones form the next batch);
-- the proposer choice: the EAGLE drafter once one was loaded (warm-up or spot-trained), before
-  that the n-gram drafter over the GRPO siblings in the batch; swapped only between batches;
+- the engine's proposers (:class:`~tlt.integrations.verl.assembly.ReplicaEngine`): the model-free
+  suffix drafter (prompt, GRPO group, earlier steps' responses) and, once one was loaded, the EAGLE
+  drafter, as arms of one tuner; the drafter is swapped only between batches, in place;
 - policy weight updates (target tensors copied in place: the drafter's shared embedding / LM head
   follow, its own weights are untouched) and drafter updates (``load_drafter``, versioned);
 - the DataBuffer of target hidden states: fed by the engine itself as requests finish
@@ -26,6 +27,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import threading
@@ -42,17 +44,15 @@ from drafter.packing import FeatureSample
 from drafter.spot import SpotConfig, SpotTrainer
 from drafter.warm import prefetch
 from drafter.ttt import TTTConfig
-from rollout.eagle_proposer import EagleProposer
-from rollout.engine import EngineConfig, RolloutEngine
 from rollout.generate import SamplingParams
-from rollout.ngram import NgramProposer
 from rollout.target import TargetModel
-from rollout.tuner import BegMab, TunerConfig
+from tlt.integrations.verl.assembly import ReplicaEngine
 from tlt.integrations.verl.config import TLTConfig
 from tlt.integrations.verl.requests import engine_params
 
 log = logging.getLogger(__name__)
 PORT_SPAN = 256
+HISTORY_FILE = "tlt_history.jsonl"  # in the run directory: the last steps' responses, for restarts
 
 
 @dataclasses.dataclass
@@ -115,12 +115,6 @@ class TLTServer:
         self.model = TargetModel.from_pretrained(model_path)
         self.max_len = prompt_length + response_length + 1
         self.response_length = response_length
-        spec = self.cfg.speculation
-        self.engine_cfg = EngineConfig(max_batch=self.cfg.engine.max_batch, max_len=self.max_len,
-                                       max_draft_tokens=spec.max_draft_tokens,
-                                       elastic_threshold=spec.elastic_threshold, arm=spec.parsed_arm(),
-                                       seed=seed * 7919 + replica_rank)
-        self.tuner = None if spec.arm is not None else BegMab(TunerConfig.for_device("cpu", seed=seed))
         self.drafter_cfg = DrafterConfig.for_target(self.model.config, self.cfg.drafter.method)
         self.drafter: Drafter | None = None
         self.drafter_version = 0
@@ -143,7 +137,11 @@ class TLTServer:
         train = self.cfg.enable and self.cfg.drafter.train and coordinator and spot_base_port
         self.feed = (BufferFeed(self.buffer, self.drafter_cfg.aux_layers, lambda: self.step)
                      if train and self.cfg.buffer.capture == "rollout" else None)
-        self.engine = self._build_engine()
+        self.assembly = ReplicaEngine(self.model, self.cfg, max_len=self.max_len, seed=seed, rank=replica_rank,
+                                      drafter=self.drafter, sink=self.feed)
+        self.history_file = Path(run_dir) / HISTORY_FILE if run_dir else None
+        if self.stale and self.history_file is not None and self.history_file.is_file():
+            self._reload_history()
         self.pending: collections.deque[_Request] = collections.deque()
         self.inflight = 0
         self.weight_version = 0  # verl's global step of the policy being served
@@ -159,22 +157,23 @@ class TLTServer:
         self.agent = self._start_agent(coordinator, ray.util.get_node_ip_address(), spot_base_port) if train else None
 
     # ------------------------------------------------------------------ engine assembly
-    def _build_engine(self) -> RolloutEngine:
-        spec = self.cfg.speculation
-        proposer = None
-        on = spec.enable and self.cfg.enable
-        if on and self.drafter is not None:
-            proposer = EagleProposer(self.drafter, max_batch=self.cfg.engine.max_batch,
-                                     max_len=self.max_len + spec.max_draft_tokens + 8)
-        elif on and spec.ngram:
-            proposer = NgramProposer()
-        return RolloutEngine(self.model, self.engine_cfg, proposer=proposer,
-                             tuner=self.tuner if proposer is not None else None, sink=self.feed)
+    @property
+    def engine(self):
+        return self.assembly.engine
 
     @property
     def proposer_name(self) -> str:
-        p = self.engine.proposer
-        return "none" if p is None else ("eagle" if isinstance(p, EagleProposer) else "ngram")
+        return self.assembly.proposer_name
+
+    def _reload_history(self) -> None:
+        """A restarted replica rebuilds its draft history from the run directory (the trainer keeps
+        the last ``history_steps`` steps' responses there)."""
+        by_step: dict[int, list] = collections.defaultdict(list)
+        for line in self.history_file.read_text().splitlines():
+            rec = json.loads(line)
+            by_step[rec["step"]].append((rec["prompt"], rec["response"]))
+        n = sum(self.assembly.add_history(step, by_step[step]) for step in sorted(by_step))
+        log.warning("replica %d: draft history rebuilt from %s (%d responses)", self.rank, self.history_file, n)
 
     def _start_agent(self, coordinator: str, node_ip: str, base_port: int):
         from coordinator import WorkerConfig
@@ -419,6 +418,11 @@ class TLTServer:
             ids[i, :len(x)], valid[i, :len(x)] = torch.tensor(x), True
         return self.model(ids).logits.argmax(-1), valid  # right padding: causal rows stay exact
 
+    def add_history(self, step: int, pairs: list[tuple[list[int], list[int]]]) -> int:
+        """Step ``step``'s (prompt, response) pairs join the suffix drafter's history (between batches)."""
+        with self._lock:
+            return self.assembly.add_history(step, pairs)
+
     def load_drafter(self, version: int) -> int:
         """Serve the latest spot-trained drafter (draft weights only); returns the version served."""
         got = load_spot_drafter(self.spot_root, self.drafter_cfg, self.model.embed_weight,
@@ -428,7 +432,7 @@ class TLTServer:
         with self._lock:  # never in the middle of a batch (hence of a verify)
             self.drafter, _ = got
             self.drafter_version = version
-            self.engine = self._build_engine()
+            self.assembly.set_drafter(self.drafter)
         if self.agent is not None:  # the next one-rank session here resumes from memory
             spot = self._spot_cfg
             prefetch(self.spot_root, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight,

@@ -150,18 +150,22 @@ class TLTSGLangServerAdapter(ServerAdapter):
             if session:
                 await self._engine.end_weight_update()
 
-    async def rotate_ngram_corpus(self, step: int, documents: list[str]) -> None:
-        """Before the first drafter (NGRAM speculation): give the server the previous step's
-        responses as external corpus ``tlt-step-<step>`` and drop the one before. SGLang's n-gram
-        trie already holds the running requests' tokens, so GRPO siblings draft from each other."""
+    async def rotate_ngram_corpus(self, step: int, documents: list[str], window: int = 1) -> None:
+        """NGRAM speculation's history: give the server step ``step``'s responses as external corpus
+        ``tlt-step-<step>`` and drop the one that left the last ``window`` steps. SGLang's external
+        corpora are global to the server (matched for every request, not per prompt: both 0.5.12
+        and 0.5.23); its n-gram trie already holds the running requests' tokens, so GRPO siblings
+        draft from each other."""
+        if window < 1:
+            raise ValueError(f"rotate_ngram_corpus: window={window} must be >= 1 (steps of responses kept)")
         await self._init_server_adapter()
         if not self._leads_pushes():
             return
         docs = [d for d in documents if d]
         if docs:
             await self._engine.add_external_corpus(f"tlt-step-{step}", docs)
-        if step > 0:
-            await self._engine.remove_external_corpus(f"tlt-step-{step - 1}")
+        if step - window >= 0:
+            await self._engine.remove_external_corpus(f"tlt-step-{step - window}")
         log.info("replica %s: n-gram corpus for step %d (%d responses)", self.replica_rank, step, len(docs))
 
     async def update_draft_weights(self, weights, version: int) -> None:

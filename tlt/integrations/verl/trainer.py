@@ -40,7 +40,7 @@ import ray
 
 from tlt.integrations.verl import runtime
 from tlt.integrations.verl.config import TLTConfig, from_verl
-from tlt.integrations.verl.server import PORT_SPAN
+from tlt.integrations.verl.server import HISTORY_FILE, PORT_SPAN
 from tlt.ports import free_port
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ def trainer_class():
             plugin.raise_if_failed()
             self.tlt = from_verl(config)
             check_verl_config(config, self.tlt)
+            _route_groups(config, self.tlt)
             super().__init__(config)
             self._coord_proc = None
             self._driver = None
@@ -101,6 +102,7 @@ def trainer_class():
             self._drafter_version = 0
             self._aux_layers = None
             self._uid_index: dict[str, int] = {}  # prompt uid -> dataset index, this step's batch
+            self._history: list[tuple[int, list[int], list[int]]] = []  # (step, prompt, response), last steps
             if not self.tlt.enable:
                 return
             self.replay_buffer.poll_interval = self.tlt.replay_poll_s
@@ -183,19 +185,32 @@ def trainer_class():
             return super()._balance_batch(batch, metrics, *args, **kwargs)
 
         def _record_responses(self, batch, step: int) -> None:
-            """One line per response: step, prompt index, sample index, length, token hash."""
+            """One line per response (step, prompt index, sample index, length, token hash); the
+            step's (prompt, response) pairs go to every replica's draft history and to the run
+            directory (the last ``history_steps`` steps, for a replica that restarts)."""
             import transfer_queue as tq
 
             keys = [k for k, tag in zip(batch.keys, batch.tags) if not tag.get("is_padding", False)]
-            data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["responses"])
-            rows = data["responses"].to_padded_tensor(padding=-1).tolist()
+            data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["prompts", "responses"])
+            prompts = [[t for t in row if t >= 0] for row in data["prompts"].to_padded_tensor(padding=-1).tolist()]
+            responses = [[t for t in row if t >= 0] for row in data["responses"].to_padded_tensor(padding=-1).tolist()]
             with open(self._responses_path, "a") as f:
-                for key, row in zip(keys, rows):
+                for key, toks in zip(keys, responses):
                     uid, sample, _ = key.rsplit("_", 2)
-                    toks = [t for t in row if t >= 0]
                     f.write(json.dumps({"step": step, "index": self._uid_index.get(uid, -1), "sample": int(sample),
                                         "length": len(toks), "sha1": hashlib.sha1(
                                             json.dumps(toks).encode()).hexdigest()}) + "\n")
+            window = self.tlt.speculation.history_steps
+            if not (window and self.tlt.speculation.ngram and self.tlt.speculation.enable):
+                return
+            pairs = list(zip(prompts, responses))
+            ray.get([s.add_history.remote(step, pairs) for s in self._servers()], timeout=120)
+            self._history = [h for h in self._history if h[0] > step - window] + [(step, p, r) for p, r in pairs]
+            path = self._record_path.with_name(HISTORY_FILE)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps({"step": s, "prompt": p, "response": r}) + "\n"
+                                   for s, p, r in self._history))
+            tmp.replace(path)  # atomic: a restarting replica reads a whole file
 
         def _servers(self) -> list:
             return [r.servers[0] for r in self.llm_server_manager.get_replicas()]
@@ -294,6 +309,10 @@ def trainer_class():
             if drift:  # 1 - top-1 agreement of the policies before and after the last update
                 m["tlt/target_drift"] = 1.0 - statistics.fmean(drift)
             m.update({f"tlt/arm_share/{a}": n / n_arms for a, n in arms.items()})
+            suffix = sum(n for a, n in arms.items() if a.endswith("@suffix"))
+            if arms:  # which proposer drafted the speculative steps
+                m["tlt/proposer_share/suffix"] = suffix / n_arms
+                m["tlt/proposer_share/eagle"] = 1.0 - suffix / n_arms
             o = self._outcome
             self._step_extra = {"stopped": list(o.stopped) if o else [], "lost": list(o.lost) if o else [],
                                 "timed_out": list(o.timed_out) if o else [], "coordinator_reachable":
@@ -351,6 +370,20 @@ def canonical_order(keys: list[str], uid_index: dict[str, int]) -> list[int]:
         uid, sample, out = k.rsplit("_", 2)
         return uid_index.get(uid, -1), int(sample), int(out), uid
     return sorted(range(len(keys)), key=lambda j: rank(keys[j]))
+
+
+def _route_groups(config, cfg: TLTConfig) -> None:
+    """Point verl at TLT's group router (configs/tlt_router.yaml) unless TLT is off, routing is off
+    or the user configured a router of their own."""
+    from omegaconf import open_dict
+
+    import tlt.configs
+
+    rollout = config.actor_rollout_ref.rollout
+    if not (cfg.enable and cfg.route_groups) or rollout.get("router_config_path"):
+        return
+    with open_dict(rollout):
+        rollout.router_config_path = str(Path(tlt.configs.__file__).with_name("tlt_router.yaml"))
 
 
 def _as_list(x) -> list:

@@ -1,0 +1,178 @@
+"""Responses of earlier RL steps, as draft sources for the model-free drafter.
+
+Owns :class:`ResponseHistory`: RL feeds the same prompts back every epoch, so a prompt's earlier
+responses are the cheapest strong draft source there is (DAS, HistoSpec, SPEC-RL). It keeps, per
+prompt, the responses of the last ``window`` RL steps (a sliding window: the policy moves) and a
+bounded pool of the most recent responses across prompts, each as one indexed corpus
+(:func:`corpus`: each response preceded by the last ``max_n`` tokens of its prompt, so a request
+that has generated nothing yet matches its prompt's end and drafts the response's start; joined
+by :data:`rollout.ngram.SEP`), which :class:`rollout.ngram.NgramProposer` matches like a
+sibling's output. A corpus is indexed in arrays, not dicts (:class:`HashedNgrams`: per n-gram
+length, the positions sorted by a 64-bit hash of the n-gram ending there, found by binary search;
+about 72 bytes per history token, a dict of tuples costs ~10x that), built lazily when a request
+of its prompt first asks and dropped when the prompt's history changes. Memory is bounded by ``window`` x ``per_prompt`` responses per prompt and
+``global_tokens``; :meth:`ResponseHistory.stats` reports it.
+
+Ordering: ``add`` replaces corpora, never mutates one a proposer holds, so a request that started
+before an ``add`` keeps drafting from the corpora it looked up (a step's responses arrive between
+steps anyway). Not thread-safe: its owner serialises ``add`` with proposals.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from rollout.ngram import SEP, IndexedSeq, NgramConfig, NgramIndex
+
+_MUL = 0x9E3779B97F4A7C15  # odd 64-bit multiplier of the n-gram hash (wrapping uint64 arithmetic)
+_M64 = (1 << 64) - 1
+
+_HISTORY_STAMP = -(1 << 40)  # history stamps count up from here: older than every prompt token
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HistoryConfig:
+    window: int = 2  # RL steps of a prompt's responses kept (the policy moves: older ones mislead)
+    per_prompt: int = 32  # at most this many of a prompt's responses, newest kept
+    global_tokens: int = 8192  # recent responses across prompts (0: no global pool)
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.per_prompt < 1:
+            raise ValueError(f"HistoryConfig: window={self.window} and per_prompt={self.per_prompt} must be >= 1")
+        if self.global_tokens < 0:
+            raise ValueError(f"HistoryConfig.global_tokens={self.global_tokens}: use >= 0 (0: no global pool)")
+
+
+class HashedNgrams:
+    """A read-only n-gram index of a token array: ``get(ngram) -> positions right after each
+    occurrence, ascending`` (what :class:`rollout.ngram.NgramIndex`'s dict gives), by binary search
+    over positions sorted by the n-gram's hash. Hash collisions only cost a rejected draft."""
+
+    def __init__(self, tokens: Sequence[int], min_n: int, max_n: int) -> None:
+        t = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
+        self.min_n, self.max_n = min_n, max_n
+        self._keys: dict[int, np.ndarray] = {}  # n -> sorted hashes [P]
+        self._pos: dict[int, np.ndarray] = {}  # n -> position after each n-gram, in hash order [P]
+        h = np.zeros(len(t), dtype=np.uint64)
+        sep = np.asarray(tokens, dtype=np.int64) == SEP
+        bad = np.zeros(len(t), dtype=bool)
+        with np.errstate(over="ignore"):
+            for n in range(1, max_n + 1):  # h[p]: hash of tokens[p - n + 1 .. p]
+                if n == 1:
+                    h[:] = t
+                else:  # extend the (n-1)-gram ending at p - 1 by token p
+                    h[n - 1:] = h[n - 2:-1] * np.uint64(_MUL) + t[n - 1:]
+                bad[n - 1:] |= sep[: len(t) - n + 1]  # the n-gram ending at p starts at p - n + 1
+                if n >= min_n and len(t) >= n:
+                    ok = np.flatnonzero(~bad[n - 1:]) + n - 1  # n-grams that cross no separator
+                    # mixed once more, top 63 bits: a Python int searches it as is
+                    key = ((h[ok] * np.uint64(_MUL)) >> np.uint64(1)).astype(np.int64)
+                    order = np.argsort(key, kind="stable")  # equal hashes keep ascending positions
+                    self._keys[n], self._pos[n] = key[order], ok[order] + 1
+
+    def get(self, ngram: tuple[int, ...]) -> list[int] | None:
+        keys = self._keys.get(len(ngram))
+        if keys is None:
+            return None
+        h = 0
+        for tok in ngram:
+            h = (h * _MUL + (tok & _M64)) & _M64
+        h = ((h * _MUL) & _M64) >> 1
+        lo = keys.searchsorted(h)
+        if lo == len(keys) or keys[lo] != h:
+            return None
+        return self._pos[len(ngram)][lo:keys.searchsorted(h, "right")].tolist()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self._keys.values(), *self._pos.values()))
+
+
+def corpus(responses: Iterable[Sequence[int]], config: NgramConfig) -> IndexedSeq:
+    """A finished, indexed sequence of ``responses`` (oldest first) joined by SEP."""
+    seq = IndexedSeq(-1, None, 0, NgramIndex())
+    for resp in responses:
+        seq.tokens += [int(t) for t in resp] + [SEP]
+    seq.stamps = range(_HISTORY_STAMP, _HISTORY_STAMP + len(seq.tokens))  # indexable, no per-token int
+    seq.output_index.table = HashedNgrams(seq.tokens, config.min_n, config.max_n)
+    seq.finished = True
+    return seq
+
+
+class ResponseHistory:
+    """Per-prompt windows of earlier responses and a global pool (see the module docstring)."""
+
+    def __init__(self, config: HistoryConfig = HistoryConfig(), ngram: NgramConfig | None = None) -> None:
+        self.config, self.ngram = config, ngram or NgramConfig()
+        # prompt -> deque[(step, prompt tail + response)]; the global pool holds the same entries
+        self._by_prompt: dict[tuple[int, ...], collections.deque] = {}
+        self._recent: collections.deque = collections.deque()  # (step, prompt tail + response), oldest first
+        self._corpora: dict[tuple[int, ...], IndexedSeq] = {}
+        self._global: IndexedSeq | None = None
+        self.step: int | None = None  # newest step added
+
+    def add(self, step: int, pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> int:
+        """Step ``step``'s (prompt, response) pairs; drops what left the window. Returns how many."""
+        added, touched = 0, set()
+        for prompt, response in pairs:
+            key, resp = tuple(int(t) for t in prompt), [int(t) for t in response]
+            if not resp:
+                continue
+            resp = list(key[-self.ngram.max_n:]) + resp
+            q = self._by_prompt.setdefault(key, collections.deque())
+            q.append((step, resp))
+            while len(q) > self.config.per_prompt:
+                q.popleft()
+            self._recent.append((step, resp))
+            touched.add(key)
+            added += 1
+        self.step = step if self.step is None else max(self.step, step)
+        oldest = self.step - self.config.window + 1
+        for key in list(self._by_prompt):
+            q = self._by_prompt[key]
+            while q and q[0][0] < oldest:
+                q.popleft()
+                touched.add(key)
+            if not q:
+                del self._by_prompt[key]
+        tokens = sum(len(r) + 1 for _, r in self._recent)
+        while self._recent and (tokens > self.config.global_tokens or self._recent[0][0] < oldest):
+            tokens -= len(self._recent.popleft()[1]) + 1
+        for key in touched:  # rebuilt, not mutated: proposals in flight keep their corpora
+            self._corpora.pop(key, None)
+        if added or touched:
+            self._global = None
+        return added
+
+    def sources(self, prompt: tuple[int, ...]) -> list[IndexedSeq]:
+        """The prompt's own history corpus and the global pool (either may be absent)."""
+        out = []
+        q = self._by_prompt.get(tuple(prompt))
+        if q:
+            if prompt not in self._corpora:
+                self._corpora[prompt] = corpus((r for _, r in q), self.ngram)
+            out.append(self._corpora[prompt])
+        if self.config.global_tokens and self._recent:
+            if self._global is None:
+                self._global = corpus((r for _, r in self._recent), self.ngram)
+            out.append(self._global)
+        return out
+
+    def pairs(self) -> list[tuple[int, list[int], list[int]]]:
+        """Everything kept per prompt, as (step, prompt, response) in step order: what a restarted
+        replica needs to rebuild this history (``add`` them back step by step)."""
+        cut = self.ngram.max_n
+        return sorted(((s, list(k), r[min(cut, len(k)):]) for k, q in self._by_prompt.items() for s, r in q),
+                      key=lambda x: x[0])
+
+    def stats(self) -> dict:
+        responses = sum(len(q) for q in self._by_prompt.values())
+        tokens = sum(len(r) for q in self._by_prompt.values() for _, r in q)  # prompt tails included
+        indexed = [*self._corpora.values(), *([self._global] if self._global is not None else [])]
+        return {"prompts": len(self._by_prompt), "responses": responses, "tokens": tokens,
+                "global_tokens": sum(len(r) for _, r in self._recent), "step": self.step,
+                "index_bytes": sum(c.output_index.table.nbytes + 16 * len(c.tokens) for c in indexed)}

@@ -1,0 +1,152 @@
+"""``tlt bench drafters``: accept length and cost of each draft source on recurring GRPO prompts.
+
+The workload is RL's: the demo's task, the same prompts every epoch (GRPO groups of ``n`` samples,
+temperature 1), sampled from the demo target by the real engine with coupled sampling, so every
+variant commits exactly the same tokens and only accept lengths and drafting cost differ. Between
+epochs each history-aware variant receives the previous epochs' responses, as a replica does from
+the trainer between RL steps (the target does not change between epochs here: the bench isolates
+the draft sources; ``tlt demo`` measures them under a moving policy). Per variant, chain and tree:
+accept length (tokens committed per verify, bonus included) over the epochs after the first, and
+microseconds per proposal per request. Variants: the suffix drafter over the live siblings only
+(the n-gram drafter as it was), with the prompt's history, with the global pool too, the warm-up
+EAGLE drafter, and BEG-MAB choosing between EAGLE and the history suffix drafter per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import platform
+import statistics
+import time
+
+import torch
+
+from drafter.eagle import Drafter
+from rollout.eagle_proposer import EagleProposer
+from rollout.engine import EngineConfig, RolloutEngine
+from rollout.generate import SamplingParams
+from rollout.history import HistoryConfig, ResponseHistory
+from rollout.ngram import NgramProposer
+from rollout.strategy import Arm
+from rollout.target import TargetModel
+from rollout.tuner import BegMab, TunerConfig
+from tlt.bench.rollout import _drafter_dir
+from tlt.demo.corpus import make_corpus
+from tlt.demo.job import DEFAULT, QUICK
+from tlt.demo.target_factory import ensure_target
+from tlt.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class _Timed:
+    """Wraps a proposer: wall time and requests per proposal (the draft's cost)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.seconds, self.requests = inner, 0.0, 0
+        self.feature_layers = inner.feature_layers
+
+    def propose(self, inp):
+        t0 = time.perf_counter()
+        tree = self.inner.propose(inp)
+        self.seconds += time.perf_counter() - t0
+        self.requests += len(inp.rows)
+        return tree
+
+    @property
+    def catch_up_s(self) -> float:
+        return getattr(self.inner, "catch_up_s", 0.0)
+
+
+def run(args: argparse.Namespace) -> dict:
+    quick = bool(args.quick)
+    size = QUICK if quick else DEFAULT
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    target = ensure_target(size.target, progress=False)
+    model = TargetModel.from_pretrained(target).eval()
+    tok = TextTokenizer.from_pretrained(target)
+    drafter = Drafter.load(_drafter_dir(target, 20 if quick else 60, quick), model.embed_weight,
+                           model.lm_head.weight).eval()
+    n_prompts, n, epochs = (4, 2, 3) if quick else (16, 4, 3)
+    shape = dataclasses.replace(size.target.corpus, seed=size.target.seed + 1000)
+    prompts = [tok.chat_prompt([{"role": "user", "content": p.prompt}]) for p in make_corpus(n_prompts, shape)]
+    reqs = [p for p in prompts for _ in range(n)]
+    groups = [i // n for i in range(len(reqs))]
+    params = SamplingParams(temperature=1.0, max_new_tokens=size.max_response,
+                            stop_ids=tuple(model.config.eos_ids or (tok.eos_id,)))
+    max_len = max(map(len, reqs)) + size.max_response + 1
+    cfg = EngineConfig(max_batch=len(reqs), max_len=max_len, max_draft_tokens=16)
+
+    def suffix(history: bool, global_pool: bool) -> tuple[NgramProposer, ResponseHistory | None]:
+        hist = ResponseHistory(HistoryConfig(window=epochs, global_tokens=8192 if global_pool else 0)) if history else None
+        return NgramProposer(history=hist), hist
+
+    def eagle() -> EagleProposer:
+        return EagleProposer(drafter, max_batch=len(reqs), max_len=max_len + 32)
+
+    def variant(name: str) -> tuple[dict, ResponseHistory | None]:
+        """Fresh proposers (by engine name) and the history they read, for one measurement."""
+        if name == "EAGLE (warm-up)":
+            return {"": eagle()}, None
+        if name == "BEG-MAB: EAGLE + suffix":
+            prop, hist = suffix(True, True)
+            return {"": eagle(), "suffix": prop}, hist
+        prop, hist = suffix("history" in name, "global" in name)
+        return {"": prop}, hist
+
+    names = ("suffix, siblings only", "suffix + history", "suffix + history + global", "EAGLE (warm-up)",
+             "BEG-MAB: EAGLE + suffix")
+    arms = {"chain": Arm(6, 1, 6), "tree": Arm(6, 2, 12)}
+    table: dict[str, dict[str, dict]] = {}
+    ref: list[list[list[int]]] = []  # outputs per epoch: every variant must commit the same tokens
+    for name in names:
+        for shape_name, arm in arms.items():
+            inner, hist = variant(name)
+            props = {k: _Timed(p) for k, p in inner.items()}
+            tuned = len(props) > 1
+            tuner = BegMab(TunerConfig.for_device("cpu", proposers=("", "suffix"), seed=args.seed)) if tuned else None
+            eng = RolloutEngine(model, dataclasses.replace(cfg, arm=None if tuned else arm), proposers=props,
+                                tuner=tuner)
+            committed = verifies = 0
+            for epoch in range(epochs):
+                seeds = [args.seed * 1_000_003 + epoch * 10_007 + i for i in range(len(reqs))]
+                res = eng.generate(reqs, params, groups, seeds)
+                if len(ref) == epoch:
+                    ref.append(res.outputs)
+                if res.outputs != ref[epoch]:
+                    raise AssertionError(f"{name}: epoch {epoch}'s outputs differ from the other variants' (not lossless)")
+                if epoch > 0:  # epoch 0 has no history: the figures are over the recurring epochs
+                    committed += sum(res.accept_lengths)
+                    verifies += len(res.accept_lengths)
+                if hist is not None:
+                    hist.add(epoch, list(zip(reqs, res.outputs)))
+            us = {k or "main": 1e6 * p.seconds / max(1, p.requests) for k, p in props.items()}
+            table.setdefault(name, {})[shape_name] = {
+                "accept_length": committed / verifies if verifies else None, "verifies": verifies,
+                "us_per_propose_per_request": us, "history": hist.stats() if hist is not None else None}
+            log.info("%s %s: AL %.2f", name, shape_name, committed / max(1, verifies))
+    base = table["suffix, siblings only"]
+    lines = [f"drafters: {n_prompts} prompts x {n} samples of the demo's task at temperature 1, {epochs} epochs "
+             f"(the same prompts each epoch, new seeds), target {target.name}, {torch.get_num_threads()} thread(s); "
+             f"accept length over epochs 2..{epochs} (tokens per verify, bonus included); chain {arms['chain']}, "
+             f"tree {arms['tree']} (BEG-MAB picks its own arms)"]
+    for name, row in table.items():
+        cells = []
+        for shape_name, r in row.items():
+            al, b = r["accept_length"], base[shape_name]["accept_length"]
+            cost = ", ".join(f"{k} {v:.0f} us" for k, v in r["us_per_propose_per_request"].items())
+            cells.append(f"{shape_name} AL {al:.2f} ({al / b:.2f}x siblings-only; {cost}/request)")
+        lines.append(f"  {name:28s} " + " | ".join(cells))
+    try:
+        import arctic_inference  # noqa: F401
+        lines.append("  arctic-inference is installed: its SuffixDecodingCache is not wired into this bench yet")
+    except ImportError:
+        lines.append("  arctic-inference is not installed here (its sdist needs --no-build-isolation): no comparison line")
+    return {"bench": "drafters", "quick": quick, "target": str(target), "prompts": n_prompts, "samples": n,
+            "epochs": epochs, "arms": {k: str(v) for k, v in arms.items()}, "variants": table,
+            "history_over_siblings": {s: table["suffix + history"][s]["accept_length"] / base[s]["accept_length"]
+                                      for s in arms},
+            "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                        "threads": torch.get_num_threads()}, "summary": lines}

@@ -1,0 +1,86 @@
+"""The engine one replica serves with: target, proposers, tuner and feature sink (no Ray, no verl).
+
+Owns :class:`ReplicaEngine`, which the replica's Ray actor wraps. Proposers are arms, not
+fallbacks: the model-free suffix drafter (the prompt, the live GRPO group, the same prompt's
+responses from the last ``tlt.speculation.history_steps`` RL steps and a global pool of recent
+responses; :mod:`rollout.history`) is an arm from the first step, and the EAGLE drafter joins it
+once one exists; BEG-MAB learns per batch-size bucket which one (or neither: ``off``) pays.
+
+Drafter swaps touch only the drafter: the EAGLE proposer is replaced in the running engine (its
+KV cache, feature buffer and the suffix drafter's state stay), and what the tuner learned about
+the old drafter is forgotten (a new drafter's acceptance is not the old one's); the suffix arms
+keep theirs. Not thread-safe: the replica calls it between batches (under its serving lock).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+from drafter.eagle import Drafter
+from rollout.eagle_proposer import EagleProposer
+from rollout.engine import EngineConfig, FeatureSink, RolloutEngine
+from rollout.history import HistoryConfig, ResponseHistory
+from rollout.ngram import NgramProposer
+from rollout.target import TargetModel
+from rollout.tuner import BegMab, TunerConfig
+from tlt.integrations.verl.config import TLTConfig
+
+log = logging.getLogger(__name__)
+SUFFIX = "suffix"  # the model-free drafter's proposer name in arms
+
+
+class ReplicaEngine:
+    def __init__(self, model: TargetModel, cfg: TLTConfig, *, max_len: int, seed: int, rank: int,
+                 drafter: Drafter | None = None, sink: FeatureSink | None = None, device: str = "cpu") -> None:
+        spec = cfg.speculation
+        self.cfg, self.model, self.seed, self.device = cfg, model, seed, device
+        self.max_len = max_len
+        self.on = spec.enable and cfg.enable
+        self.engine_cfg = EngineConfig(max_batch=cfg.engine.max_batch, max_len=max_len,
+                                       max_draft_tokens=spec.max_draft_tokens, elastic_threshold=spec.elastic_threshold,
+                                       arm=spec.parsed_arm(), seed=seed * 7919 + rank)
+        self.history = (ResponseHistory(HistoryConfig(window=spec.history_steps,
+                                                      global_tokens=spec.history_global_tokens))
+                        if self.on and spec.ngram and spec.history_steps else None)
+        self.suffix = NgramProposer(history=self.history) if self.on and spec.ngram else None
+        self.drafter = drafter
+        proposers = self._proposers()
+        self.engine = RolloutEngine(model, self.engine_cfg, proposers=proposers, tuner=self._tuner(proposers),
+                                    sink=sink)
+
+    # ------------------------------------------------------------------ assembly
+    def _proposers(self) -> dict:
+        out = {}
+        if self.on and self.drafter is not None:
+            out[""] = EagleProposer(self.drafter, max_batch=self.cfg.engine.max_batch,
+                                    max_len=self.max_len + self.cfg.speculation.max_draft_tokens + 8)
+        if self.suffix is not None:
+            out[SUFFIX] = self.suffix
+        return out
+
+    def _tuner(self, proposers: dict) -> BegMab | None:
+        if not proposers or self.cfg.speculation.arm is not None:
+            return None
+        return BegMab(TunerConfig.for_device(self.device, proposers=tuple(sorted(proposers)), seed=self.seed))
+
+    def set_drafter(self, drafter: Drafter | None) -> None:
+        """Serve ``drafter`` (None: no EAGLE drafter) without rebuilding the engine."""
+        self.drafter = drafter
+        proposers = self._proposers()
+        tuner = self.engine.tuner
+        if set(proposers) != set(self.engine.proposers) or tuner is None:
+            tuner = self._tuner(proposers)  # the arm set changed (a first drafter): new buckets
+        else:
+            tuner.forget("")
+        self.engine.set_proposers(proposers, tuner)
+
+    def add_history(self, step: int, pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> int:
+        """Step ``step``'s (prompt, response) pairs become draft sources (0 without history)."""
+        return self.history.add(step, pairs) if self.history is not None else 0
+
+    @property
+    def proposer_name(self) -> str:
+        """The main proposer serving: eagle, ngram (the suffix drafter alone) or none."""
+        names = self.engine.proposers
+        return "eagle" if "" in names else ("ngram" if SUFFIX in names else "none")
