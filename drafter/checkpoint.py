@@ -336,9 +336,30 @@ def _commit(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
+PIN = "pinned"  # file under the root: one step per line that pruning must keep (being read)
+
+
+def pin(root: str | Path, steps: Iterable[int]) -> None:
+    """Keep ``steps`` out of pruning (replaces the pinned set; atomic). The driver pins the step it
+    pushes to the replicas until every replica has read it."""
+    root = Path(root)
+    tmp = root / f".{PIN}.tmp"
+    tmp.write_text("".join(f"{int(s)}\n" for s in steps))
+    os.replace(tmp, root / PIN)
+
+
+def pinned(root: str | Path) -> set[int]:
+    path = Path(root) / PIN
+    return {int(x) for x in path.read_text().split()} if path.is_file() else set()
+
+
 def prune(root: str | Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints under ``root``."""
+    """Delete all but the newest ``keep_last`` complete checkpoints under ``root``, and never a
+    pinned one (:func:`pin`)."""
+    keep = pinned(root)
     for s in complete_steps(root)[:-keep_last]:
+        if s in keep:
+            continue
         path = step_dir(root, s)
         trash = path.with_suffix(TRASH_SUFFIX)
         os.replace(path, trash)  # atomic: a kill mid-delete leaves only trash behind

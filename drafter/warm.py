@@ -91,11 +91,11 @@ def restore(w: Warm, d: nn.Module, opt: torch.optim.Optimizer, world_size: int, 
 
 def prefetch(root: str | Path, drafter_config: DrafterConfig, embed_weight: torch.Tensor,
              head_weight: torch.Tensor, *, lr: float, betas: tuple[float, float],
-             weight_decay: float) -> Warm | None:
-    """Read the newest checkpoint under ``root`` into this process's warm state, as a one-rank
-    state (optimizer settings as the spot trainer builds them). None, reading nothing, if there
-    is no checkpoint or this process already holds that step as a one-rank state."""
-    step, have = latest(root), WARM.get(str(root))
+             weight_decay: float, step: int | None = None) -> Warm | None:
+    """Read checkpoint ``step`` (default: the newest) under ``root`` into this process's warm
+    state, as a one-rank state (optimizer settings as the spot trainer builds them). None, reading
+    nothing, if there is no checkpoint or this process already holds that step as a one-rank state."""
+    step, have = (latest(root) if step is None else step), WARM.get(str(root))
     if step is None or (have is not None and (have.step, have.world_size) == (step, 1)):
         return None
     d = Drafter(drafter_config, embed_weight, head_weight)

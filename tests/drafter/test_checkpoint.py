@@ -203,6 +203,23 @@ def test_latest_ignores_incomplete_and_keeps_last_k(tmp_path):
         AsyncCheckpointer(tmp_path, keep_last=0)
 
 
+def test_a_pinned_step_survives_pruning_until_unpinned(tmp_path):
+    """The step the driver pushes is pinned while the replicas read it: without the pin a session
+    that kept saving would prune it mid-read (the race this guards against)."""
+    with AsyncCheckpointer(tmp_path, keep_last=1) as c:
+        c.save(1, {"x": torch.ones(2)})
+        c.wait()
+        ck.pin(tmp_path, [1])
+        for s in (2, 3):
+            c.save(s, {"x": torch.full((2,), float(s))})
+    assert complete_steps(tmp_path) == [1, 3] and ck.pinned(tmp_path) == {1}
+    x = {"x": torch.zeros(2)}
+    assert load(tmp_path, x, step=1) == 1 and x["x"].tolist() == [1.0, 1.0]  # the pushed step, not the latest
+    ck.pin(tmp_path, [])
+    ck.prune(tmp_path, keep_last=1)
+    assert complete_steps(tmp_path) == [3]
+
+
 def test_sync_save_uses_the_same_commit(tmp_path):
     assert save_sync(tmp_path, 4, {"x": torch.ones(2)}) > 0
     assert latest(tmp_path) == 4 and not list(tmp_path.glob("*.tmp"))

@@ -82,6 +82,10 @@ def test_a_prompts_history_drafts_what_the_target_samples_again(setup):
     ref = RolloutEngine(model, EngineConfig(max_batch=8, max_len=200)).generate(prompts, params, seeds=other)
     assert _suffix_engine(model, h, Arm(4, 2, 8, "suffix")).generate(prompts, params, groups, other).outputs == \
         ref.outputs
+    greedy = SamplingParams(max_new_tokens=40, stop_ids=params.stop_ids)  # and greedy: identical tokens
+    ref = RolloutEngine(model, EngineConfig(max_batch=8, max_len=200)).generate(prompts, greedy).outputs
+    for arm in (Arm(8, 1, 8, "suffix"), Arm(4, 2, 8, "suffix")):
+        assert _suffix_engine(model, h, arm).generate(prompts, greedy, groups).outputs == ref
 
 
 def test_engine_runs_eagle_and_suffix_as_arms_and_checks_them(setup, warm_drafters):

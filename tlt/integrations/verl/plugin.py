@@ -2,8 +2,12 @@
 
 Owns registration, in this order: the ``tlt_agent`` agent loop (request seeds; on import), the CPU
 platform and its shims (only when ``VERL_PLATFORM=cpu``), the ``tlt`` rollout backend (replica +
-worker-side adapter), TLT's adapter for verl's ``sglang`` rollout (target-only policy pushes) and
-the ``tlt`` trainer mode.
+worker-side adapter) and the ``tlt`` trainer mode. Everything it adds is under TLT's own names,
+and the one verl function it wraps (``validate_config``, to check ``tlt.*`` before Ray starts)
+passes through unless ``trainer.v1.trainer_mode=tlt``: with TLT off, verl behaves as stock
+(``tests/tlt/test_verl_stock.py``). TLT's adapter for verl's ``sglang`` rollout (target-only
+policy pushes) is installed by the tlt trainer's worker class, in the workers of a run with TLT
+on (:mod:`tlt.integrations.verl.worker`), never at import.
 verl only DEBUG-logs a plugin that fails to load, so a failure here prints its traceback to
 stderr and is remembered: the ``tlt`` trainer refuses to start with it.
 """
@@ -25,8 +29,6 @@ def register() -> None:
     cpu_platform.install()
     RolloutReplicaRegistry.register("tlt", replica.load_replica)
     base._ROLLOUT_REGISTRY[("tlt", "async")] = "tlt.integrations.verl.replica.TLTRolloutAdapter"
-    # verl's SGLang rollout, with policy pushes that never reach a draft model (imported lazily)
-    base._ROLLOUT_REGISTRY[("sglang", "async")] = "tlt.integrations.verl.sglang_push.TLTSGLangServerAdapter"
     trainer.trainer_class()
     _validate_in_driver()
 

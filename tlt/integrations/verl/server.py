@@ -89,13 +89,22 @@ def replica_of_this_rank(rollout_config) -> tuple[int, bool]:
 
 
 def load_spot_drafter(root: str | Path, cfg: DrafterConfig, embed: torch.Tensor,
-                      head: torch.Tensor) -> tuple[Drafter, int] | None:
-    """The latest committed spot checkpoint as a serving drafter (no process group needed)."""
+                      head: torch.Tensor, step: int | None = None) -> tuple[Drafter, int] | None:
+    """Spot checkpoint ``step`` (default: the latest committed one) as a serving drafter (no
+    process group needed)."""
     if not root or not Path(root).exists():
         return None
     d = Drafter(cfg, embed, head)
-    step = load_weights(root, d, frozen=(embed, head))
+    step = load_weights(root, d, frozen=(embed, head), step=step)
     return None if step is None else (d.eval(), step)
+
+
+def session_weights(model: TargetModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen embedding and LM head a spot session trains against: its own copies, so a policy
+    push (which copies the new policy into the target in place) never writes tensors a session
+    reads, whether or not the session has stopped yet. Cost per session start: one copy of the
+    embedding and the head (at 7B, vocab 152k x 3584 in bf16: about 2.2 GB)."""
+    return model.embed_weight.detach().clone(), model.lm_head.weight.detach().clone()
 
 
 class TLTServer:
@@ -184,10 +193,10 @@ class TLTServer:
                           interval=self.cfg.spot.interval, local_data=True, preempt_s=self.cfg.spot.preempt_s,
                           ttt=TTTConfig(steps=self.cfg.spot.ttt_steps), seed=self.seed)
         self._spot_cfg = spot
-        embed, head = self.model.embed_weight, self.model.lm_head.weight
         init_from = self.cfg.drafter.init_path
 
         def make_trainer(s):  # the last session's measured throughput sizes the first chunks
+            embed, head = session_weights(self.model)
             return SpotTrainer(spec=s, config=spot, drafter_config=self.drafter_cfg, embed_weight=embed,
                                head_weight=head, checkpoint_root=self.spot_root, init_from=init_from,
                                tokens_per_s=self._spot_rate)
@@ -423,10 +432,11 @@ class TLTServer:
         with self._lock:
             return self.assembly.add_history(step, pairs)
 
-    def load_drafter(self, version: int) -> int:
-        """Serve the latest spot-trained drafter (draft weights only); returns the version served."""
+    def load_drafter(self, version: int, step: int | None = None) -> int:
+        """Serve spot checkpoint ``step`` (the one the driver pushes to every replica; None: the
+        latest) as drafter ``version`` (draft weights only); returns the version served."""
         got = load_spot_drafter(self.spot_root, self.drafter_cfg, self.model.embed_weight,
-                                self.model.lm_head.weight)
+                                self.model.lm_head.weight, step)
         if got is None:
             return self.drafter_version
         with self._lock:  # never in the middle of a batch (hence of a verify)
@@ -436,7 +446,7 @@ class TLTServer:
         if self.agent is not None:  # the next one-rank session here resumes from memory
             spot = self._spot_cfg
             prefetch(self.spot_root, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight,
-                     lr=spot.lr, betas=spot.betas, weight_decay=spot.weight_decay)
+                     lr=spot.lr, betas=spot.betas, weight_decay=spot.weight_decay, step=step)
         log.info("replica %d: drafter version %d (%s)", self.rank, version, self.proposer_name)
         return version
 

@@ -264,7 +264,9 @@ def trainer_class():
                                           **self._metrics()}
 
         def _push_drafter(self) -> None:
-            from drafter.checkpoint import latest
+            """Every replica loads exactly the newest committed spot checkpoint, pinned against
+            pruning while they read it."""
+            from drafter.checkpoint import latest, pin
 
             rt = runtime.current()
             step = latest(rt.spot_root) if rt.spot_root and Path(rt.spot_root).exists() else None
@@ -272,7 +274,11 @@ def trainer_class():
                 return
             self._drafter_version += 1
             version = self._drafter_version
-            ray.get([s.load_drafter.remote(version) for s in self._servers()])
+            pin(rt.spot_root, [step])
+            try:
+                ray.get([s.load_drafter.remote(version, step) for s in self._servers()])
+            finally:
+                pin(rt.spot_root, [])
             self._drafter_pushed = step
             log.info("tlt: drafter version %d (spot step %d) pushed to %d replicas", version, step,
                      len(self._servers()))

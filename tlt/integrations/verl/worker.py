@@ -6,6 +6,10 @@ trainer calls it right before the old-log-prob stage, never before the reference
 validation); that forward runs with hooks on the actor's HF model and a wrapper that remembers
 each micro-batch, and every sequence this rank computed goes as a drafter sample to the
 DataBuffer of this rank's rollout replica. verl's own methods are not overridden.
+
+The class exists only in runs with TLT on (the tlt trainer swaps it in), so it is also where verl's
+``sglang`` rollout gets TLT's adapter (:data:`SGLANG_ADAPTER`: policy pushes that never reach a
+draft model): installed in this worker process when the worker is built, never at ``import verl``.
 """
 
 from __future__ import annotations
@@ -20,13 +24,20 @@ from tlt.integrations.verl.capture import HiddenCapture, micro_batch_samples
 from tlt.integrations.verl.server import replica_of_this_rank, server_name
 
 log = logging.getLogger(__name__)
+SGLANG_ADAPTER = "tlt.integrations.verl.sglang_push.TLTSGLangServerAdapter"
 
 
 def worker_class():
     from verl.single_controller.base.decorator import Dispatch, register
     from verl.workers.engine_workers import ActorRolloutRefWorker
+    from verl.workers.rollout import base
 
     class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
+        def __init__(self, *args, **kwargs):
+            # verl's SGLang rollout, with policy pushes that never reach a draft model (this run has TLT on)
+            base._ROLLOUT_REGISTRY[("sglang", "async")] = SGLANG_ADAPTER
+            super().__init__(*args, **kwargs)
+
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def tlt_arm_capture(self, step: int, aux_layers: list[int] | None = None) -> bool:
             """The next actor ``infer_batch`` (the old-log-prob forward) captures hidden states."""

@@ -1,0 +1,66 @@
+"""Installing tlt changes no verl run that has TLT off: with the plugin loaded, every registry entry
+verl had stays as it was (TLT only adds its own names), and the one wrapped function passes
+through for other trainer modes. Compared against ``import verl`` with plugins disabled
+(``VERL_USE_EXTERNAL_PLUGINS=none``), each in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+
+_DUMP = r"""
+import json, verl
+from verl.workers.rollout import base
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+from verl.trainer.ppo.v1 import trainer_base
+import verl.utils.config as vc
+replicas, trainers = RolloutReplicaRegistry._registry, trainer_base.TRAINER_REGISTRY
+print(json.dumps({"rollout": {"/".join(k): str(v) for k, v in base._ROLLOUT_REGISTRY.items()},
+                  "replica": sorted(map(str, replicas)), "trainer": sorted(map(str, trainers)),
+                  "agent_loop": {k: str(v) for k, v in _agent_loop_registry.items()},
+                  "validate_wrapped": getattr(vc.validate_config, "_tlt", False)}))
+"""
+
+
+def _dump(plugins: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
+    env["VERL_USE_EXTERNAL_PLUGINS"] = plugins
+    p = subprocess.run([sys.executable, "-c", _DUMP], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_tlt_adds_its_own_names_and_changes_nothing_of_verls():
+    stock, with_tlt = _dump("none"), _dump("auto")
+    for name in ("rollout", "agent_loop"):
+        for key, value in stock[name].items():
+            assert with_tlt[name].get(key) == value, (name, key)  # verl's sglang adapter included
+        assert set(with_tlt[name]) - set(stock[name]) <= {"tlt/async", "tlt_agent"}, with_tlt[name]
+    assert set(stock["replica"]) <= set(with_tlt["replica"]) and set(with_tlt["replica"]) - set(stock["replica"]) <= {"tlt"}
+    assert set(with_tlt["trainer"]) - set(stock["trainer"]) <= {"tlt"}
+    assert not stock["validate_wrapped"] and with_tlt["validate_wrapped"]
+
+
+def test_the_wrapped_validate_config_checks_tlt_runs_only():
+    from omegaconf import OmegaConf
+
+    import verl.utils.config as vc
+
+    assert getattr(vc.validate_config, "_tlt", False)  # loaded by the plugin at import verl
+    bad = {"tlt": {"spot": {"lr": -1}}}
+    try:  # another trainer mode: a bad tlt.* value is none of TLT's business
+        vc.validate_config(OmegaConf.create({"trainer": {"v1": {"trainer_mode": "sync"}}, **bad}))
+    except SystemExit:
+        pytest.fail("TLT checked a run that does not use the tlt trainer")
+    except Exception:  # noqa: BLE001 - verl's own validation of this tiny config
+        pass
+    with pytest.raises(SystemExit) as e:
+        vc.validate_config(OmegaConf.create({"trainer": {"v1": {"trainer_mode": "tlt"}}, **bad}))
+    assert e.value.code == 2
