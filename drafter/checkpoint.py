@@ -50,7 +50,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -412,9 +417,16 @@ def load_weights(root: str | Path, model: nn.Module, *, frozen: Iterable[torch.T
                  step: int | None = None) -> int | None:
     """The model weights of training-state checkpoint ``step`` (default: the latest complete one)
     into an unsharded ``model`` in place, read by this process alone; DCP reads only the keys asked
-    for. Returns the step, or None if ``root`` holds no complete checkpoint."""
+    for: the weights, never the optimizer state. Returns the step, or None if ``root`` holds no
+    complete checkpoint. ``frozen`` (the target tensors the model reads by reference) must not be
+    among the model's own tensors."""
     step = latest(root) if step is None else step
     if step is None:
         return None
-    state = TrainState(model, torch.optim.AdamW(list(model.parameters())), frozen=frozen)
-    return load(root, {"train": state}, step=step, alone=True)
+    msd = get_model_state_dict(model)
+    shared = {t.untyped_storage().data_ptr() for t in frozen if t is not None}
+    if any(t.numel() and t.untyped_storage().data_ptr() in shared for t in _tensors(msd)):
+        raise RuntimeError("a target tensor (embedding / LM head) is among the drafter's own weights")
+    load(root, {"train": {"model": msd}}, step=step, alone=True)  # the keys TrainState saved them under
+    set_model_state_dict(model, msd)
+    return step

@@ -34,14 +34,14 @@ seeded draw from the shared DataBuffer); rank ``r`` trains on a token-balanced s
 ``local_data`` each rank draws ``token_budget`` tokens from its own buffer instead (the verl
 integration: every replica holds the features of the sequences its worker computed). A list that
 leaves some rank without samples ends the session (``no_data``) on every rank. A deterministic
-stream (the warm-up's seeded epochs, :mod:`drafter.trainer`) may have a ``seek(samples)`` method:
+stream (the warm-up's seeded epochs, :mod:`drafter.offline_train`) may have a ``seek(samples)`` method:
 it is called once after the resume with the number of samples the resumed state had consumed, so
 an interrupted and resumed run trains on exactly the batches an uninterrupted one would.
 
 Work lost to a kill: at most one checkpoint ``interval`` plus the steps of a save still in flight.
 
 Warm resume: a session's end keeps this rank's shards (weights and optimizer state) in process
-memory (:mod:`drafter.warm`; a replica that loads a newer drafter prefetches it the same way). The
+memory (:mod:`drafter.resume_state`; a replica that loads a newer drafter prefetches it the same way). The
 next session resumes from them instead of reading the checkpoint when every rank agrees they are
 the newest complete checkpoint and fit (same world size and rank, or a one-rank state each rank cuts
 its shard from). That skips the DCP read, the largest fixed cost of a short session on a CPU. A
@@ -70,7 +70,7 @@ from drafter.packing import FeatureSample, empty_like, pack, shard_samples, spli
 from drafter.rendezvous import RendezvousAborted, rendezvous
 from drafter.session import STOP_REASONS, NextBatch, PreemptFlag, SessionResult, SessionSpec, SpotConfig
 from drafter.ttt import TTTConfig, ttt_forward
-from drafter.warm import WARM, restore, snapshot, usable
+from drafter.resume_state import WARM, restore, snapshot, usable
 
 log = logging.getLogger(__name__)
 

@@ -314,6 +314,7 @@ class RolloutEngine:
             arm = self.cfg.arm if self.cfg.arm is not None else self.tuner.choose(b)
         t0 = time.perf_counter()
         switch_s = 0.0  # catching up what other arms committed: the switch's cost, not this arm's
+        capture0 = self.static_step.capture_s if self.static_step is not None else 0.0
         if sd and not arm.is_off:
             prop = self.proposers[arm.proposer]
             tree = prop.propose(dataclasses.replace(inp, arm=arm, features=self._proposer_features(prop)))
@@ -365,6 +366,8 @@ class RolloutEngine:
                 self._features_buf[mv[:, 0], dst] = self._features_buf[mv[:, 0], src]
         seconds = time.perf_counter() - t0
         accepted = sum(len(x) for x in res.nodes)
+        if self.static_step is not None:  # a first use's graph capture is no arm's cost either
+            switch_s += self.static_step.capture_s - capture0
         if sd and self.tuner is not None and self.cfg.arm is None:
             self.tuner.record(b, arm, accepted, max(seconds - switch_s, 1e-9))
         rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(len(t) for t in res.tokens), seconds,

@@ -18,6 +18,7 @@ The drafter's forward stays eager (its catch-up has a variable length).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -45,6 +46,7 @@ class StaticTargetStep:
 
             self.pool = CudaGraphPool(self._make_step, device=cache.k.device)
         self.replays = 0  # graph replays (a test and the bench read it)
+        self.capture_s = 0.0  # seconds spent capturing graphs, summed (kept out of tuner rewards)
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -70,7 +72,9 @@ class StaticTargetStep:
         else:
             key = TargetGraphKey(batch=padded, query_tokens=q)
             if not self.pool.has(key):
+                t0 = time.perf_counter()
                 self.pool.capture([key])
+                self.capture_s += time.perf_counter() - t0
             out = self.pool.replay(key, **inputs)
             self.replays += 1
         feats = out.get("features")

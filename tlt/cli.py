@@ -29,7 +29,7 @@ def _cmd_make_target(a: argparse.Namespace) -> None:
 
 
 def _cmd_warmup(a: argparse.Namespace) -> None:
-    from drafter.trainer import TrainConfig
+    from drafter.offline_train import TrainConfig
     from drafter.ttt import TTTConfig
     from tlt.warmup import WarmupConfig, run_warmup
 

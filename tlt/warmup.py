@@ -21,7 +21,7 @@ from tqdm import tqdm
 from drafter.eagle import Drafter, DrafterConfig, METHODS, read_config
 from drafter.packing import FeatureSample
 from drafter.checkpoint import latest
-from drafter.trainer import STATE_NAME, TrainConfig, evaluate, train
+from drafter.offline_train import STATE_NAME, TrainConfig, evaluate, train
 from rollout.generate import SamplingParams, generate
 from rollout.target import TargetModel
 from tlt.data import PromptRecord, load_prompts

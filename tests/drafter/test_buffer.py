@@ -1,16 +1,14 @@
-"""DataBuffer: byte accounting, eviction order, one-step offset sampling, threads, spill/reload."""
+"""DataBuffer: byte accounting, eviction order, one-step offset sampling, threads."""
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 
 import pytest
 import torch
 
-import drafter.buffer as buffer_mod
-from drafter.buffer import BufferConfig, DataBuffer, read_evicted
+from drafter.buffer import BufferConfig, DataBuffer
 from drafter.packing import FeatureSample, pack
 
 H = 4
@@ -236,75 +234,6 @@ def _filled(**over) -> DataBuffer:
     return buf
 
 
-def _assert_same_contents(a: DataBuffer, b: DataBuffer) -> None:
-    assert per_step(a) == per_step(b) and a.nbytes == b.nbytes and a.current_step == b.current_step
-    for x, y in zip(a.batches(1 << 20, 3, seed=4, dtype=None), b.batches(1 << 20, 3, seed=4, dtype=None),
-                    strict=True):
-        assert len(x) == len(y) and x
-        for s, t in zip(x, y):
-            for u, v in ((s.input_ids, t.input_ids), (s.loss_mask, t.loss_mask), (s.hidden, t.hidden),
-                         (s.aux, t.aux)):
-                assert u.dtype == v.dtype and torch.equal(u, v)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_spill_and_load_round_trip_exact(tmp_path, dtype):
-    c = cfg(dtype=dtype, spill_dir=tmp_path, shard_bytes=2000, long_fraction=1.0)
-    buf = _filled(**{k: getattr(c, k) for k in ("dtype", "spill_dir", "shard_bytes", "long_fraction")})
-    buf.spill()
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert len(manifest["shards"]) > 1 and manifest["samples"] == len(buf) == 36
-    assert sorted(step for s in manifest["shards"] for step in s["steps"]) == [0] * 12 + [1] * 12 + [2] * 12
-    _assert_same_contents(buf, DataBuffer.load(tmp_path, c))
-    # a second spill replaces the first: only the new generation's shards remain
-    buf.add(sample(5, tag=3, aux=2 * H), step=3)
-    buf.spill()
-    names = {p.name for p in tmp_path.glob("buffer-*.safetensors")}
-    assert names == {s["file"] for s in json.loads((tmp_path / "manifest.json").read_text())["shards"]}
-    _assert_same_contents(buf, DataBuffer.load(tmp_path, c))
-
-
-def test_spill_is_atomic(tmp_path, monkeypatch):
-    c = cfg(spill_dir=tmp_path, shard_bytes=2000, long_fraction=1.0)
-    buf = _filled(spill_dir=tmp_path, shard_bytes=2000, long_fraction=1.0)
-    buf.spill()
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    snapshot = DataBuffer.load(tmp_path, c)
-    buf.add(sample(7, tag=3, aux=2 * H), step=3)
-
-    real, calls = buffer_mod.save_file, []
-
-    def flaky(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise OSError("disk full")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(buffer_mod, "save_file", flaky)
-    with pytest.raises(OSError, match="disk full"):
-        buf.spill()
-    after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    assert after == before  # no partial shards, no temp files, the old manifest and shards intact
-    _assert_same_contents(snapshot, DataBuffer.load(tmp_path, c))
-    with pytest.raises(FileNotFoundError):
-        DataBuffer.load(tmp_path / "nothing", c)
-
-
-def test_evicted_samples_spill_to_disk(tmp_path):
-    per = 10 * (9 + 4 * H)
-    buf = DataBuffer(cfg(max_bytes=4 * per, spill_dir=tmp_path, spill_evicted=True, shard_bytes=2 * per))
-    added = [sample(10, tag=i) for i in range(9)]
-    for i, s in enumerate(added):
-        buf.add(s, step=i)
-    buf.flush_evicted()
-    spilled = list(read_evicted(tmp_path))
-    assert [step for step, _ in spilled] == [0, 1, 2, 3, 4]
-    for step, s in spilled:
-        assert torch.equal(s.input_ids, added[step].input_ids) and torch.equal(s.hidden, added[step].hidden)
-    st = buf.stats()
-    assert st["spilled_evicted"] == 5 and st["pending_spill_bytes"] == 0 and len(buf) == 4
-
-
 def test_survives_training_sessions():
     buf = _filled(long_fraction=1.0)
     before = (per_step(buf), buf.nbytes, buf.stats()["evictions"])
@@ -318,7 +247,7 @@ def test_survives_training_sessions():
 
 @pytest.mark.parametrize("field, value", [
     ("max_bytes", 0), ("max_bytes", 1.5), ("dtype", "float16"), ("prev_ratio", 1.5), ("prev_ratio", -0.1),
-    ("long_fraction", 0.0), ("long_fraction", 2.0), ("shard_bytes", 0), ("spill_evicted", True),
+    ("long_fraction", 0.0), ("long_fraction", 2.0),
 ])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=rf"BufferConfig\.{field}="):

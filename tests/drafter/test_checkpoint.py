@@ -22,6 +22,7 @@ from drafter.checkpoint import (
     complete_steps,
     latest,
     load,
+    load_weights,
     save_sync,
     step_dir,
 )
@@ -218,6 +219,22 @@ def test_a_pinned_step_survives_pruning_until_unpinned(tmp_path):
     ck.pin(tmp_path, [])
     ck.prune(tmp_path, keep_last=1)
     assert complete_steps(tmp_path) == [3]
+
+
+def test_load_weights_reads_the_weights_only(tmp_path, monkeypatch):
+    """Serving a drafter builds no optimizer and reads no optimizer state."""
+    d, opt = _trained("eagle")
+    save_sync(tmp_path, 2, {"train": TrainState(d, opt)})
+    fresh = make_drafter("eagle", seed=5)
+
+    def no_optimizer(*a, **k):
+        raise AssertionError("load_weights touched optimizer state")
+
+    monkeypatch.setattr(torch.optim, "AdamW", no_optimizer)
+    monkeypatch.setattr(ck, "set_state_dict", no_optimizer)
+    assert load_weights(tmp_path, fresh) == 2
+    for (name, a), b in zip(d.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_sync_save_uses_the_same_commit(tmp_path):

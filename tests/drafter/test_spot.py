@@ -361,7 +361,7 @@ def test_warm_resume_equals_a_checkpoint_resume(tmp_path, method):
     reading the checkpoint (the cold run clears the process's warm state between sessions), and
     as a warm state prefetched from the checkpoint outside any session (a replica that loaded
     another replica's newer drafter to serve it)."""
-    from drafter import warm
+    from drafter import resume_state as warm
 
     results = {}
     target = _target(method)
@@ -390,7 +390,7 @@ def _two_from_one(rank, ports, root, out, prefetched):
     """Rank ``rank`` of a 2-rank session resuming a 1-rank checkpoint (read, or prefetched here).
     Prefetched: then a 2-rank session that trains nothing keeps the newer one-rank warm state
     (the replica's step-end prefetch), which fits any next membership; its own shards would not."""
-    from drafter import warm
+    from drafter import resume_state as warm
 
     torch.set_num_threads(1)
     target = _target()

@@ -8,18 +8,8 @@ import pytest
 import torch
 
 from rollout.graph_pool import CudaGraphPool
-from rollout.graphs import (
-    DEFAULT_BUCKETS,
-    QWEN25_32B,
-    DraftGraphKey,
-    GraphPlanConfig,
-    GraphSet,
-    ModelDims,
-    TargetGraphKey,
-    estimate_bytes,
-    estimate_parts,
-    plan_graphs,
-)
+from rollout.graphs import DEFAULT_BUCKETS, DraftGraphKey, GraphPlanConfig, GraphSet, TargetGraphKey, plan_graphs
+from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_bytes, estimate_parts, memory_report
 from rollout.strategy import Arm
 
 T, D = (lambda b, q: TargetGraphKey(batch=b, query_tokens=q)), (lambda b, k: DraftGraphKey(batch=b, topk=k))
@@ -65,7 +55,7 @@ def test_no_sd_graphs_where_only_batches_above_the_elastic_threshold_pad():
     assert dict(plan.arms_by_batch) == {16: (A326,), 32: (A224,), 48: ()}
     at48 = {policy: {k for k in plan.graphs(policy).keys if k.batch == 48} for policy in ("naive", "bucketed")}
     assert at48 == {"naive": {T(48, 1)}, "bucketed": {T(48, 1)}}
-    assert plan.memory_report(TOY).single_graphs == 2 * 2 + 3  # A326 at 16, 32 + decode at all three
+    assert memory_report(plan, TOY).single_graphs == 2 * 2 + 3  # A326 at 16, 32 + decode at all three
     with pytest.raises(KeyError):
         plan.keys_for(40, A224)
     never = plan_graphs(dataclasses.replace(cfg, speculate_max_batch=0))
@@ -126,7 +116,7 @@ def test_padded_batch_and_keys_for():
 def test_memory_model_by_hand():
     assert estimate_parts(T(2, 5), TOY) == (10 * TGT_OUT, 10 * TGT_WORK)
     assert estimate_bytes(D(4, 2), TOY) == 8 * (DRF_OUT[2] + DRF_WORK)
-    rep = plan_graphs(SMALL).memory_report(TOY)
+    rep = memory_report(plan_graphs(SMALL), TOY)
     tgt, drf = TGT_OUT + TGT_WORK, {k: DRF_OUT[k] + DRF_WORK for k in (1, 2)}
     bucketed = (7 + 10 + 6 + 20 + 12) * tgt + (2 + 4 + 8) * drf[2] + (2 + 4) * drf[1]
     naive = 7 * (7 + 5 + 3) * tgt + 7 * 2 * drf[2] + 7 * drf[1]
@@ -140,7 +130,7 @@ def test_memory_model_by_hand():
 
 
 def test_default_config_memory_on_32b_dims():
-    rep = plan_graphs(GraphPlanConfig()).memory_report(QWEN25_32B)
+    rep = memory_report(plan_graphs(GraphPlanConfig()), QWEN25_32B)
     assert rep.naive_bytes >= rep.bucketed_bytes and rep.naive_bytes >= rep.single_bytes
     assert rep.ratio >= 1 and rep.naive_graphs >= rep.bucketed_graphs
 
@@ -150,7 +140,7 @@ def test_ratio_depends_on_how_much_buckets_differ():
     deep, mid, flat = Arm(8, 4, 32), Arm(6, 4, 16), Arm(4, 1, 4)
     same = GraphPlanConfig(capture_batch_sizes=sizes, buckets=((4, (deep, mid, flat)), (64, (deep, mid, flat))))
     apart = GraphPlanConfig(capture_batch_sizes=sizes, buckets=((4, (deep, mid)), (64, (flat,))))
-    r_same, r_apart = (plan_graphs(c).memory_report(QWEN25_32B) for c in (same, apart))
+    r_same, r_apart = (memory_report(plan_graphs(c), QWEN25_32B) for c in (same, apart))
     assert r_same.ratio == 1.0 and r_same.bucketed_bytes == r_same.naive_bytes
     # apart: the big batches (8..64: 124 of 127 rows) verify 5 tokens instead of up to 33
     assert r_apart.ratio > 3 and r_apart.bucketed_bytes < r_apart.single_bytes

@@ -13,7 +13,8 @@ from drafter.checkpoint import TrainState, save_sync  # noqa: E402
 from drafter.eagle import Drafter, DrafterConfig  # noqa: E402
 from drafter.model_config import ModelConfig  # noqa: E402
 from rollout.target import TargetModel  # noqa: E402
-from tlt.integrations.verl.server import load_spot_drafter, session_weights  # noqa: E402
+from tlt.integrations.verl.spot_wiring import session_weights  # noqa: E402
+from tlt.integrations.verl.weight_sync import load_spot_drafter  # noqa: E402
 
 
 def _target() -> TargetModel:

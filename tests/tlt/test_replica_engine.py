@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from drafter.eagle import Drafter
-from rollout.generate import SamplingParams
+import pytest
+import torch
+
+from drafter.eagle import Drafter, DrafterConfig
+from drafter.model_config import ModelConfig
+from rollout.generate import SamplingParams, generate
 from rollout.target import TargetModel
+from rollout.tuner import TunerConfig
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.integrations.verl.assembly import ReplicaEngine
 from tlt.integrations.verl.config import TLTConfig
@@ -35,3 +40,35 @@ def test_a_drafter_swap_touches_only_the_drafter(trained_target, warm_drafters):
     assert engine.tuner is tuner and tuner.best(2) is None  # same arms: EAGLE's estimates forgotten
     assert all(a.proposer == "suffix" or a.is_off for a in tuner._estimate[tuner.bucket_index(2)])
     assert engine.generate(prompts, params, seeds=[1, 2]).outputs == ref  # lossless after the swaps
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with pytest -m gpu on a GPU machine)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replica_engine_on_a_gpu(dtype):
+    """On a GPU the replica's engine runs static shapes (graph replay), the GPU tuner arms and a
+    CUDA drafter; fp32 output equals the reference loop token for token (bf16: near-ties may
+    differ between forward shapes, so it only has to run and stay in range); a drafter swap keeps
+    the engine, its cache and its graphs."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    model = TargetModel(cfg).to(device="cuda", dtype=dtype).eval()
+    tlt = TLTConfig.from_mapping({"engine": {"max_batch": 4}})
+    rep = ReplicaEngine(model, tlt, max_len=96, seed=0, rank=0, device="cuda")
+    assert rep.engine.static_step is not None and rep.engine.tuner.config == TunerConfig.for_device(
+        "cuda", proposers=("suffix",), seed=0)
+    prompts = [[1 + i, 5, 9, 2 + i, 7] * 3 for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=32)
+    out = rep.engine.generate(prompts, params, seeds=[1, 2, 3]).outputs
+    if dtype == torch.float32:
+        assert out == generate(model, prompts, params, seeds=[1, 2, 3])
+    assert all(len(o) == 32 and max(o) < cfg.vocab_size for o in out)
+    engine, cache = rep.engine, rep.engine.cache
+    drafter = Drafter(DrafterConfig.for_target(cfg), model.embed_weight, model.lm_head.weight).to(device="cuda",
+                                                                                                 dtype=dtype)
+    rep.set_drafter(drafter.eval())
+    assert rep.engine is engine and engine.cache is cache and rep.proposer_name == "eagle"
+    again = engine.generate(prompts, params, seeds=[1, 2, 3]).outputs
+    if dtype == torch.float32:
+        assert again == out

@@ -12,7 +12,7 @@ from tlt.bench.sglang_policy import SGLANG_SPEC_GRAPH_BS, graph_memory
 from tlt.integrations.sglang import guard
 from tlt.integrations.sglang.idle import IdleSignal
 from tlt.integrations.sglang.policy import DEFAULT_SLOTS, AdaptivePolicy, EmaCompatPolicy, load_slots
-from rollout.graphs import QWEN25_32B
+from tlt.bench.graph_memory import QWEN25_32B
 
 
 class Clock:

@@ -201,7 +201,7 @@ def _verl_like(rollout: str, enable: bool):
 
 
 def test_check_verl_config_rejects_foreign_rollout():
-    from tlt.integrations.verl.trainer import check_verl_config
+    from tlt.integrations.verl.verl_checks import check_verl_config
 
     cfg = _verl_like("vllm", enable=True)
     with pytest.raises(ValueError) as ei:
@@ -215,7 +215,7 @@ def test_check_verl_config_rejects_foreign_rollout():
 
 @needs_verl
 def test_shipped_config_passes_check_verl_config():
-    from tlt.integrations.verl.trainer import check_verl_config
+    from tlt.integrations.verl.verl_checks import check_verl_config
 
     cfg = _compose("tlt_grpo", [])
     check_verl_config(cfg, from_verl(cfg))

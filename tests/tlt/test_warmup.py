@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from drafter.checkpoint import latest
-from drafter.trainer import STATE_NAME
+from drafter.offline_train import STATE_NAME
 from tlt.cli import main
 
 SHARED_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "eurus2_rl_sample_prompts.json"

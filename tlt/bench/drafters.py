@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import logging
 import platform
-import statistics
 import time
 
 import torch

@@ -1,6 +1,6 @@
 """``tlt bench graphs``: CUDA-graph counts and memory, bucketed vs naive vs single strategy.
 
-Always: the planner's graph counts and the memory model (rollout.graphs.estimate_parts) for
+Always: the planner's graph counts and the memory model (tlt.bench.graph_memory.estimate_parts) for
 Qwen2.5-32B dims and the default buckets (TLT Table 3: 10.69 GB bucketed vs 30.39 GB naive, single
 7.81 GB). With a CUDA device: captures both policies for a small random-weight target (plus a
 one-layer stand-in drafter) and reports the measured graph-pool bytes next to the model's figure.
@@ -17,15 +17,8 @@ import time
 import torch
 
 from rollout.graph_pool import CudaGraphPool
-from rollout.graphs import (
-    QWEN25_32B,
-    GraphPlan,
-    GraphPlanConfig,
-    ModelDims,
-    TargetGraphKey,
-    estimate_bytes,
-    plan_graphs,
-)
+from rollout.graphs import GraphPlan, GraphPlanConfig, TargetGraphKey, plan_graphs
+from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_bytes, memory_report
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -82,7 +75,7 @@ def _measure_cuda(plan: GraphPlan, *, quick: bool, seed: int) -> dict:
         measured = pool.memory_report()
     finally:
         pool.close()
-    model = plan.memory_report(ModelDims.from_config(cfg, dtype_bytes=2, logits_bytes=4))
+    model = memory_report(plan, ModelDims.from_config(cfg, dtype_bytes=2, logits_bytes=4))
     return {"device": torch.cuda.get_device_name(dev), "layers": layers, "hidden": cfg.hidden_size,
             "vocab": cfg.vocab_size, "kv_span": span, "capture_seconds": seconds, "measured": measured,
             "model": model.as_dict()}
@@ -92,7 +85,7 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     cfg = GraphPlanConfig()
     plan = plan_graphs(cfg)
-    rep = plan.memory_report(QWEN25_32B)
+    rep = memory_report(plan, QWEN25_32B)
     counts = _counts(plan)
     d = QWEN25_32B
     sizes = cfg.capture_batch_sizes
@@ -107,7 +100,7 @@ def run(args: argparse.Namespace) -> dict:
     by_size = {c: sum(estimate_bytes(k, d) for k in plan.bucketed.keys if k.batch == c) for c in sizes}
     lines.append("  bucketed GB by captured size: " + ", ".join(f"{c}:{b / GB:.2f}" for c, b in by_size.items()))
     threshold = 32  # an engine capped by EngineConfig(elastic_threshold=32) (default: no cap, learned)
-    elastic = plan_graphs(dataclasses.replace(cfg, speculate_max_batch=threshold)).memory_report(d)
+    elastic = memory_report(plan_graphs(dataclasses.replace(cfg, speculate_max_batch=threshold)), d)
     lines.append(f"  SD graphs only up to a fixed elastic cap of {threshold}: naive {elastic.naive_bytes / GB:.2f}"
                  f" GB, bucketed {elastic.bucketed_bytes / GB:.2f} GB, single {elastic.single_bytes / GB:.2f} GB"
                  f" = {elastic.ratio:.2f}x")

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from drafter.eagle import Drafter
-from drafter.trainer import TrainConfig
+from drafter.offline_train import TrainConfig
 from rollout.draft_tree import DraftTree, Proposer, ProposerInput
 from rollout.eagle_proposer import EagleProposer
 from rollout.engine import EngineConfig, RolloutEngine

@@ -21,7 +21,7 @@ one, on a virtual clock advanced by the recorded step times. Variants on the sam
 Graph plan: SGLang captures, per step count, a draft graph (``s`` steps of one token per request),
 a verify graph (``s + 1`` tokens per request) and a draft-extend graph, at each CUDA-graph batch
 size. ``cuda_graph_bs_for_step`` captures a step count only where its slot offers it; naive
-capture takes every step count at every size. Bytes come from :func:`rollout.graphs.estimate_parts`
+capture takes every step count at every size. Bytes come from :func:`tlt.bench.graph_memory.estimate_parts`
 (a model, not a measurement: the capture needs a GPU) for Qwen2.5-32B dimensions.
 """
 
@@ -37,7 +37,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rollout.graphs import QWEN25_32B, DraftGraphKey, ModelDims, TargetGraphKey, estimate_parts
+from rollout.graphs import DraftGraphKey, TargetGraphKey
+from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_parts
 from tlt.integrations.sglang.policy import DEFAULT_SLOTS, AdaptivePolicy, SlotsConfig, describe
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,8 @@ passes through unless ``trainer.v1.trainer_mode=tlt``: with TLT off, verl behave
 policy pushes) is installed by the tlt trainer's worker class, in the workers of a run with TLT
 on (:mod:`tlt.integrations.verl.worker`), never at import.
 verl only DEBUG-logs a plugin that fails to load, so a failure here prints its traceback to
-stderr and is remembered: the ``tlt`` trainer refuses to start with it.
+stderr and is remembered (:mod:`tlt.integrations.verl.verl_checks`): the ``tlt`` trainer refuses
+to start with it. Imports go one way: this module imports the trainer, never the reverse.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import sys
 import traceback
 
-_failure: str | None = None
+from tlt.integrations.verl.verl_checks import registration_failed
 
 
 def register() -> None:
@@ -47,7 +48,7 @@ def _validate_in_driver() -> None:
         from omegaconf import OmegaConf
 
         from tlt.integrations.verl.config import from_verl
-        from tlt.integrations.verl.trainer import check_verl_config
+        from tlt.integrations.verl.verl_checks import check_verl_config
 
         if OmegaConf.select(config, "trainer.v1.trainer_mode", default=None) == "tlt":
             try:
@@ -61,13 +62,9 @@ def _validate_in_driver() -> None:
     vc.validate_config = validate_config
 
 
-def raise_if_failed() -> None:
-    if _failure is not None:
-        raise RuntimeError(f"TLT's verl plugin failed to register; the tlt trainer cannot run:\n{_failure}")
-
-
 try:
     register()
 except Exception:  # noqa: BLE001 - reported loudly, then refused by the trainer
-    _failure = traceback.format_exc()
-    sys.stderr.write(f"tlt: registering the verl plugin failed:\n{_failure}\n")  # verl only DEBUG-logs it
+    _tb = traceback.format_exc()
+    registration_failed(_tb)
+    sys.stderr.write(f"tlt: registering the verl plugin failed:\n{_tb}\n")  # verl only DEBUG-logs it

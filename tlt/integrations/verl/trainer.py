@@ -40,44 +40,12 @@ import ray
 
 from tlt.integrations.verl import runtime
 from tlt.integrations.verl.config import TLTConfig, from_verl
-from tlt.integrations.verl.server import HISTORY_FILE, PORT_SPAN
+from tlt.integrations.verl.server import HISTORY_FILE
+from tlt.integrations.verl.spot_wiring import PORT_SPAN
+from tlt.integrations.verl.verl_checks import check_verl_config, raise_if_registration_failed
 from tlt.ports import free_port
 
 log = logging.getLogger(__name__)
-
-
-def check_verl_config(config, tlt: TLTConfig) -> None:
-    """verl settings TLT cannot work with, as one-line ValueErrors (before any worker starts)."""
-    from omegaconf import OmegaConf
-
-    if not tlt.enable:
-        return
-    ro = config.actor_rollout_ref.rollout
-    if ro.name != "tlt":
-        raise ValueError(f"actor_rollout_ref.rollout.name={ro.name!r}: TLT's verl mode serves rollouts with "
-                         "its own engine; set actor_rollout_ref.rollout.name=tlt")
-    backend = ro.checkpoint_engine.backend
-    if backend != "naive":
-        raise ValueError(f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend!r}: the tlt rollout "
-                         "takes the colocated (naive) weight sync; set it to naive")
-    sp = config.actor_rollout_ref.get("actor", {}).get("ulysses_sequence_parallel_size", 1) or 1
-    if int(sp) > 1:
-        raise ValueError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}: hidden-state "
-                         "capture needs whole sequences per rank; use 1")
-    sync_step = OmegaConf.select(config, "trainer.v1.tlt.parameter_sync_step", default=1)
-    if sync_step != 1:
-        raise ValueError(f"trainer.v1.tlt.parameter_sync_step={sync_step}: TLT's rollout hooks assume one "
-                         "rollout per RL step; use 1")
-    lora = (OmegaConf.select(config, "actor_rollout_ref.model.lora.rank", default=0)
-            or OmegaConf.select(config, "actor_rollout_ref.model.lora_rank", default=0))
-    if lora:
-        raise ValueError(f"actor_rollout_ref.model.lora rank {lora}: the tlt rollout takes merged full "
-                         "weights only; train without LoRA")
-    bypass = OmegaConf.select(config, "algorithm.rollout_correction.bypass_mode", default=False)
-    if bypass and tlt.drafter.train and tlt.buffer.capture == "old_log_prob":
-        raise ValueError("algorithm.rollout_correction.bypass_mode=true skips the old-log-prob forward, "
-                         "where tlt.buffer.capture=old_log_prob captures hidden states; use tlt.buffer.capture="
-                         "rollout or turn bypass off")
 
 
 def trainer_class():
@@ -85,13 +53,12 @@ def trainer_class():
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
     from verl.utils.debug import marked_timer
 
-    from tlt.integrations.verl import plugin
     from tlt.integrations.verl.worker import worker_class
 
     @register_trainer("tlt")
     class TLTTrainer(PPOTrainerSync):
         def __init__(self, config):
-            plugin.raise_if_failed()
+            raise_if_registration_failed()
             self.tlt = from_verl(config)
             check_verl_config(config, self.tlt)
             _route_groups(config, self.tlt)

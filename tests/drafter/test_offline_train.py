@@ -8,7 +8,7 @@ import torch
 from drafter.eagle import Drafter
 from drafter.checkpoint import AsyncCheckpointer, complete_steps, latest
 from drafter.spot import SpotTrainer
-from drafter.trainer import STATE_NAME, TrainConfig, evaluate, train
+from drafter.offline_train import STATE_NAME, TrainConfig, evaluate, train
 from drafter.ttt import TTTConfig
 from tests.drafter.test_packing import make_drafter, make_samples
 

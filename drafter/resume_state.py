@@ -1,4 +1,5 @@
-"""Warm state of a spot trainer: one rank's training state kept in process memory between sessions.
+"""Resume state of a spot trainer: one rank's training state kept in process memory between sessions
+(not the warm-up, which is :mod:`tlt.warmup`).
 
 Owns the snapshot taken when a session ends (this rank's local shards of the drafter's weights and
 of its optimizer state, plain tensors detached from the ended process group, kept in host memory so

@@ -1,6 +1,8 @@
-"""Offline drafter warm-up: the spot trainer's loop, run as a one-rank session over a fixed set.
+"""Offline drafter training over a fixed sample set: the spot trainer's loop as a one-rank session.
 
-Owns the warm-up's settings (:class:`TrainConfig`: step budget, cosine schedule, checkpoint
+The training stage of the warm-up pipeline (:mod:`tlt.warmup`, which also generates rollouts and
+captures features); resume state between spot sessions is :mod:`drafter.resume_state`. Owns the
+training settings (:class:`TrainConfig`: step budget, cosine schedule, checkpoint
 interval), the seeded epoch order of its packed batches (:class:`EpochBatches`, replayed exactly on
 resume), evaluation (top-1/top-3 accuracy and the estimated accept length of a greedy chain) and the
 warm-up directory. The loop itself is :class:`drafter.spot.SpotTrainer`'s (world size 1), so the

@@ -1,0 +1,56 @@
+"""Graph capture is no arm's cost: the tuner's rewards leave out the time a step spends capturing a
+CUDA graph on first use. CPU stand-in for the GPU pool (this machine has no GPU): a pool whose
+capture sleeps and whose replay runs the step's eager forward."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from drafter.model_config import ModelConfig
+from rollout.engine import EngineConfig, RolloutEngine
+from rollout.generate import SamplingParams
+from rollout.ngram import NgramProposer
+from rollout.target import TargetModel
+from rollout.tuner import BegMab, TunerConfig
+
+CAPTURE_S = 0.25
+
+
+class _SlowCapturePool:
+    """Stands in for rollout.graph_pool.CudaGraphPool (needs a GPU): capture costs CAPTURE_S."""
+
+    def __init__(self, step) -> None:
+        self.step, self.keys = step, set()
+
+    def has(self, key) -> bool:
+        return key in self.keys
+
+    def capture(self, keys) -> None:
+        time.sleep(CAPTURE_S)
+        self.keys |= set(keys)
+
+    def replay(self, key, **inputs):
+        return self.step._forward(**inputs)
+
+
+def test_graph_capture_time_stays_out_of_tuner_rewards():
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = TargetModel(cfg).eval()
+    tuner = BegMab(TunerConfig.for_device("cpu", proposers=("suffix",), seed=0))
+    times: list[float] = []
+    record = tuner.record
+    tuner.record = lambda b, arm, acc, s: (times.append(s), record(b, arm, acc, s))[1]
+    engine = RolloutEngine(model, EngineConfig(max_batch=2, max_len=96, static_shapes=True),
+                           proposers={"suffix": NgramProposer()}, tuner=tuner)
+    step = engine.static_step
+    step.pool = _SlowCapturePool(step)
+    prompts = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [7, 8, 9, 7, 8, 9, 7, 8]]
+    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=24)).outputs
+    assert len(step.pool.keys) >= 2 and step.capture_s >= CAPTURE_S * len(step.pool.keys) * 0.99
+    assert times and max(times) < CAPTURE_S, times  # every capture happened inside a timed step
+    engine.static_step.pool = None  # eager: the same tokens
+    assert engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=24)).outputs == out

@@ -1,0 +1,76 @@
+"""The replica's parts without Ray: the request batcher, the policy copy and the drift probe."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from drafter.model_config import ModelConfig
+from rollout.generate import SamplingParams
+from rollout.target import TargetModel
+from tlt.integrations.verl.batcher import RequestBatcher
+from tlt.integrations.verl.weight_sync import DriftProbe, copy_policy
+
+P = SamplingParams(temperature=0.0, max_new_tokens=4)
+
+
+def _target(seed: int = 0) -> TargetModel:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return TargetModel(cfg).eval()
+
+
+def test_batcher_groups_close_requests_isolates_failures_and_reports_idle():
+    batches, idle = [], []
+
+    def run(batch):
+        batches.append([r.prompt[0] for r in batch])
+        if any(r.prompt[0] == 99 for r in batch):
+            raise RuntimeError("bad batch")
+        return [(r.prompt, r.seed) for r in batch]
+
+    async def main():
+        b = RequestBatcher(run, lambda: idle.append(len(batches)), window_s=0.05, max_batch=3)
+        first = await asyncio.gather(*(b.submit([i], P, seed=i) for i in range(5)))
+        assert first == [([i], i) for i in range(5)] and b.idle
+        with pytest.raises(RuntimeError, match="bad batch"):
+            await b.submit([99], P, seed=9)
+        assert await b.submit([7], P, seed=7) == ([7], 7)  # the loop survived the failure
+
+    asyncio.run(main())
+    assert batches[:2] == [[0, 1, 2], [3, 4]]  # arrived together: max_batch, then the rest
+    assert idle == [2, 3, 4]  # once per drain, after the last batch of it
+
+
+def test_policy_copy_checks_every_tensor_before_writing():
+    model, new = _target(0), _target(1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = dict(new.state_dict())
+    bad = {**state, "model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}
+    with pytest.raises(ValueError, match="up_proj.weight.*shape"):
+        copy_policy(model, bad)
+    with pytest.raises(ValueError, match="not a tensor of the rollout target"):
+        copy_policy(model, {**state, "model.extra.weight": torch.zeros(1)})
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing written
+    ptr = model.embed_weight.data_ptr()
+    assert copy_policy(model, state) == len(state)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items()) and model.embed_weight.data_ptr() == ptr
+
+
+def test_drift_probe_compares_the_policies_around_a_push():
+    model, lock = _target(0), threading.Lock()
+    probe = DriftProbe(model, lock)
+    probe.record([[1, 2, 3, 4, 5, 6], [7, 8, 9]])
+    probe.before()
+    probe.after()  # same weights
+    assert probe.top1 == 1.0
+    probe.before()
+    copy_policy(model, _target(1).state_dict())
+    probe.after()
+    assert probe.top1 < 0.9
+    probe.after()  # no idle forward since the last push: nothing to compare, the figure stays
+    assert probe.top1 < 0.9

@@ -1,0 +1,79 @@
+"""How a replica trains its drafter in its idle windows: the DataBuffer feed and the spot agent.
+
+Owns :class:`BufferFeed` (the engine's feature sink: each finished request becomes a DataBuffer
+sample of the RL step being rolled out), :func:`session_weights` (the frozen tensors a session
+trains against: its own copies) and :func:`start_spot_agent` (the coordinator worker whose
+PROMOTE starts an FSDP2 spot session in this process). The replica decides when it is idle or
+busy; the agent and trainer decide the rest (:mod:`tlt.spot_agent`, :mod:`drafter.spot`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+
+from drafter.buffer import DataBuffer
+from drafter.eagle import DrafterConfig
+from drafter.packing import FeatureSample
+from drafter.spot import SpotConfig, SpotTrainer
+from drafter.ttt import TTTConfig
+from rollout.target import TargetModel
+from tlt.integrations.verl.config import TLTConfig
+
+PORT_SPAN = 256  # rendezvous ports per replica above tlt's spot base port
+
+
+class BufferFeed:
+    """The engine's feature sink: each finished request becomes a DataBuffer sample of this step."""
+
+    def __init__(self, buffer: DataBuffer, aux_layers: tuple[int, ...], step: Callable[[], int]) -> None:
+        self.buffer, self.aux_layers, self._step = buffer, tuple(aux_layers), step  # step(): the RL step
+
+    def add(self, tokens, prompt_len, hidden, aux) -> None:
+        mask = torch.zeros(len(tokens), dtype=torch.bool)
+        mask[prompt_len:] = True
+        self.buffer.add(FeatureSample(torch.tensor(tokens), mask, hidden, aux), self._step())
+
+
+def session_weights(model: TargetModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen embedding and LM head a spot session trains against: its own copies, so a policy
+    push (which copies the new policy into the target in place) never writes tensors a session
+    reads, whether or not the session has stopped yet. Cost per session start: one copy of the
+    embedding and the head (at 7B, vocab 152k x 3584 in bf16: about 2.2 GB)."""
+    return model.embed_weight.detach().clone(), model.lm_head.weight.detach().clone()
+
+
+def spot_config(cfg: TLTConfig, seed: int) -> SpotConfig:
+    s = cfg.spot
+    return SpotConfig(lr=s.lr, token_budget=s.token_budget, interval=s.interval, local_data=True,
+                      preempt_s=s.preempt_s, ttt=TTTConfig(steps=s.ttt_steps), seed=seed)
+
+
+def start_spot_agent(*, cfg: TLTConfig, rank: int, seed: int, model: TargetModel, drafter_cfg: DrafterConfig,
+                     buffer: DataBuffer, spot_root: str, coordinator: str, node_ip: str, base_port: int,
+                     on_record: Callable, spot_rate: Callable[[], float | None]):
+    """This replica's spot agent, connected to the coordinator and idle until told otherwise."""
+    from coordinator import WorkerConfig
+    from tlt.spot_agent import AgentConfig, SpotAgent
+
+    spot = spot_config(cfg, seed)
+
+    def make_trainer(s):  # the last session's measured throughput sizes the first chunks
+        embed, head = session_weights(model)
+        return SpotTrainer(spec=s, config=spot, drafter_config=drafter_cfg, embed_weight=embed, head_weight=head,
+                           checkpoint_root=spot_root, init_from=cfg.drafter.init_path, tokens_per_s=spot_rate())
+
+    def batches(f):
+        calls = itertools.count()
+        return lambda budget: buffer.sample_batch(budget, seed=f.epoch * 1_000_003 + next(calls))
+
+    cc = cfg.coordinator
+    worker = WorkerConfig(address=coordinator, worker_id=f"replica-{rank}",
+                          trainer_address=f"tcp://{node_ip}:{base_port + PORT_SPAN * rank}",
+                          heartbeat_interval_s=cc.heartbeat_s, liveness=cc.liveness,
+                          reconnect_initial_s=cc.heartbeat_s, reconnect_max_s=8 * cc.heartbeat_s)
+    agent = SpotAgent(worker, make_trainer=make_trainer, batches=batches, on_record=on_record,
+                      config=AgentConfig(port_span=PORT_SPAN))
+    return agent.start(0)

@@ -1,0 +1,80 @@
+"""A replica's per-RL-step statistics, which the trainer turns into ``tlt/*`` metrics.
+
+Owns the counters of one step (engine batches, speculation, arms, idle time, spot sessions) and
+their lock: the batch thread, the event loop and the spot agent's thread all write here.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+
+def _empty() -> dict[str, Any]:
+    return {"committed": 0, "verifies": 0, "accepted": 0, "drafted": 0, "tokens": 0,
+            "arms": collections.Counter(), "idle_at": None, "idle_s": 0.0, "sessions": 0,
+            "failed_sessions": 0, "train_steps": 0, "losses": [], "preempt_s": [], "batches": 0,
+            "requests": 0, "gen_s": 0.0, "phases": []}
+
+
+class StepStats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._st = _empty()
+        self.spot_rate: float | None = None  # spot tokens/s of the last session (sizes the next one's chunks)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._st = _empty()
+
+    def went_idle(self) -> None:
+        with self._lock:
+            self._st["idle_at"] = time.monotonic()
+
+    def batch(self, res, *, started: float, gen_s: float, requests: int) -> None:
+        """One engine batch (a ``GenerateResult``) that started at ``started`` (monotonic)."""
+        with self._lock:
+            st = self._st
+            if st["idle_at"] is not None:
+                st["idle_s"] += started - st["idle_at"]
+                st["idle_at"] = None
+            st["gen_s"] += gen_s
+            st["batches"] += 1
+            st["requests"] += requests
+            st["tokens"] += res.tokens
+            for s in res.steps:
+                if s.sd:
+                    st["verifies"] += s.batch
+                    st["committed"] += s.committed
+                    st["accepted"] += s.accepted
+                    st["drafted"] += s.drafted
+                    st["arms"][s.arm] += 1
+
+    def session(self, rec) -> None:
+        """One spot session's formation record (the agent's ``on_record``)."""
+        r = rec.result
+        with self._lock:
+            st = self._st
+            if r is None:
+                st["failed_sessions"] += 1
+                return
+            if r.tokens_per_s:
+                self.spot_rate = r.tokens_per_s
+            if r.preempt_latency_s is not None:
+                st["preempt_s"].append(r.preempt_latency_s)
+            st["phases"].append(r.phase_s)
+            if r.rank == 0:  # every rank reports the same global steps and losses
+                st["sessions"] += 1
+                st["train_steps"] += r.end_step - r.start_step
+                st["losses"] += list(r.losses)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            st = dict(self._st)
+            st["arms"] = dict(st["arms"])
+            st["losses"], st["preempt_s"], st["phases"] = list(st["losses"]), list(st["preempt_s"]), list(st["phases"])
+        if st["idle_at"] is not None:
+            st["idle_s"] += time.monotonic() - st["idle_at"]
+        return st
