@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from drafter.export import export_drafter
-from drafter.trainer import TrainConfig
+from drafter.offline_train import TrainConfig
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.demo.grpo_task import write_parquet
 from tlt.demo.summary import ARM_LABELS, plot, summarize
@@ -60,11 +60,12 @@ class DemoSize:
             raise ValueError(f"steps={self.steps}: use at least 1 RL step")
 
 
-# The task's shape: a median of 6 steps with a lognormal tail; one response in ten in the careful style.
-DEMO_CORPUS = CorpusConfig(median_steps=6, max_steps=18, careful_share=0.1)
+# The task's shape: a median of 6 steps with a lognormal tail; about one response in seven in the
+# careful style (the reward prefers it: the SFT policy rarely earns it, RL learns it).
+DEMO_CORPUS = CorpusConfig(median_steps=6, max_steps=18, careful_share=0.15)
 DEFAULT = DemoSize(target=TargetSpec(hidden_size=64, intermediate_size=176, num_layers=20, trained_layers=4,
                                      train_steps=300, grown_steps=10, corpus=DEMO_CORPUS),
-                   prompts=32, batch=8, n=4, steps=8, max_response=320, warmup_steps=60, actor_lr=4e-4)
+                   prompts=32, batch=8, n=4, steps=8, max_response=320, warmup_steps=60, actor_lr=3e-4)
 QUICK = DemoSize(target=TargetSpec(hidden_size=64, num_layers=2, intermediate_size=128, train_steps=10,
                                    batch_size=4, seq_len=128, corpus=DEMO_CORPUS),
                  prompts=8, batch=4, n=2, steps=2, max_response=64, warmup_steps=5, timeout_s=600)

@@ -199,9 +199,9 @@ class TLTServer:
         return self.stale
 
     def _run_batch(self, batch: list[Request]):
-        if self.agent is not None:
-            self.agent.busy(self.step)  # stops a training session (checkpointed) before decoding
-        with self._lock:
+        with self._lock:  # after any IDLE the idle thread sent under this lock, never before it
+            if self.agent is not None:
+                self.agent.busy(self.step)  # stops a training session (checkpointed) before decoding
             prompts = [r.prompt for r in batch]
             ids: dict[tuple[int, ...], int] = {}
             groups = [ids.setdefault(tuple(p), len(ids)) for p in prompts]
@@ -224,7 +224,7 @@ class TLTServer:
 
     def _idle_work(self) -> None:
         self.probe.before()
-        with self._lock:  # a batch that started meanwhile has called agent.busy: stay busy
+        with self._lock:  # ordered with _run_batch's BUSY: a batch queued meanwhile keeps it busy
             if self.agent is not None and self.batcher.idle and len(self.buffer):
                 self.agent.idle(self.step)
 
