@@ -110,6 +110,15 @@ def _tensors(obj: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(v)
 
 
+def _refuse_frozen(state: Any, frozen: Iterable[torch.Tensor]) -> None:
+    """Raise if a tensor of ``state`` shares storage with a frozen target tensor (embedding / LM
+    head): those stay shared by reference and never reach a drafter checkpoint."""
+    ptrs = {t.untyped_storage().data_ptr() for t in frozen}
+    if any(t.numel() and t.untyped_storage().data_ptr() in ptrs for t in _tensors(state)):
+        raise RuntimeError("a target tensor (embedding / LM head) reached the drafter checkpoint; "
+                           "it must stay shared by reference, not a parameter")
+
+
 def state_nbytes(state: Any) -> int:
     """Bytes of this rank's tensors in a (possibly nested) state dict."""
     return sum(t.numel() * t.element_size() for t in _tensors(state))
@@ -132,11 +141,7 @@ class TrainState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         msd, osd = get_state_dict(self.model, self.optimizer)
-        frozen = {t.untyped_storage().data_ptr() for t in self._frozen}
-        for t in _tensors((msd, osd)):
-            if t.numel() and t.untyped_storage().data_ptr() in frozen:
-                raise RuntimeError("a target tensor (embedding / LM head) reached the drafter "
-                                   "checkpoint; it must stay shared by reference, not a parameter")
+        _refuse_frozen((msd, osd), self._frozen)
         return {"model": msd, "optim": osd, "progress": {"step": self.step, **self.progress}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -424,9 +429,7 @@ def load_weights(root: str | Path, model: nn.Module, *, frozen: Iterable[torch.T
     if step is None:
         return None
     msd = get_model_state_dict(model)
-    shared = {t.untyped_storage().data_ptr() for t in frozen if t is not None}
-    if any(t.numel() and t.untyped_storage().data_ptr() in shared for t in _tensors(msd)):
-        raise RuntimeError("a target tensor (embedding / LM head) is among the drafter's own weights")
+    _refuse_frozen(msd, [t for t in frozen if t is not None])
     load(root, {"train": {"model": msd}}, step=step, alone=True)  # the keys TrainState saved them under
     set_model_state_dict(model, msd)
     return step
