@@ -6,8 +6,8 @@ of its optimizer state, plain tensors detached from the ended process group, kep
 an accelerator's memory goes back to rollout), the same snapshot read from a checkpoint outside any
 session (:func:`prefetch`: a replica that loads a newer drafter to serve also readies it for its next
 session, so that session does not spend its short idle window reading the checkpoint), and its
-restoration into the next session's freshly sharded drafter (a one-rank state is cut into any
-session's FSDP2 shards). ``drafter.spot`` decides when a
+restoration into the next session's freshly sharded drafter, by parameter name (a one-rank state
+is cut into any session's FSDP2 shards). ``drafter.spot`` decides when a
 snapshot may be used (every rank agrees nothing changed); this module only copies.
 """
 
@@ -26,13 +26,13 @@ from drafter.eagle import Drafter, DrafterConfig
 
 @dataclasses.dataclass
 class Warm:
-    """One rank's training state as its last session in this process ended."""
+    """One rank's training state as its last session in this process ended, keyed by parameter name."""
 
     step: int
     world_size: int
     rank: int
-    params: list[torch.Tensor]  # local shards on the host, in parameter order
-    optim: list[dict[str, torch.Tensor]]  # per parameter: state name -> local tensor on the host
+    params: dict[str, torch.Tensor]  # name -> local shard on the host (the full tensor at one rank)
+    optim: dict[str, dict[str, torch.Tensor]]  # name -> state name -> local tensor on the host
     samples: int
 
 
@@ -44,50 +44,54 @@ def snapshot(d: nn.Module, opt: torch.optim.Optimizer, step: int, world_size: in
     def host(t):
         return (t.to_local() if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
 
-    params = list(d.parameters())
-    optim = [{k: host(v) for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
-             for p in params]
-    return Warm(step, world_size, rank, [host(p) for p in params], optim, samples)
+    named = list(d.named_parameters())
+    optim = {n: {k: host(v) for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+             for n, p in named if opt.state.get(p)}
+    return Warm(step, world_size, rank, {n: host(p) for n, p in named}, optim, samples)
 
 
-def _locals(d: nn.Module) -> list[torch.Tensor]:
-    return [p.to_local() if isinstance(p, DTensor) else p for p in d.parameters()]
+def usable(w: Warm | None, d: nn.Module, step: int | None, world_size: int, rank: int) -> bool:
+    """The warm state is checkpoint ``step`` and holds this rank's local shards of ``d``: the same
+    world size and rank, or a one-rank state (every rank takes its own shard from it)."""
+    if w is None or step is None or w.step != step:
+        return False
+    if w.world_size != 1 and (w.world_size, w.rank) != (world_size, rank):
+        return False
+    named = dict(d.named_parameters())
+    if set(named) != set(w.params):
+        return False
+    if w.world_size == 1:
+        return all(w.params[n].shape == p.shape for n, p in named.items())
+    return all(w.params[n].shape == (p.to_local() if isinstance(p, DTensor) else p).shape
+               for n, p in named.items())
 
 
-def _piece(src: torch.Tensor, full_shape: torch.Size, w: Warm, world_size: int, rank: int) -> torch.Tensor:
-    """This rank's part of a warm tensor: a one-rank (full) state is cut as FSDP2 shards it
-    (``Shard(0)``: ``torch.chunk`` pieces, empty past the last one); a sharded one is used as is."""
-    if w.world_size != 1 or world_size == 1 or not src.dim() or src.shape != full_shape:
+def _piece(src: torch.Tensor, p: nn.Parameter, w: Warm, world_size: int, rank: int) -> torch.Tensor:
+    """This rank's part of a warm tensor of parameter ``p``: a one-rank (full) state is cut as
+    FSDP2 shards it (``Shard(0)``: ``torch.chunk`` pieces, empty past the last one); a sharded one
+    is used as is."""
+    if w.world_size != 1 or world_size == 1 or not src.dim() or src.shape != p.shape:
         return src
     pieces = src.chunk(world_size, dim=0)
     return pieces[rank] if rank < len(pieces) else src[:0]
 
 
-def usable(w: Warm | None, d: nn.Module, step: int | None, world_size: int, rank: int) -> bool:
-    """The warm state is checkpoint ``step`` and holds this rank's local shards of ``d``: the same
-    world size and rank, or a one-rank state (every rank cuts its own shard from it)."""
-    if w is None or step is None or w.step != step:
-        return False
-    if w.world_size != 1 and (w.world_size, w.rank) != (world_size, rank):
-        return False
-    params, mine = list(d.parameters()), _locals(d)
-    return len(mine) == len(w.params) and all(
-        _piece(src, p.shape, w, world_size, rank).shape == m.shape for p, m, src in zip(params, mine, w.params))
-
-
 def restore(w: Warm, d: nn.Module, opt: torch.optim.Optimizer, world_size: int, rank: int) -> None:
-    """Copy the warm shards into ``d`` and set ``opt``'s state from them (``d`` freshly sharded).
-    A parameter-shaped optimizer state of a sharded parameter is sharded like it (AdamW's moments);
-    the rest (its step count) stays a plain tensor, as the optimizer made them."""
-    params, locals_ = list(d.parameters()), _locals(d)
+    """Copy the warm shards into ``d`` and set ``opt``'s state from them (``d`` freshly sharded),
+    by parameter name. A parameter-shaped optimizer state of a sharded parameter is sharded like it
+    (AdamW's moments); the rest (its step count) stays a plain tensor, as the optimizer made them.
+
+    Each rank cuts its own piece with no communication. DCP's ``set_model_state_dict`` /
+    ``set_optimizer_state_dict`` do the same by name but took 5-8x longer inside the idle window
+    (they scatter from rank 0 and re-key the optimizer): ``tlt bench resume`` measures both."""
     with torch.no_grad():
-        for p, dst, src in zip(params, locals_, w.params):
-            dst.copy_(_piece(src, p.shape, w, world_size, rank))
-    for p, local, state in zip(params, locals_, w.optim):
-        state = {k: _piece(v, p.shape, w, world_size, rank) for k, v in state.items()}
-        opt.state[p] = {k: DTensor.from_local(v.to(local.device, copy=True), p.device_mesh, p.placements)
-                        if isinstance(p, DTensor) and v.dim() and v.shape == local.shape
-                        else v.to(local.device, copy=True) for k, v in state.items()}
+        for n, p in d.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            local.copy_(_piece(w.params[n], p, w, world_size, rank))
+            state = {k: _piece(v, p, w, world_size, rank) for k, v in w.optim.get(n, {}).items()}
+            opt.state[p] = {k: DTensor.from_local(v.to(local.device, copy=True), p.device_mesh, p.placements)
+                            if isinstance(p, DTensor) and v.dim() and v.shape == local.shape
+                            else v.to(local.device, copy=True) for k, v in state.items()}
 
 
 def prefetch(root: str | Path, drafter_config: DrafterConfig, embed_weight: torch.Tensor,

@@ -422,6 +422,36 @@ def test_a_one_rank_warm_state_resumes_a_two_rank_session(tmp_path):
         torch.testing.assert_close(results["prefetched"][1][k], v, rtol=0, atol=0, msg=k)
 
 
+def _two_twice(rank, ports, root, out, warm_start):
+    """Two back-to-back 2-rank sessions in the same processes: the second resumes this rank's own
+    shards from memory (``warm_start``) or, its warm state cleared, from the checkpoint."""
+    from drafter import resume_state as warm
+
+    torch.set_num_threads(1)
+    target = _target()
+    _session(rank, 2, ports[0], "first", root, _cfg(max_steps=2, interval=100), _Stream(), target=target)
+    assert (warm.WARM[root].step, warm.WARM[root].world_size, warm.WARM[root].rank) == (2, 2, rank)
+    if not warm_start:
+        warm.WARM.clear()
+    r = _session(rank, 2, ports[1], "second", root, _cfg(max_steps=4, interval=100), _Stream(start=2),
+                 target=target)
+    assert r.warm == warm_start and (r.start_step, r.end_step) == (2, 4)
+    _dump(r, f"{out}/second-{rank}.json")
+
+
+def test_a_two_rank_session_resumes_its_own_shards_from_memory(tmp_path):
+    """The sharded warm state (loaded as DTensors on the new session's mesh) trains exactly as a
+    resume from the checkpoint does."""
+    results = {}
+    for mode in ("cold", "warm"):
+        root = tmp_path / mode
+        _spawn(_two_twice, 2, (_free_port(), _free_port()), str(root), str(root), mode == "warm")
+        results[mode] = (_read(root / "second-0.json").losses, _checkpoint_weights(root, 4))
+    assert results["warm"][0] == results["cold"][0]
+    for k, v in results["cold"][1].items():
+        torch.testing.assert_close(results["warm"][1][k], v, rtol=0, atol=0, msg=k)
+
+
 def test_sigkill_loses_at_most_one_interval(tmp_path):
     root = tmp_path / "ckpt"
     _spawn_killed = multiprocessing.get_context("spawn").Process(
