@@ -122,6 +122,9 @@ class SessionResult:
     tokens_per_s: float | None = None  # this rank's measured training throughput (chunk sizing)
     phase_s: tuple[float, ...] = ()  # seconds in: forming the group, build + resume, training, final save
     warm: bool = False  # resumed from this process's memory (no checkpoint read)
+    # greedy-chain accept length of the session's batches, each scored by the forward it was then
+    # trained with (progressive validation: never data the weights had seen); None: nothing trained
+    heldout_accept_length: float | None = None
 
     @property
     def steps(self) -> int:

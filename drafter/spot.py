@@ -96,6 +96,7 @@ class SpotTrainer:
         self.device = embed_weight.device
         self.drafter: Drafter | None = None  # built by run(); kept for inspection afterwards
         self.warm = False  # run() resumed from this process's memory instead of the checkpoint
+        self._scored = [0.0, 0.0]  # this session's greedy-chain accepts, positions (held-out figure)
 
     # ------------------------------------------------------------------ session lifecycle
     def _init_group(self, should_stop: Callable[[], bool]) -> dist.ProcessGroup:
@@ -253,9 +254,12 @@ class SpotTrainer:
         if st is None or (stop is not None and stop()):
             return None
         n = len(st.count)
-        sums = torch.tensor(st.count + [float(s.detach()) for s in st.loss_sum], dtype=torch.float64)
-        dist.all_reduce(sums)  # [steps counts ; steps loss sums], over all ranks
-        counts, loss_sums = sums[:n].tolist(), sums[n:].tolist()
+        sums = torch.tensor(st.count + [float(s.detach()) for s in st.loss_sum]
+                            + [st.chain_accept, st.positions], dtype=torch.float64)
+        dist.all_reduce(sums)  # [steps counts ; steps loss sums ; chain accepts, positions], over all ranks
+        counts, loss_sums = sums[:n].tolist(), sums[n:2 * n].tolist()
+        self._scored[0] += float(sums[-2])
+        self._scored[1] += float(sums[-1])
         ttt = ttt.for_drafter(d)
         world = self.spec.world_size
         loss = 0.0 * sum(st.loss_sum)  # in the graph even when no position counts (empty chunk)
@@ -326,6 +330,7 @@ class SpotTrainer:
         reason, exited = None, None
         self._last_check = None
         self._chunks_done = 0  # chunks trained in this session (on every rank alike)
+        self._scored = [0.0, 0.0]
         d.train()
         while reason is None:
             if cfg.max_steps is not None and step >= cfg.max_steps:
@@ -386,6 +391,7 @@ class SpotTrainer:
             checkpoint_step=latest(self.root),  # after the barrier: committed everywhere
             check_interval_s=tuple(gaps), checkpoint_stall_s=tuple(ckpt.stats.stall_s),
             tokens_per_s=self.tokens_per_s, warm=self.warm,
+            heldout_accept_length=1.0 + self._scored[0] / self._scored[1] if self._scored[1] else None,
             phase_s=(self._t_formed - self._t0, self._t_ready - self._t_formed, exited - self._t_ready,
                      durable - exited))
 

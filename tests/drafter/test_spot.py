@@ -452,6 +452,27 @@ def test_a_two_rank_session_resumes_its_own_shards_from_memory(tmp_path):
         torch.testing.assert_close(results["warm"][1][k], v, rtol=0, atol=0, msg=k)
 
 
+def test_a_session_reports_its_heldout_accept_length(tmp_path):
+    """The push guard's reference figure: the greedy-chain accept length of every batch the
+    session trained, each scored by the weights before that batch's own update."""
+    r = _session(0, 1, _free_port(), "h", tmp_path, _cfg(max_steps=3, interval=100), _Stream())
+    cfg = _cfg()
+    dcfg, embed, head = _target()
+    torch.manual_seed(cfg.seed)
+    d = Drafter(dcfg, embed, head)
+    opt = torch.optim.AdamW(d.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    ttt, stream, chain, positions = cfg.ttt.for_drafter(d), _Stream(), 0, 0
+    for _ in range(3):
+        st = ttt_forward(d, pack(stream(0)), ttt)
+        chain, positions = chain + st.chain_accept, positions + st.positions
+        st.loss(ttt).backward()
+        torch.nn.utils.clip_grad_norm_(list(d.parameters()), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad()
+    assert positions > 0 and chain > 0
+    assert r.heldout_accept_length == pytest.approx(1.0 + chain / positions, abs=1e-9)
+
+
 def test_sigkill_loses_at_most_one_interval(tmp_path):
     root = tmp_path / "ckpt"
     _spawn_killed = multiprocessing.get_context("spawn").Process(

@@ -1,4 +1,4 @@
-"""The replica's parts without Ray: the request batcher, the policy copy and the drift probe."""
+"""The replica's parts without Ray: the request batcher, the policy copy, the drift probe and the step statistics."""
 
 from __future__ import annotations
 
@@ -74,3 +74,28 @@ def test_drift_probe_compares_the_policies_around_a_push():
     assert probe.top1 < 0.9
     probe.after()  # no idle forward since the last push: nothing to compare, the figure stays
     assert probe.top1 < 0.9
+
+
+def test_step_stats_count_eagle_verifies_apart_and_keep_heldout_figures():
+    """The push guard's inputs: verifies drafted by the EAGLE proposer (suffix arms excluded) and
+    each spot session's held-out accept length with its checkpoint step."""
+    import types
+
+    from drafter.session import SessionResult
+    from rollout.engine import StepRecord
+    from tlt.integrations.verl.step_stats import StepStats
+
+    st = StepStats()
+    steps = [StepRecord(batch=4, arm="3,1,3", sd=True, accepted=6, committed=10, seconds=0.1),
+             StepRecord(batch=2, arm="3,1,3@suffix", sd=True, accepted=4, committed=6, seconds=0.1),
+             StepRecord(batch=4, arm="off", sd=False, accepted=0, committed=4, seconds=0.1)]
+    st.batch(types.SimpleNamespace(tokens=20, steps=steps), started=0.0, gen_s=0.3, requests=4)
+    res = dict(session_id="s", world_size=1, start_step=0, end_step=2, losses=(1.0, 0.9),
+               stop_reason="preempted", preempt_latency_s=None, stop_latency_s=None, checkpoint_step=2,
+               check_interval_s=(), checkpoint_stall_s=())
+    st.session(types.SimpleNamespace(result=SessionResult(rank=0, heldout_accept_length=2.5, **res)))
+    st.session(types.SimpleNamespace(result=SessionResult(rank=1, heldout_accept_length=2.5, **res)))
+    snap = st.snapshot()
+    assert (snap["verifies"], snap["committed"]) == (6, 16)
+    assert (snap["eagle_verifies"], snap["eagle_committed"]) == (4, 10)
+    assert snap["heldout"] == [(2, 2.5)]  # once per session (rank 0 reports it)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
+from drafter.digest import module_digest
 from drafter.eagle import Drafter
 from rollout.eagle_proposer import EagleProposer
 from rollout.engine import EngineConfig, FeatureSink, RolloutEngine
@@ -78,6 +79,12 @@ class ReplicaEngine:
     def add_history(self, step: int, pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> int:
         """Step ``step``'s (prompt, response) pairs become draft sources (0 without history)."""
         return self.history.add(step, pairs) if self.history is not None else 0
+
+    def served_drafter_digest(self) -> str | None:
+        """Digest of the draft weights the engine's EAGLE proposer runs (None: no EAGLE proposer),
+        read from the proposer itself, not from what was last handed to :meth:`set_drafter`."""
+        prop = self.engine.proposers.get("")
+        return None if prop is None else module_digest(prop.drafter)
 
     @property
     def proposer_name(self) -> str:

@@ -25,10 +25,18 @@ class DrafterSection:
     method: str = "eagle"          # eagle | eagle3
     init_path: str | None = None   # a `tlt warmup` drafter dir; None: n-gram until spot training
     train: bool = True             # spot-train on idle replicas (false: the drafter stays frozen)
+    # push guard (tlt.push_guard): a pushed drafter whose live EAGLE accept gain is under this
+    # fraction of its held-out gain is rolled back (0: soft check off; the digest check always runs)
+    guard_fraction: float = 0.25
+    guard_min_verifies: int = 32   # EAGLE verifies the soft check needs for a verdict
 
     def check(self, p: str) -> None:
         if self.method not in ("eagle", "eagle3"):
             raise _bad(f"{p}.method", self.method, "use eagle or eagle3")
+        if not 0.0 <= self.guard_fraction <= 1.0:
+            raise _bad(f"{p}.guard_fraction", self.guard_fraction, "use a float in [0, 1] (0: soft check off)")
+        if self.guard_min_verifies < 1:
+            raise _bad(f"{p}.guard_min_verifies", self.guard_min_verifies, "use an int >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

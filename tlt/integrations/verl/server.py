@@ -93,6 +93,7 @@ class TLTServer:
         self.drafter_cfg = DrafterConfig.for_target(self.model.config, self.cfg.drafter.method)
         self.drafter: Drafter | None = None
         self.drafter_version = 0
+        self._previous: tuple[Drafter | None, int] | None = None  # served before the last push
         if self.cfg.drafter.init_path:
             self.drafter = Drafter.load(self.cfg.drafter.init_path, self.model.embed_weight,
                                         self.model.lm_head.weight).to(dtype=dtype).eval()
@@ -267,6 +268,7 @@ class TLTServer:
         if got is None:
             return self.drafter_version
         with self._lock:  # never in the middle of a batch (hence of a verify)
+            self._previous = (self.drafter, self.drafter_version)  # the push guard's rollback
             self.drafter, _ = got
             self.drafter_version = version
             self.assembly.set_drafter(self.drafter)
@@ -275,6 +277,24 @@ class TLTServer:
             prefetch(self.spot_root, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight,
                      lr=spot.lr, betas=spot.betas, weight_decay=spot.weight_decay, step=step)
         log.info("replica %d: drafter version %d (%s)", self.rank, version, self.proposer_name)
+        return version
+
+    def served_drafter(self) -> dict[str, Any]:
+        """The push guard's hard check: the digest of the draft weights the engine runs (None: no
+        EAGLE drafter) and their dtype, read from the engine's proposer between batches."""
+        with self._lock:
+            return {"digest": self.assembly.served_drafter_digest(), "dtype": str(self.model.embed_weight.dtype)}
+
+    def rollback_drafter(self, version: int) -> int:
+        """Serve again the drafter served before the last push (the push guard rejected it), as
+        ``version``; once only: a second call without a push in between changes nothing."""
+        with self._lock:
+            if self._previous is None:
+                return self.drafter_version
+            (self.drafter, _), self._previous = self._previous, None
+            self.drafter_version = version
+            self.assembly.set_drafter(self.drafter)
+        log.warning("replica %d: drafter rolled back (%s)", self.rank, self.proposer_name)
         return version
 
     def add_samples(self, step: int, samples: list[tuple]) -> int:

@@ -11,12 +11,15 @@ import threading
 import time
 from typing import Any
 
+from tlt.integrations.verl.assembly import SUFFIX
+
 
 def _empty() -> dict[str, Any]:
     return {"committed": 0, "verifies": 0, "accepted": 0, "drafted": 0, "tokens": 0,
             "arms": collections.Counter(), "idle_at": None, "idle_s": 0.0, "sessions": 0,
             "failed_sessions": 0, "train_steps": 0, "losses": [], "preempt_s": [], "batches": 0,
-            "requests": 0, "gen_s": 0.0, "phases": []}
+            "requests": 0, "gen_s": 0.0, "phases": [], "eagle_verifies": 0, "eagle_committed": 0,
+            "heldout": []}
 
 
 class StepStats:
@@ -51,6 +54,9 @@ class StepStats:
                     st["accepted"] += s.accepted
                     st["drafted"] += s.drafted
                     st["arms"][s.arm] += 1
+                    if not s.arm.endswith(f"@{SUFFIX}"):  # drafted by the EAGLE proposer
+                        st["eagle_verifies"] += s.batch
+                        st["eagle_committed"] += s.committed
 
     def session(self, rec) -> None:
         """One spot session's formation record (the agent's ``on_record``)."""
@@ -69,12 +75,15 @@ class StepStats:
                 st["sessions"] += 1
                 st["train_steps"] += r.end_step - r.start_step
                 st["losses"] += list(r.losses)
+                if r.heldout_accept_length is not None:  # the push guard's figure for that checkpoint
+                    st["heldout"].append((r.checkpoint_step, r.heldout_accept_length))
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             st = dict(self._st)
             st["arms"] = dict(st["arms"])
-            st["losses"], st["preempt_s"], st["phases"] = list(st["losses"]), list(st["preempt_s"]), list(st["phases"])
+            for k in ("losses", "preempt_s", "phases", "heldout"):
+                st[k] = list(st[k])
         if st["idle_at"] is not None:
             st["idle_s"] += time.monotonic() - st["idle_at"]
         return st

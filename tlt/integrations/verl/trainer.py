@@ -14,8 +14,9 @@ pinned to its semantics. With ``tlt.enable=false`` none of the hooks below run. 
   they arrived in;
 - the replicas feed their DataBuffers from the rollout (``tlt.buffer.capture=rollout``), or
   ``_compute_old_log_prob`` has the actor workers capture hidden states (``old_log_prob``);
-- ``on_step_end``: verl pushes the policy (target only), then a newer drafter goes to every
-  replica (draft only, versioned); TLT metrics join verl's (``_pending_sync_metrics``);
+- ``on_step_end``: verl pushes the policy (target only), then the last drafter push is judged on
+  the rollout it served and a newer drafter goes to every replica (draft only, versioned, checked
+  and rolled back on failure: :mod:`.drafter_push`); TLT metrics join verl's (``_pending_sync_metrics``);
 - ``_compute_metrics``: one JSON line per step (``tlt report`` plots them) and one per response
   (``tlt_responses.jsonl``: step, prompt index, sample index, a hash of its tokens).
 
@@ -40,10 +41,12 @@ import ray
 
 from tlt.integrations.verl import runtime
 from tlt.integrations.verl.config import TLTConfig, from_verl
+from tlt.integrations.verl.drafter_push import DrafterPusher
 from tlt.integrations.verl.server import HISTORY_FILE
 from tlt.integrations.verl.spot_wiring import PORT_SPAN
 from tlt.integrations.verl.verl_checks import check_verl_config, raise_if_registration_failed
 from tlt.ports import free_port
+from tlt.push_guard import GuardConfig
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +68,8 @@ def trainer_class():
             super().__init__(config)
             self._coord_proc = None
             self._driver = None
-            self._drafter_pushed = 0  # spot checkpoint step last pushed
-            self._drafter_version = 0
+            self._pusher = DrafterPusher(self._servers, GuardConfig(
+                fraction=self.tlt.drafter.guard_fraction, min_verifies=self.tlt.drafter.guard_min_verifies))
             self._aux_layers = None
             self._uid_index: dict[str, int] = {}  # prompt uid -> dataset index, this step's batch
             self._history: list[tuple[int, list[int], list[int]]] = []  # (step, prompt, response), last steps
@@ -225,30 +228,10 @@ def trainer_class():
             super().on_step_end()  # policy push: target weights only
             if not self.tlt.enable:
                 return
-            with marked_timer("tlt_drafter_push", self.timing_raw):
-                self._push_drafter()
+            with marked_timer("tlt_drafter_push", self.timing_raw):  # guarded: tlt.push_guard
+                self._pusher.step_end(runtime.current().spot_root, self._stats)
             self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}),
                                           **self._metrics()}
-
-        def _push_drafter(self) -> None:
-            """Every replica loads exactly the newest committed spot checkpoint, pinned against
-            pruning while they read it."""
-            from drafter.checkpoint import latest, pin
-
-            rt = runtime.current()
-            step = latest(rt.spot_root) if rt.spot_root and Path(rt.spot_root).exists() else None
-            if step is None or step == self._drafter_pushed:
-                return
-            self._drafter_version += 1
-            version = self._drafter_version
-            pin(rt.spot_root, [step])
-            try:
-                ray.get([s.load_drafter.remote(version, step) for s in self._servers()])
-            finally:
-                pin(rt.spot_root, [])
-            self._drafter_pushed = step
-            log.info("tlt: drafter version %d (spot step %d) pushed to %d replicas", version, step,
-                     len(self._servers()))
 
         def _metrics(self) -> dict:
             st = self._stats
@@ -269,7 +252,8 @@ def trainer_class():
                 "rollout/spec_accept_rate": accepted / drafted if drafted else float("nan"),
                 "tlt/spec_verifies": float(verifies),
                 "tlt/spec_committed": float(committed),
-                "tlt/drafter_version": float(self._drafter_version),
+                "tlt/drafter_version": float(self._pusher.version),
+                "tlt/drafter_push_rejected": float(self._pusher.guard.rejected),
                 "tlt/drafter_loss": statistics.fmean(losses) if losses else float("nan"),
                 "tlt/spot_train_steps": float(sum(s["train_steps"] for s in st)),
                 "tlt/idle_replica_s": float(sum(s["idle_s"] for s in st)),

@@ -1,0 +1,55 @@
+"""Weight digests: one sha256 over a drafter's trainable weights, from what a process serves or
+read straight from a spot checkpoint, so a push can be checked to serve the checkpoint it names.
+
+Both sides hash the same thing: each parameter's name and its bytes in one dtype (the serving
+dtype: a checkpoint's fp32 weights are cast as a bf16 server casts them), in name order. Buffers
+(rotary frequencies) and the target's frozen embedding / LM head are not drafter weights and are
+left out on both sides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from drafter.checkpoint import step_dir
+
+_PREFIX = "train.model."  # where a spot checkpoint keeps the drafter's weights (TrainState "model")
+
+
+def weights_digest(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> str:
+    """sha256 of ``(name, tensor)`` pairs, each tensor cast to ``dtype`` on the host."""
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda x: x[0]):
+        data = t.detach().to("cpu", dtype).contiguous()
+        h.update(name.encode())
+        h.update(str(tuple(data.shape)).encode())
+        h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return h.hexdigest()
+
+
+def module_digest(module: nn.Module, dtype: torch.dtype | None = None) -> str:
+    """Digest of ``module``'s parameters, in their own dtype unless ``dtype`` is given."""
+    params = list(module.named_parameters())
+    return weights_digest(params, dtype or (params[0][1].dtype if params else torch.float32))
+
+
+def checkpoint_digest(root: str | Path, step: int, dtype: torch.dtype) -> str:
+    """Digest of the drafter weights of spot checkpoint ``step``, read by this process alone
+    (no model needed: shapes and dtypes come from the checkpoint's metadata)."""
+    path = step_dir(root, step)
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"{path} is not a complete checkpoint")
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+             if k.startswith(_PREFIX) and isinstance(m, TensorStorageMetadata)}
+    if not state:
+        raise ValueError(f"{path} holds no drafter weights (no {_PREFIX}* keys)")
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return weights_digest(((k[len(_PREFIX):], t) for k, t in state.items()), dtype)

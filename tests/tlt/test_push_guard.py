@@ -1,0 +1,67 @@
+"""The drafter-push guard's decisions (:mod:`tlt.push_guard`) and the weight digests it compares
+(:mod:`drafter.digest`), on real spot checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.checkpoint import TrainState, save_sync
+from drafter.digest import checkpoint_digest, module_digest
+from drafter.eagle import Drafter
+from tests.drafter.test_spot import _target
+from tlt.push_guard import GuardConfig, PushGuard
+
+
+def _checkpoint(root, step: int, seed: int) -> Drafter:
+    dcfg, embed, head = _target()
+    torch.manual_seed(seed)
+    d = Drafter(dcfg, embed, head)
+    save_sync(root, step, {"train": TrainState(d, torch.optim.AdamW(d.parameters()), frozen=(embed, head))})
+    return d
+
+
+def test_digests_of_a_checkpoint_and_of_the_module_it_was_saved_from(tmp_path):
+    a, b = _checkpoint(tmp_path, 2, 0), _checkpoint(tmp_path, 4, 1)
+    assert checkpoint_digest(tmp_path, 2, torch.float32) == module_digest(a)
+    assert checkpoint_digest(tmp_path, 4, torch.float32) == module_digest(b) != module_digest(a)
+    assert checkpoint_digest(tmp_path, 2, torch.bfloat16) == module_digest(a.to(torch.bfloat16))
+    with torch.no_grad():
+        next(a.parameters())[0, 0] += 1e-3  # one weight off
+    assert checkpoint_digest(tmp_path, 2, torch.float32) != module_digest(a)
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        checkpoint_digest(tmp_path, 3, torch.float32)
+
+
+def test_hard_check_rejects_any_replica_serving_other_weights():
+    g = PushGuard()
+    ok = g.hard(2, "aa", ["aa", "aa"])
+    assert ok.ok and g.pending == 2 and g.rejected == 0
+    bad = g.hard(4, "bb", ["bb", "aa"])
+    assert not bad.ok and g.rejected == 1 and g.pending is None and "replicas [1] of 2" in bad.message
+    assert not g.hard(6, "cc", [None, "cc"]).ok and g.rejected == 2  # a replica serving no drafter
+
+
+def test_soft_check_judges_the_pending_push_against_its_heldout_accept_length():
+    g = PushGuard(GuardConfig(fraction=0.25, min_verifies=32))
+    g.note_heldout(2, 2.2)  # needs 1 + 0.25 * 1.2 = 1.3
+    assert g.soft(100, 200) is None  # nothing pushed yet
+    g.hard(2, "d", ["d"])
+    assert g.soft(31, 31) is None and g.pending == 2  # too few verifies: no verdict yet
+    v = g.soft(100, 129)
+    assert not v.ok and g.rejected == 1 and g.pending is None
+    assert "1.29 over 100 verifies, held-out 2.20 (needs >= 1.30)" in v.message
+    g.hard(4, "e", ["e"])
+    assert g.soft(100, 130) is None  # no held-out figure for step 4: no verdict
+    g.note_heldout(4, 2.2)
+    assert g.soft(100, 130).ok and g.rejected == 1
+    off = PushGuard(GuardConfig(fraction=0.0))
+    off.note_heldout(2, 3.0)
+    off.hard(2, "d", ["d"])
+    assert off.soft(100, 100) is None
+
+
+@pytest.mark.parametrize("kw, match", [({"fraction": 1.5}, "fraction=1.5"), ({"min_verifies": 0}, "min_verifies=0")])
+def test_guard_config_names_the_bad_value(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GuardConfig(**kw)
