@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 class DrafterPusher:
     def __init__(self, servers: Callable[[], list], guard: GuardConfig) -> None:
-        self.servers = servers  # the replicas' Ray actor handles, in replica order
+        self.servers = servers  # Ray actor handles of the replicas (tlt.integrations.replica_api), in order
         self.guard = PushGuard(guard)
         self.pushed = 0  # spot checkpoint step last pushed (accepted or not)
         self.version = 0  # drafter version last served (a push or a rollback)

@@ -1,0 +1,58 @@
+"""The one interface the ``tlt`` trainer's loop drives a rollout replica through.
+
+Owns the contract, not an implementation. The trainer, the actor workers and the drafter pusher
+(:mod:`tlt.integrations.verl.drafter_push`) call these methods on each replica's Ray actor and
+nothing else, so the CPU tests of the loop exercise the code GPU users run once a second backend
+implements it. Implementations: the project's engine
+(:class:`tlt.integrations.verl.server.TLTServer`); SGLang's servers are the SGLang-loop issue's
+(its pushes exist: :mod:`tlt.integrations.verl.sglang_push`).
+``tests/tlt/test_replica_api.py`` checks that every implementation has every method, with these
+parameter names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class ReplicaAPI(Protocol):
+    # ------------------------------------------------------------------ verl's server interface
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       image_data=None, video_data=None, **kwargs) -> Any:
+        """One request's tokens and log-probs (verl's ``TokenOutput``)."""
+
+    def update_weights(self, state: dict, version: int | None = None) -> int:
+        """Policy push: target weights only, never into the drafter; returns tensors written."""
+
+    async def release_kv_cache(self) -> None:
+        """Give the serving memory back (around spot training and verl's sleep)."""
+
+    async def resume_kv_cache(self) -> None:
+        """Take the serving memory again before the replica is needed."""
+
+    # ------------------------------------------------------------------ the loop's own calls
+    def begin_step(self, step: int) -> None:
+        """A rollout begins: reset the step's statistics; a running spot session is stopped."""
+
+    def step_stats(self) -> dict[str, Any]:
+        """This step's counters: verifies, committed, EAGLE-only verifies, arms, idle time,
+        spot sessions (with each one's held-out accept length), the drafter version served."""
+
+    def load_drafter(self, version: int, step: int | None = None) -> int:
+        """Drafter push: serve spot checkpoint ``step`` (draft weights only) as ``version``."""
+
+    def served_drafter(self) -> dict[str, Any]:
+        """The push guard's hard check: ``{"digest": ..., "dtype": ...}`` of the draft weights
+        actually served (digest None: no drafter)."""
+
+    def rollback_drafter(self, version: int) -> int:
+        """Serve again the drafter served before the last push, as ``version``."""
+
+    def add_samples(self, step: int, samples: list[tuple]) -> int:
+        """DataBuffer feed from the actor's old-log-prob capture; returns samples kept."""
+
+    def add_history(self, step: int, pairs: list[tuple[list[int], list[int]]]) -> int:
+        """Step ``step``'s (prompt, response) pairs become model-free draft sources."""
+
+    def shutdown(self) -> None:
+        """Stop the spot agent and leave nothing running."""
