@@ -19,6 +19,17 @@ def tlt_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("tlt-cache")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_cache_per_session(tlt_cache):
+    """Every test's default ``TLT_CACHE`` (targets, warm-up drafters) is this session's: built once
+    per run, shared by the benches and integrations that ask for the same one, never the user's
+    ~/.cache. (The quick demo's test gives its subprocess a fresh cache of its own.)"""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TLT_CACHE", str(tlt_cache))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def trained_target(tlt_cache):
     return ensure_target(SMALL_TRAINED, tlt_cache, progress=False)

@@ -62,7 +62,8 @@ def test_plugin_inside_sglang(version, model_path, tmp_path):
         assert graphs[0] == graphs[1] and len(graphs[1]) == 24  # off and 1 step everywhere
         assert graphs[7] == [1, 2, 3] and graphs[3][-1] == 10  # deep chains only where few requests run
         # SGLang's real controller drives the policy exactly as the bench's driver does
-        ev = evaluate(parse_trace(json.loads(TRACE.read_text())), DEFAULT_SLOTS, rollouts=16, requests=32, seed=0)
+        ev = evaluate(parse_trace(json.loads(TRACE.read_text())), DEFAULT_SLOTS, rollouts=pol["rollouts"],
+                      requests=32, seed=0)
         assert pol["tlt"]["goodput"]["TLT policy (BEG-MAB)"] == pytest.approx(ev["goodput_tok_s"]["TLT policy (BEG-MAB)"])
     else:
         assert pol["class_replaced"] == pol["policy_type"] == "EmaPolicy"

@@ -29,10 +29,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
-    os.environ.setdefault("TLT_CACHE", str(tmp_path_factory.mktemp("cache")))
+    cache = tmp_path_factory.mktemp("cache")  # a new user's: the demo builds its target itself
     cwd = tmp_path_factory.mktemp("fresh")  # empty: the default --out runs/demo is relative to it
     tlt = Path(sys.executable).with_name("tlt")  # the console script pip installed beside python
-    p = subprocess.run([str(tlt), "-q", "demo", "--quick"], cwd=cwd, capture_output=True, text=True, timeout=1800)
+    p = subprocess.run([str(tlt), "-q", "demo", "--quick"], cwd=cwd, capture_output=True, text=True, timeout=1800,
+                       env={**os.environ, "TLT_CACHE": str(cache)})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = cwd / "runs" / "demo"
     assert f"wrote {out / 'summary.json'}" in p.stdout
@@ -109,8 +110,9 @@ def test_bad_tlt_value_fails_before_ray(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def _run_and_kill_after_step1(tmp_path, kill, *extra, steps=3):
-    """A full-TLT run (n-gram, fresh drafter); ``kill(arm_dir)`` once step 1 is recorded."""
+def _run_and_kill_after_step1(tmp_path, kill, *extra, steps=3, then=None):
+    """A full-TLT run (n-gram, fresh drafter); ``kill(arm_dir)`` once step 1 is recorded, and
+    ``then = (step, kill2)``: ``kill2(arm_dir)`` once ``step`` is recorded."""
     size = demo.QUICK
     from tlt.demo.target_factory import ensure_target
 
@@ -130,6 +132,11 @@ def _run_and_kill_after_step1(tmp_path, kill, *extra, steps=3):
                 assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(1)
             kill(arm)
+            if then is not None:
+                while len(records.read_text().splitlines()) < then[0]:
+                    assert p.poll() is None and time.monotonic() < deadline + 600, log.read_text()[-3000:]
+                    time.sleep(1)
+                then[1](arm)
             rc = p.wait(timeout=600)
         finally:
             if p.poll() is None:
@@ -141,20 +148,20 @@ def _run_and_kill_after_step1(tmp_path, kill, *extra, steps=3):
     return recs, text
 
 
-def test_coordinator_killed_rollout_goes_on(tmp_path):
-    """kill -9 of the coordinator after step 1: step 2 runs without adaptation, with a warning."""
-    recs, text = _run_and_kill_after_step1(
-        tmp_path, lambda arm: os.kill(int((arm / "tlt_coordinator.pid").read_text()), 9),
-        "tlt.coordinator.done_timeout_s=3", steps=2)
-    assert recs[0]["coordinator_reachable"] and not recs[-1]["coordinator_reachable"]
-    assert "coordinator unreachable" in text
+def _kill_coordinator(arm) -> None:
+    os.kill(int((arm / "tlt_coordinator.pid").read_text()), 9)
 
 
-def test_spot_trainer_killed_mid_training(tmp_path):
-    """kill -9 of a replica while its spot trainer trains (the trainer lives in the replica's
-    process; a replica killed between steps is ``test_verl_replica_restart.py``'s): the RL step completes with every request served (a restarted replica forwards its
-    requests to a healthy one until the next policy push), the restarted replica serves the drafter
-    of the last committed checkpoint, and training resumes from that checkpoint."""
+def test_spot_trainer_then_coordinator_killed(tmp_path):
+    """Two faults in one run (one verl start-up, not two).
+
+    - kill -9 of a replica while its spot trainer trains (the trainer lives in the replica's
+      process; a replica killed between steps is ``test_verl_replica_restart.py``'s): the RL step
+      completes with every request served (a restarted replica forwards its requests to a healthy
+      one until the next policy push), the restarted replica serves the drafter of the last
+      committed checkpoint, and training resumes from that checkpoint;
+    - then kill -9 of the coordinator once step 4 is recorded: step 5 runs without adaptation, with
+      a warning, and the run finishes."""
     from drafter.checkpoint import latest
 
     killed = {}
@@ -174,7 +181,8 @@ def test_spot_trainer_killed_mid_training(tmp_path):
             time.sleep(0.02)
         raise AssertionError("no replica was promoted to training after step 1")
 
-    recs, text = _run_and_kill_after_step1(tmp_path, kill, "tlt.spot.interval=1", steps=4)
+    recs, text = _run_and_kill_after_step1(tmp_path, kill, "tlt.spot.interval=1", "tlt.coordinator.done_timeout_s=3",
+                                           steps=5, then=(4, _kill_coordinator))
     coord = (tmp_path / "arm-C" / "tlt_coordinator.log").read_text()
     assert f"worker {killed['worker']} LOST" in coord  # it died while in a training session
     assert "restarted: serving again after the next policy push" in text
@@ -184,7 +192,9 @@ def test_spot_trainer_killed_mid_training(tmp_path):
     assert final is not None and final >= (killed["checkpoint"] or 0)
     if killed["checkpoint"] is not None and at < len(recs):  # restored the committed drafter
         assert all(p == "eagle" for p in recs[at]["proposers"]), [r["proposers"] for r in recs]
-    assert sum(r["tlt/spot_train_steps"] for r in recs[at - 1:]) >= 1  # training went on after the kill
+    assert sum(r["tlt/spot_train_steps"] for r in recs[at - 1:4]) >= 1  # training went on after the kill
+    assert all(r["coordinator_reachable"] for r in recs[:4]) and not recs[4]["coordinator_reachable"]
+    assert "coordinator unreachable" in text
 
 
 def _last_step(arm) -> int:

@@ -27,8 +27,7 @@ def test_oracle_drafts_are_the_targets_greedy_continuation(trained_target):
     assert len(sd.accept_lengths) >= 3 * 4 and set(sd.accept_lengths) == {5}  # all 4 drafts + the bonus
 
 
-def test_bench_headroom_quick(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
+def test_bench_headroom_quick(tmp_path, capsys):
     rec = tmp_path / "h.json"
     assert main(["-q", "bench", "headroom", "--quick", "--target-steps", "12", "--json", str(rec)]) == 0
     r = json.loads(rec.read_text())
@@ -59,8 +58,7 @@ def test_bench_step_cost_quick(tmp_path, capsys):
     assert "--shape 'gpt-9': use auto, demo or one of" in capsys.readouterr().err
 
 
-def test_bench_drafters_quick(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
+def test_bench_drafters_quick(tmp_path, capsys):
     rec = tmp_path / "d.json"
     assert main(["-q", "bench", "drafters", "--quick", "--json", str(rec)]) == 0
     r = json.loads(rec.read_text())

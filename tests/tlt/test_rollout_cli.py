@@ -59,8 +59,7 @@ def test_report_errors(tmp_path, capsys):
     assert "timeline" in capsys.readouterr().err
 
 
-def test_bench_rollout_quick(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
+def test_bench_rollout_quick(tmp_path, capsys):
     rec = tmp_path / "r.json"
     threads = torch.get_num_threads()
     assert main(["-q", "bench", "rollout", "--quick", "--repeats", "2", "--json", str(rec)]) == 0

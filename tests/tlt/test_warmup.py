@@ -21,10 +21,10 @@ def _warmup(target, data, out, *extra):
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_warmup_raises_heldout_accuracy(trained_target, chat_prompts, tmp_path, capsys, method):
-    out = tmp_path / "drafter"
-    extra = ["--draft-vocab-size", "200"] if method == "eagle3" else []
-    assert _warmup(trained_target, chat_prompts, out, "--method", method, "--max-steps", "80", *extra) == 0
+def test_warmup_raises_heldout_accuracy(warm_drafters, method):
+    """The session's warm-up drafters (tests/conftest.py: ``run_warmup``, 60 steps, the same code the
+    CLI runs) against their own untrained start, on held-out rollouts."""
+    out = warm_drafters[method]
     report = json.loads((out / "warmup_report.json").read_text())
     before, after = report["untrained"], report["trained"]
     print(f"{method}: held-out top-1 {before['top1']:.3f} -> {after['top1']:.3f}, "
@@ -34,12 +34,12 @@ def test_warmup_raises_heldout_accuracy(trained_target, chat_prompts, tmp_path, 
     for name in ("model.safetensors", "tlt_drafter.json", "rollouts.jsonl"):
         assert (out / name).is_file()
     assert latest(out / STATE_NAME) is not None  # the DCP training state, for --resume
-    assert "held-out top-1" in capsys.readouterr().out
 
 
-def test_resume_continues_without_regenerating(trained_target, chat_prompts, tmp_path):
+def test_resume_continues_without_regenerating(trained_target, chat_prompts, tmp_path, capsys):
     out = tmp_path / "d"
     assert _warmup(trained_target, chat_prompts, out, "--max-steps", "4", "--save-every", "2") == 0
+    assert "held-out top-1" in capsys.readouterr().out  # the CLI's report line
     rollouts = (out / "rollouts.jsonl").read_text()
     assert _warmup(trained_target, chat_prompts, out, "--max-steps", "8", "--resume") == 0
     assert (out / "rollouts.jsonl").read_text() == rollouts
