@@ -1,6 +1,6 @@
 """TLT's SGLang plugin inside one installed SGLang version (run in its own process).
 
-``python -m tests.sglang_env.plugin_check SITE_DIR OUT_JSON MODEL_DIR TRACE``. SGLang's engine needs
+``python -m tests.sglang_env.plugin_check SITE_DIR OUT_JSON MODEL_DIR TRACE [--sglang-own]``. SGLang's engine needs
 CUDA, so no server starts; everything else is SGLang's own code:
 
 - the plugin is loaded by SGLang's ``load_plugins()`` from TLT's installed entry point, and
@@ -8,7 +8,7 @@ CUDA, so no server starts; everything else is SGLang's own code:
 - the policy is driven through SGLang's real ``AdaptiveController`` (0.5.23: ``init_states`` with
   the CUDA-graph batch sizes, then ``activate_step_by_batch`` / ``on_verify_complete`` in the
   overlap scheduler's order; 0.5.12: ``on_verify_complete`` after every verify) over the recorded
-  verify trace, next to SGLang's own policy on the same trace;
+  verify trace (with ``--sglang-own``, SGLang's own policy too, for docs/sglang.md's comparison);
 - the lossless guard: real ``ServerArgs`` (a local target config, no GPU needed to resolve),
   ``SamplingParams.verify`` and the hooked ``Scheduler.set_internal_state``;
 - the idle signal: the hook functions with a stand-in scheduler report to a real coordinator.
@@ -48,7 +48,7 @@ class _Worker:
         self.speculative_num_steps = state.speculative_num_steps
 
 
-def _policy_on_trace(version: str, trace, original_cls) -> dict:
+def _policy_on_trace(version: str, trace, original_cls, sglang_own_too: bool) -> dict:
     from sglang.srt.speculative import adaptive_runtime_state as ars
     from sglang.srt.speculative import adaptive_spec_params as asp
 
@@ -93,11 +93,12 @@ def _policy_on_trace(version: str, trace, original_cls) -> dict:
             ctl.init_states()
             return _Driven(ctl, worker, None, per_verify=True)
     slots = DEFAULT_SLOTS if version == "0.5.23" else sglang_hooks.policy._positive(DEFAULT_SLOTS)
-    for name, make in (("tlt", tlt), ("sglang_own", sglang_own)):
-        ev = evaluate(trace, slots, rollouts=ROLLOUTS[version], requests=32, seed=0, make_policy=make,
+    rollouts = 16 if sglang_own_too else ROLLOUTS[version]  # docs/sglang.md's figures: 16 each
+    for name, make in (("tlt", tlt), ("sglang_own", sglang_own))[:2 if sglang_own_too else 1]:
+        ev = evaluate(trace, slots, rollouts=rollouts, requests=32, seed=0, make_policy=make,
                       overlap=version == "0.5.23")  # 0.5.12's EAGLE worker feeds its policy in the step
         out[name] = {"pct_of_oracle": ev["policy_pct_of_oracle"], "goodput": ev["goodput_tok_s"]}
-    out["rollouts"] = ROLLOUTS[version]
+    out["rollouts"] = rollouts
     return out
 
 
@@ -241,7 +242,7 @@ def _idle() -> dict:
     return {"busy": busy, "idle": idle, "busy_again": busy2, "seen": seen}
 
 
-def main(site: str, out_path: str, model: str, trace_path: str) -> None:
+def main(site: str, out_path: str, model: str, trace_path: str, *flags: str) -> None:
     cpu_env.activate(site)
     import sglang
     from sglang.srt.speculative import adaptive_spec_params as asp
@@ -258,7 +259,7 @@ def main(site: str, out_path: str, model: str, trace_path: str) -> None:
 
     with open(trace_path) as f:
         trace = parse_trace(json.load(f))
-    result["policy"] = _policy_on_trace(version, trace, original)
+    result["policy"] = _policy_on_trace(version, trace, original, "--sglang-own" in flags)
     result["guard"] = _guard(version, model)
     result["speculation"] = _speculation(version, model)
     result["idle"] = _idle()
@@ -267,4 +268,4 @@ def main(site: str, out_path: str, model: str, trace_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:])
