@@ -40,9 +40,9 @@ def module_digest(module: nn.Module, dtype: torch.dtype | None = None) -> str:
     return weights_digest(params, dtype or (params[0][1].dtype if params else torch.float32))
 
 
-def checkpoint_digest(root: str | Path, step: int, dtype: torch.dtype) -> str:
-    """Digest of the drafter weights of spot checkpoint ``step``, read by this process alone
-    (no model needed: shapes and dtypes come from the checkpoint's metadata)."""
+def checkpoint_weights(root: str | Path, step: int) -> dict[str, torch.Tensor]:
+    """The drafter weights of spot checkpoint ``step`` (drafter names, checkpoint dtype), read by
+    this process alone (no model needed: shapes and dtypes come from the checkpoint's metadata)."""
     path = step_dir(root, step)
     if not (path / ".metadata").is_file():
         raise ValueError(f"{path} is not a complete checkpoint")
@@ -52,4 +52,16 @@ def checkpoint_digest(root: str | Path, step: int, dtype: torch.dtype) -> str:
     if not state:
         raise ValueError(f"{path} holds no drafter weights (no {_PREFIX}* keys)")
     dcp.load(state, checkpoint_id=path, no_dist=True)
-    return weights_digest(((k[len(_PREFIX):], t) for k, t in state.items()), dtype)
+    return {k[len(_PREFIX):]: t for k, t in state.items()}
+
+
+def checkpoint_digest(root: str | Path, step: int, dtype: torch.dtype) -> str:
+    """Digest of the drafter weights of spot checkpoint ``step``."""
+    return weights_digest(checkpoint_weights(root, step).items(), dtype)
+
+
+def canary_digest(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, elements: int) -> str:
+    """Digest of the first ``elements`` values of each tensor, as a server serving them in ``dtype``
+    reads them back (a partial read-back, when a server cannot hand out whole tensors)."""
+    return weights_digest(((n, t.detach().to("cpu", dtype).flatten()[:elements].float()) for n, t in named),
+                          torch.float32)

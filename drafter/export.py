@@ -184,6 +184,31 @@ def _validate(tensors: dict[str, torch.Tensor], spec: dict[str, tuple[tuple[int,
                          f"wrong shape/dtype {bad}")
 
 
+def format_tensors(dcfg: DrafterConfig, fmt: str, state: dict[str, torch.Tensor], dtype: torch.dtype, *,
+                   source: Any = "drafter") -> dict[str, torch.Tensor]:
+    """A drafter's state dict as the ``fmt`` loader's tensors (names, extra zeros, dtype): what an
+    export writes, and what a draft-only push into a running server sends. ValueError if incomplete."""
+    _check_choice(dcfg.method, fmt)
+    lc, method = dcfg.layer, _BY_METHOD[dcfg.method]
+    V, Vd = dcfg.target_vocab_size, method.draft_vocab(dcfg)
+    spec = expected_tensors(dcfg.method, fmt, lc.hidden_size, lc.intermediate_size,
+                            lc.num_attention_heads, lc.num_key_value_heads, lc.head_dim, V, Vd,
+                            n_aux=len(dcfg.aux_layers) or 3)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (shape, kind) in spec.items():
+        if name == "fc.bias":  # trained without bias: zeros keep SGLang's fc exact
+            tensors[name] = torch.zeros(shape, dtype=dtype)
+        elif name in state:
+            t = state[name]
+            tensors[name] = (t.to(dtype) if kind == "float" else t).contiguous()
+    method.check(dcfg, fmt, state, source, V, Vd)
+    dropped = sorted(set(state) - set(tensors) - {"d2t", "t2d"})
+    if dropped:
+        log.info("not exported (unused by %s): %s", fmt, dropped)
+    _validate(tensors, spec, dtype)
+    return tensors
+
+
 def export_drafter(drafter_dir: str | Path, target_dir: str | Path, fmt: str,
                    out_dir: str | Path, *, dtype: str = "bfloat16",
                    overwrite: bool = False) -> dict[str, Any]:
@@ -208,24 +233,9 @@ def export_drafter(drafter_dir: str | Path, target_dir: str | Path, fmt: str,
         raise ValueError(f"{drafter_dir}: no {WEIGHTS_NAME}")
     state = load_file(str(weights))
 
-    lc, torch_dtype = dcfg.layer, DTYPES[dtype]
-    method = _BY_METHOD[dcfg.method]
-    V, Vd = dcfg.target_vocab_size, method.draft_vocab(dcfg)
-    spec = expected_tensors(dcfg.method, fmt, lc.hidden_size, lc.intermediate_size,
-                            lc.num_attention_heads, lc.num_key_value_heads, lc.head_dim, V, Vd,
-                            n_aux=len(dcfg.aux_layers) or 3)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, (shape, kind) in spec.items():
-        if name == "fc.bias":  # trained without bias: zeros keep SGLang's fc exact
-            tensors[name] = torch.zeros(shape, dtype=torch_dtype)
-        elif name in state:
-            t = state[name]
-            tensors[name] = (t.to(torch_dtype) if kind == "float" else t).contiguous()
-    method.check(dcfg, fmt, state, weights, V, Vd)
-    dropped = sorted(set(state) - set(tensors) - {"d2t", "t2d"})
-    if dropped:
-        log.info("not exported (unused by %s): %s", fmt, dropped)
-    _validate(tensors, spec, torch_dtype)
+    torch_dtype = DTYPES[dtype]
+    tensors = format_tensors(dcfg, fmt, state, torch_dtype, source=weights)
+    Vd = _BY_METHOD[dcfg.method].draft_vocab(dcfg)
     config = _config_json(dcfg, fmt, target, Vd, dtype)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -83,9 +83,17 @@ def test_plugin_inside_sglang(version, model_path, tmp_path):
     assert g["warned_default_cap"] and not g["warned_with_explicit_cap"]
 
     assert r["idle"]["seen"] == ["BUSY", "IDLE", "BUSY"]
-    # the n-gram fallback's and EAGLE's server arguments resolve in real SGLang, our cap kept
-    assert r["speculation"] == {"ngram": {"speculative_algorithm": "NGRAM", "max_running_requests": 128},
-                                "eagle": {"speculative_algorithm": "EAGLE", "max_running_requests": 128}}
+    # a tlt run's NGRAM and EAGLE server arguments resolve in real SGLang, our cap kept, and 0.5.12
+    # loads draft-only pushes through TLT's loader
+    loader = ["tlt.integrations.sglang.draft_loader.load_draft_only"] if version == "0.5.12" else None
+    assert r["speculation"] == {
+        "ngram": {"speculative_algorithm": "NGRAM", "max_running_requests": 128, "custom_weight_loader": None,
+                  "speculative_adaptive": False},
+        "eagle": {"speculative_algorithm": "EAGLE", "max_running_requests": 128, "custom_weight_loader": loader,
+                  "speculative_adaptive": True}}
+    # the push guard's read-back: the draft model's weights by name, the target's otherwise
+    rb = r["readback"]
+    assert rb["draft"] == rb["want"] and len(rb["want"]) == 4 and rb["target"] == [7.0]
 
 
 def test_plugin_failure_stops_the_process(tmp_path):

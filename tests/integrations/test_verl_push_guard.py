@@ -37,8 +37,8 @@ CORRUPT_STEP = 4
 class CorruptingServer(TLTServer):
     """Loads checkpoint step ``CORRUPT_STEP`` with one draft weight changed."""
 
-    def load_drafter(self, version: int, step: int | None = None) -> int:
-        out = super().load_drafter(version, step)
+    def _load_drafter(self, version: int, step: int | None = None) -> int:
+        out = super()._load_drafter(version, step)
         if step == CORRUPT_STEP:
             with torch.no_grad():
                 next(self.drafter.parameters()).view(-1)[0] += 0.5

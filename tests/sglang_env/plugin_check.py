@@ -143,22 +143,51 @@ def _server_args(version: str, model: str, **kw):
 
 
 def _speculation(version: str, model: str) -> dict:
-    """TLT's step-boundary server arguments are valid SGLang arguments (both algorithms)."""
+    """The server arguments a tlt run launches SGLang with are valid SGLang arguments (EAGLE with a
+    drafter, and NGRAM)."""
     from sglang.srt.server_args import ServerArgs
 
-    from tlt.integrations.sglang.speculation import server_args
+    from tlt.integrations.sglang import launch
+    from tlt.integrations.verl.config import TLTConfig
 
     out = {}
-    for name, drafter in (("ngram", None), ("eagle", model)):
-        args = ServerArgs(model_path=model, device="cuda", **server_args(drafter, max_running_requests=128))
+    runs = {"ngram": TLTConfig.from_mapping({"sglang": {"algorithm": "ngram"}}),
+            "eagle": TLTConfig.from_mapping({"drafter": {"init_path": model}})}
+    for name, cfg in runs.items():
+        args = ServerArgs(model_path=model, device="cuda", **launch.server_args(
+            cfg, version=version, drafter_path=model if name == "eagle" else None, max_running_requests=128))
+        keys = ("speculative_algorithm", "max_running_requests", "custom_weight_loader", "speculative_adaptive")
         if version == "0.5.23":
             args.resolve_once()
             from sglang.srt.arg_groups.overrides import resolution_result
 
-            out[name] = {k: resolution_result(args, k) for k in ("speculative_algorithm", "max_running_requests")}
+            out[name] = {k: resolution_result(args, k) for k in keys}
         else:
-            out[name] = {k: getattr(args, k) for k in ("speculative_algorithm", "max_running_requests")}
+            out[name] = {k: getattr(args, k) for k in keys}
+        out[name]["custom_weight_loader"] = list(out[name]["custom_weight_loader"] or []) or None  # 0.5.12: []
     return out
+
+
+def _readback(version: str) -> dict:
+    """The hooked get_weights_by_name reads ``tlt.draft/<name>`` from the draft model, anything else
+    from SGLang's own code (the target)."""
+    import torch
+    from sglang.srt.managers.io_struct import GetWeightsByNameReqInput
+
+    if version == "0.5.23":
+        from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager as owner
+    else:
+        from sglang.srt.managers.scheduler_update_weights_mixin import SchedulerUpdateWeightsMixin as owner
+    draft = torch.nn.Module()
+    draft.fc = torch.nn.Linear(3, 2, bias=False)
+    runner = types.SimpleNamespace(model=torch.nn.ModuleDict({"model": draft}))
+    worker = (types.SimpleNamespace(weight_update_runners=lambda: [("draft", runner)]) if version == "0.5.23"
+              else types.SimpleNamespace(draft_model_runner=runner))
+    target = types.SimpleNamespace(get_weights_by_name=lambda req: [7.0])
+    me = types.SimpleNamespace(draft_worker=worker, tp_worker=target)
+    got = owner.get_weights_by_name(me, GetWeightsByNameReqInput(name="tlt.draft/model.fc.weight", truncate_size=4))
+    other = owner.get_weights_by_name(me, GetWeightsByNameReqInput(name="model.fc.weight", truncate_size=4))
+    return {"draft": got.parameter, "want": draft.fc.weight.flatten()[:4].tolist(), "target": other.parameter}
 
 
 def _refused(fn) -> str | None:
@@ -263,6 +292,7 @@ def main(site: str, out_path: str, model: str, trace_path: str, *flags: str) -> 
     result["guard"] = _guard(version, model)
     result["speculation"] = _speculation(version, model)
     result["idle"] = _idle()
+    result["readback"] = _readback(version)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=2, default=str)
 

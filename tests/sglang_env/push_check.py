@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import sys
+import types
 
 from tests.sglang_env import cpu_env
 
@@ -89,7 +90,27 @@ def _adapter(port: int, model_path: str):
     a.device_mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
     a._pd_role, a.replica_rank = None, 0
     a._engine = TLTHttpEngine(model_path=model_path, host="127.0.0.1", port=port, launch_server=False, device="cpu")
+    a.server_actor = _FrozenSink()
     return a
+
+
+class _FrozenSink:
+    """Stands in for TLT's server actor: records what the policy push hands it (a Ray method)."""
+
+    def __init__(self) -> None:
+        self.got: list = []
+        self.update_weights = types.SimpleNamespace(remote=self._frozen)
+        self.set_global_steps = types.SimpleNamespace(remote=self._done)
+
+    def _frozen(self, state, version):
+        self.got.append((sorted(state), version))
+        return self._done()
+
+    @staticmethod
+    def _done(*args):
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
 
 
 async def _main(model_path: str) -> dict:
@@ -103,8 +124,9 @@ async def _main(model_path: str) -> dict:
     try:
         adapter = _adapter(port, model_path)
         policy = {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 4), "lm_head.weight": torch.randn(16, 4)}
-        await adapter.update_weights(iter(policy.items()))
+        await adapter.update_weights(iter(policy.items()), global_steps=5)
         policy_calls, calls[:] = list(calls), []
+        assert adapter.server_actor.got == [(["lm_head.weight"], 5)], adapter.server_actor.got  # spot's frozen head
         draft = {"model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4)}
         await adapter.update_draft_weights(iter(draft.items()), version=3)
         draft_calls, calls[:] = list(calls), []

@@ -219,3 +219,59 @@ def test_shipped_config_passes_check_verl_config():
 
     cfg = _compose("tlt_grpo", [])
     check_verl_config(cfg, from_verl(cfg))
+
+
+# ------------------------------------------------------------------ 7. SGLang replicas in a tlt run
+def _sglang_run(monkeypatch, version: str | None, **tlt):
+    from tlt.integrations.sglang import launch
+
+    monkeypatch.setattr(launch, "installed_version", lambda: version)
+    cfg = _verl_like("sglang", enable=True)
+    cfg.tlt = OmegaConf.merge(cfg.tlt, tlt)
+    cfg.trainer = {"n_gpus_per_node": 2, "nnodes": 1}
+    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = 1
+    return cfg
+
+
+def _refusal(cfg) -> str:
+    from tlt.integrations.verl.verl_checks import check_verl_config
+
+    with pytest.raises(ValueError) as ei:
+        check_verl_config(cfg, from_verl(cfg))
+    assert "\n" not in str(ei.value)
+    return str(ei.value)
+
+
+def test_sglang_rollout_is_accepted_with_the_capture_it_needs(monkeypatch):
+    from tlt.integrations.verl.verl_checks import check_verl_config
+
+    ok = _sglang_run(monkeypatch, "0.5.23", buffer={"capture": "old_log_prob"})
+    check_verl_config(ok, from_verl(ok))
+    msg = _refusal(_sglang_run(monkeypatch, "0.5.23"))  # the default capture=rollout
+    assert "tlt.buffer.capture=rollout" in msg and "old_log_prob" in msg
+    assert "pip install" in _refusal(_sglang_run(monkeypatch, None, buffer={"capture": "old_log_prob"}))
+    assert "TLT supports 0.5.12 and 0.5.23" in _refusal(_sglang_run(monkeypatch, "0.4.9"))
+    two = _sglang_run(monkeypatch, "0.5.23", buffer={"capture": "old_log_prob"}, sglang={"attach": "h:1"})
+    assert "names 1 servers for 2 replicas" in _refusal(two)
+
+
+def test_sglang_0512_without_a_warmup_drafter_is_refused_or_runs_ngram(monkeypatch):
+    from tlt.integrations.sglang import launch
+    from tlt.integrations.verl.verl_checks import check_verl_config
+
+    msg = _refusal(_sglang_run(monkeypatch, "0.5.12", buffer={"capture": "old_log_prob"}))
+    assert "tlt warmup" in msg and "0.5.23" in msg and "tlt.sglang.algorithm=ngram" in msg
+    for keys in ({"sglang": {"algorithm": "ngram"}}, {"drafter": {"init_path": "/w"}, "buffer": {"capture": "old_log_prob"}}):
+        cfg = _sglang_run(monkeypatch, "0.5.12", **keys)
+        check_verl_config(cfg, from_verl(cfg))
+    warm = from_verl(_sglang_run(monkeypatch, "0.5.12", drafter={"init_path": "/w", "method": "eagle3"}))
+    args = launch.server_args(warm, version="0.5.12", drafter_path="/x", max_running_requests=64)
+    assert args["speculative_algorithm"] == "EAGLE3" and args["custom_weight_loader"] == [launch.DRAFT_LOADER]
+    assert args["speculative_adaptive"] is True and args["max_running_requests"] == 64
+    fresh = from_verl(_sglang_run(monkeypatch, "0.5.23", sglang={"adaptive_config": "/slots.json"}))
+    assert launch.plan(fresh, "0.5.23") == "eagle-fresh"
+    args = launch.server_args(fresh, version="0.5.23", drafter_path="/x", max_running_requests=64)
+    assert "custom_weight_loader" not in args and args["speculative_adaptive_config"] == "/slots.json"
+    ngram = from_verl(_sglang_run(monkeypatch, "0.5.12", sglang={"algorithm": "ngram"}))
+    assert launch.server_args(ngram, version="0.5.12", drafter_path=None, max_running_requests=8)[
+        "speculative_algorithm"] == "NGRAM"

@@ -4,8 +4,8 @@ Owns the contract, not an implementation. The trainer, the actor workers and the
 (:mod:`tlt.integrations.verl.drafter_push`) call these methods on each replica's Ray actor and
 nothing else, so the CPU tests of the loop exercise the code GPU users run once a second backend
 implements it. Implementations: the project's engine
-(:class:`tlt.integrations.verl.server.TLTServer`); SGLang's servers are the SGLang-loop issue's
-(its pushes exist: :mod:`tlt.integrations.verl.sglang_push`).
+(:class:`tlt.integrations.verl.server.TLTServer`) and SGLang
+(:class:`tlt.integrations.verl.sglang_server.TLTSGLangServer`).
 ``tests/tlt/test_replica_api.py`` checks that every implementation has every method, with these
 parameter names.
 """
@@ -34,24 +34,28 @@ class ReplicaAPI(Protocol):
     def begin_step(self, step: int) -> None:
         """A rollout begins: reset the step's statistics; a running spot session is stopped."""
 
+    async def end_rollout(self) -> None:
+        """The rollout ended, before verl sleeps the replica: training stopped, memory the loop
+        released taken back (verl's sleep finds it as verl left it)."""
+
     def step_stats(self) -> dict[str, Any]:
         """This step's counters: verifies, committed, EAGLE-only verifies, arms, idle time,
         spot sessions (with each one's held-out accept length), the drafter version served."""
 
-    def load_drafter(self, version: int, step: int | None = None) -> int:
+    async def load_drafter(self, version: int, step: int | None = None) -> int:
         """Drafter push: serve spot checkpoint ``step`` (draft weights only) as ``version``."""
 
-    def served_drafter(self) -> dict[str, Any]:
+    async def served_drafter(self) -> dict[str, Any]:
         """The push guard's hard check: ``{"digest": ..., "dtype": ...}`` of the draft weights
         actually served (digest None: no drafter)."""
 
-    def rollback_drafter(self, version: int) -> int:
+    async def rollback_drafter(self, version: int) -> int:
         """Serve again the drafter served before the last push, as ``version``."""
 
     def add_samples(self, step: int, samples: list[tuple]) -> int:
         """DataBuffer feed from the actor's old-log-prob capture; returns samples kept."""
 
-    def add_history(self, step: int, pairs: list[tuple[list[int], list[int]]]) -> int:
+    async def add_history(self, step: int, pairs: list[tuple[list[int], list[int]]]) -> int:
         """Step ``step``'s (prompt, response) pairs become model-free draft sources."""
 
     def shutdown(self) -> None:

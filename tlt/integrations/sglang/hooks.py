@@ -38,6 +38,8 @@ class Hook:
 _H = "tlt.integrations.sglang.sglang_hooks"
 _ADAPTIVE = "sglang.srt.speculative.adaptive_spec_params"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
+_RB = "tlt.integrations.sglang.readback"
+_READBACK = "push guard's hard check: names tlt.draft/<name> read the draft model's weights"
 
 
 def _common() -> tuple[Hook, ...]:
@@ -60,6 +62,8 @@ def _table_0512() -> tuple[Hook, ...]:
              "steps >= 1)"),
         Hook("sglang.srt.server_args.ServerArgs.__post_init__", "around", f"{_H}:server_args_post_init_0512",
              "lossless guard on the server arguments; max-running-requests warning"),
+        Hook("sglang.srt.managers.scheduler_update_weights_mixin.SchedulerUpdateWeightsMixin.get_weights_by_name",
+             "around", f"{_RB}:around_get_weights_by_name", _READBACK),
     ) + _common()
 
 
@@ -71,6 +75,8 @@ def _table_0523() -> tuple[Hook, ...]:
              "TLT's slots when no --speculative-adaptive-config is given (bucketed graph capture)"),
         Hook("sglang.srt.server_args.ServerArgs.resolve_once", "after", f"{_H}:server_args_resolved_0523",
              "lossless guard on the resolved server arguments; max-running-requests warning"),
+        Hook("sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+             ".get_weights_by_name", "around", f"{_RB}:around_get_weights_by_name", _READBACK),
     ) + _common()
 
 

@@ -145,6 +145,35 @@ class EngineSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SGLangSection:
+    """Only read with ``actor_rollout_ref.rollout.name=sglang`` (docs/sglang.md)."""
+
+    # eagle: servers start with EAGLE and the warm-up (or, on 0.5.23, a fresh) drafter; ngram:
+    # SGLang's NGRAM for the whole run (no drafter training)
+    algorithm: Literal["eagle", "ngram"] = "eagle"
+    adaptive_config: str | None = None  # --speculative-adaptive-config FILE; None: TLT's slots
+    # "HOST:PORT,HOST:PORT": one already-running SGLang server per replica (launched with TLT's
+    # arguments, `tlt sglang-args`) instead of one launched by each replica's server actor
+    attach: str | None = None
+    readback_elements: int = 64    # hard check: draft-weight elements read back per canary tensor
+
+    def check(self, p: str) -> None:
+        if self.attach is not None:
+            self.attached(p)
+        if self.readback_elements < 1:
+            raise _bad(f"{p}.readback_elements", self.readback_elements, "use an int >= 1")
+
+    def attached(self, p: str = "tlt.sglang") -> list[tuple[str, int]]:
+        out = []
+        for part in (self.attach or "").split(","):
+            host, _, port = part.strip().rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise _bad(f"{p}.attach", self.attach, "use HOST:PORT[,HOST:PORT...] (one per replica)")
+            out.append((host, int(port)))
+        return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TLTConfig:
     enable: bool = True            # false: none of TLT's hooks run (plain sync trainer)
     drafter: DrafterSection = DrafterSection()
@@ -153,6 +182,7 @@ class TLTConfig:
     buffer: BufferSection = BufferSection()
     coordinator: CoordinatorSection = CoordinatorSection()
     engine: EngineSection = EngineSection()
+    sglang: SGLangSection = SGLangSection()
     record_path: str | None = None  # JSON lines, one per RL step; default <default_local_dir>/tlt_steps.jsonl
     route_groups: bool = True      # a GRPO group's samples go to one replica (all siblings visible to drafts)
     replay_poll_s: float = 0.05    # verl's replay buffer polls every 2.0 s (hard-coded): lowered

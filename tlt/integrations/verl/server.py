@@ -25,6 +25,7 @@ its own (the worker's belongs to the FSDP actor), so a spot-training group can b
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import json
@@ -55,6 +56,11 @@ HISTORY_FILE = "tlt_history.jsonl"  # in the run directory: the last steps' resp
 
 def server_name(replica_rank: int) -> str:
     return f"tlt_server_{replica_rank}"
+
+
+def replica_actor_name(rollout_name: str, replica_rank: int) -> str:
+    """The Ray name of a replica's (first) server actor: the project's engine's, or verl's SGLang one."""
+    return f"sglang_server_{replica_rank}_0" if rollout_name == "sglang" else server_name(replica_rank)
 
 
 def replica_of_this_rank(rollout_config) -> tuple[int, bool]:
@@ -237,6 +243,11 @@ class TLTServer:
         self.step = step
         self.stats.reset()
 
+    async def end_rollout(self) -> None:
+        """The rollout ended (the coordinator has preempted training): nothing to give back, the
+        project's engine never releases memory."""
+        return None
+
     def step_stats(self) -> dict[str, Any]:
         st = self.stats.snapshot()
         st.update(drafter_version=self.drafter_version, proposer=self.proposer_name, drift_top1=self.probe.top1,
@@ -254,12 +265,24 @@ class TLTServer:
         threading.Thread(target=self.probe.after, name=f"tlt-drift-{self.rank}", daemon=True).start()
         return n
 
-    def add_history(self, step: int, pairs: list[tuple[list[int], list[int]]]) -> int:
+    async def add_history(self, step: int, pairs: list[tuple[list[int], list[int]]]) -> int:
         """Step ``step``'s (prompt, response) pairs join the suffix drafter's history (between batches)."""
-        with self._lock:
-            return self.assembly.add_history(step, pairs)
+        def add():
+            with self._lock:
+                return self.assembly.add_history(step, pairs)
+        return await asyncio.to_thread(add)
 
-    def load_drafter(self, version: int, step: int | None = None) -> int:
+    # The drafter calls wait for the serving lock off the event loop (a batch may hold it).
+    async def load_drafter(self, version: int, step: int | None = None) -> int:
+        return await asyncio.to_thread(self._load_drafter, version, step)
+
+    async def served_drafter(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self._served_drafter)
+
+    async def rollback_drafter(self, version: int) -> int:
+        return await asyncio.to_thread(self._rollback_drafter, version)
+
+    def _load_drafter(self, version: int, step: int | None = None) -> int:
         """Serve spot checkpoint ``step`` (the one the driver pushes to every replica; None: the
         latest) as drafter ``version`` (draft weights only, swapped in place: the engine is not
         rebuilt); returns the version served."""
@@ -279,13 +302,13 @@ class TLTServer:
         log.info("replica %d: drafter version %d (%s)", self.rank, version, self.proposer_name)
         return version
 
-    def served_drafter(self) -> dict[str, Any]:
+    def _served_drafter(self) -> dict[str, Any]:
         """The push guard's hard check: the digest of the draft weights the engine runs (None: no
         EAGLE drafter) and their dtype, read from the engine's proposer between batches."""
         with self._lock:
             return {"digest": self.assembly.served_drafter_digest(), "dtype": str(self.model.embed_weight.dtype)}
 
-    def rollback_drafter(self, version: int) -> int:
+    def _rollback_drafter(self, version: int) -> int:
         """Serve again the drafter served before the last push (the push guard rejected it), as
         ``version``; once only: a second call without a push in between changes nothing."""
         with self._lock:

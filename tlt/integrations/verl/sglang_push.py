@@ -40,7 +40,9 @@ from verl.workers.rollout.sglang_rollout import sglang_rollout as _sglang_rollou
 from verl.workers.rollout.sglang_rollout.http_server_engine import AsyncHttpServerAdapter
 from verl.workers.rollout.sglang_rollout.sglang_rollout import ServerAdapter
 
-DRAFT_LOADER = "tlt.integrations.sglang.draft_loader.load_draft_only"
+from tlt.integrations.sglang.launch import DRAFT_LOADER
+
+FROZEN = ("model.embed_tokens.weight", "lm_head.weight")  # what a tlt run's spot sessions train against
 log = logging.getLogger(__name__)
 
 
@@ -139,16 +141,30 @@ class TLTSGLangServerAdapter(ServerAdapter):
         return self._engine is not None and self._is_server_tp_leader()
 
     async def update_weights(self, weights, global_steps: int = None, **kwargs):
-        """The policy, into the target only (every rank iterates ``weights``, as verl requires)."""
+        """The policy, into the target only (every rank iterates ``weights``, as verl requires).
+        The TP leader then hands the embedding and LM head to its server actor: a ``tlt`` run's
+        spot sessions train against the current policy's (:mod:`.sglang_server`)."""
         await self._init_server_adapter()
-        session = self._leads_pushes() and self._engine.api.sessions
+        lead = self._leads_pushes()
+        session = lead and self._engine.api.sessions
+        frozen: dict = {}
+
+        def tee(items):
+            for name, t in items:
+                if lead and name in FROZEN:
+                    frozen[name] = t.detach().to("cpu", copy=True)
+                yield name, t
+
         if session:
             await self._engine.begin_weight_update("target")
         try:
-            await super().update_weights(weights, global_steps=global_steps, **kwargs)
+            await super().update_weights(tee(weights), global_steps=global_steps, **kwargs)
         finally:
             if session:
                 await self._engine.end_weight_update()
+        actor = getattr(self, "server_actor", None)
+        if frozen and hasattr(actor, "update_weights"):  # TLT's server actor (a tlt run)
+            await actor.update_weights.remote(frozen, global_steps)
 
     async def rotate_ngram_corpus(self, step: int, documents: list[str], window: int = 1) -> None:
         """NGRAM speculation's history: give the server step ``step``'s responses as external corpus

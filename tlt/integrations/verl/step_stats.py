@@ -38,11 +38,9 @@ class StepStats:
 
     def batch(self, res, *, started: float, gen_s: float, requests: int) -> None:
         """One engine batch (a ``GenerateResult``) that started at ``started`` (monotonic)."""
+        self.resumed(started)
         with self._lock:
             st = self._st
-            if st["idle_at"] is not None:
-                st["idle_s"] += started - st["idle_at"]
-                st["idle_at"] = None
             st["gen_s"] += gen_s
             st["batches"] += 1
             st["requests"] += requests
@@ -57,6 +55,28 @@ class StepStats:
                     if not s.arm.endswith(f"@{SUFFIX}"):  # drafted by the EAGLE proposer
                         st["eagle_verifies"] += s.batch
                         st["eagle_committed"] += s.committed
+
+    def resumed(self, at: float) -> None:
+        """Work arrived at ``at`` (monotonic): an idle period, if one was open, ends."""
+        with self._lock:
+            st = self._st
+            if st["idle_at"] is not None:
+                st["idle_s"] += at - st["idle_at"]
+                st["idle_at"] = None
+
+    def request(self, *, tokens: int, verifies: int, eagle: bool) -> None:
+        """One request an SGLang server answered: its completion tokens and the verify passes that
+        produced them (0: not speculated); ``eagle``: drafted by the EAGLE drafter."""
+        with self._lock:
+            st = self._st
+            st["requests"] += 1
+            st["tokens"] += tokens
+            if verifies:
+                st["verifies"] += verifies
+                st["committed"] += tokens
+                if eagle:
+                    st["eagle_verifies"] += verifies
+                    st["eagle_committed"] += tokens
 
     def session(self, rec) -> None:
         """One spot session's formation record (the agent's ``on_record``)."""

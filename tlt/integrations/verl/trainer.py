@@ -65,6 +65,11 @@ def trainer_class():
             self.tlt = from_verl(config)
             check_verl_config(config, self.tlt)
             _route_groups(config, self.tlt)
+            self._sglang = self.tlt.enable and config.actor_rollout_ref.rollout.name == "sglang"
+            if self._sglang:  # this run's SGLang replicas are TLT's (verl's registry, this process only)
+                from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+                RolloutReplicaRegistry.register("sglang", _sglang_replica)
             super().__init__(config)
             self._coord_proc = None
             self._driver = None
@@ -107,9 +112,16 @@ def trainer_class():
                 self._driver = DriverClient(address, timeout_s=cc.done_timeout_s)
                 self._aux_layers = _feature_layers(self.tlt, config.actor_rollout_ref.model.path) or None
             base = (self.tlt.spot.base_port or free_port(PORT_SPAN * n_replicas)) if train else 0
+            seed = int(config.actor_rollout_ref.rollout.get("seed", 0) or 0)
+            start = None
+            if self._sglang and self.tlt.sglang.algorithm == "eagle":
+                from tlt.integrations.sglang.launch import start_drafter
+
+                start = str(start_drafter(self.tlt, config.actor_rollout_ref.model.path, out / "tlt_sglang_drafter",
+                                          seed=seed))
             runtime.publish(runtime.Runtime(tlt=self.tlt, coordinator_address=address,
                                             spot_root=spot_root, run_dir=str(out), spot_base_port=base,
-                                            seed=int(config.actor_rollout_ref.rollout.get("seed", 0) or 0)))
+                                            seed=seed, start_drafter=start))
             log.info("tlt: coordinator %s, spot checkpoints %s, step records %s", address, spot_root,
                      self._record_path)
 
@@ -205,6 +217,8 @@ def trainer_class():
                 if self._outcome is not None and not self._outcome.reachable:
                     log.warning("tlt: coordinator unreachable at the end of step %d's rollout: "
                                 "drafter training could not be stopped through it", step)
+                # before verl sleeps the replicas: training stopped, memory TLT released taken back
+                ray.get([s.end_rollout.remote() for s in self._servers()], timeout=120)
                 self._stats = self._collect_stats()
             return super().on_sample_end()
 
@@ -254,6 +268,7 @@ def trainer_class():
                 "tlt/spec_committed": float(committed),
                 "tlt/drafter_version": float(self._pusher.version),
                 "tlt/drafter_push_rejected": float(self._pusher.guard.rejected),
+                "tlt/drafter_repushed": float(self._pusher.repushed),
                 "tlt/drafter_loss": statistics.fmean(losses) if losses else float("nan"),
                 "tlt/spot_train_steps": float(sum(s["train_steps"] for s in st)),
                 "tlt/idle_replica_s": float(sum(s["idle_s"] for s in st)),
@@ -317,6 +332,12 @@ def trainer_class():
                 _stop_process(self._coord_proc)
 
     return TLTTrainer
+
+
+def _sglang_replica():
+    from tlt.integrations.verl.sglang_server import TLTSGLangReplica
+
+    return TLTSGLangReplica
 
 
 def canonical_order(keys: list[str], uid_index: dict[str, int]) -> list[int]:

@@ -31,9 +31,11 @@ def check_verl_config(config, tlt: TLTConfig) -> None:
     if not tlt.enable:
         return
     ro = config.actor_rollout_ref.rollout
-    if ro.name != "tlt":
+    if ro.name not in ("tlt", "sglang"):
         raise ValueError(f"actor_rollout_ref.rollout.name={ro.name!r}: TLT's verl mode serves rollouts with "
-                         "its own engine; set actor_rollout_ref.rollout.name=tlt")
+                         "its own engine (tlt) or SGLang (sglang)")
+    if ro.name == "sglang":
+        _check_sglang(config, tlt)
     backend = ro.checkpoint_engine.backend
     if backend != "naive":
         raise ValueError(f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend!r}: the tlt rollout "
@@ -56,3 +58,34 @@ def check_verl_config(config, tlt: TLTConfig) -> None:
         raise ValueError("algorithm.rollout_correction.bypass_mode=true skips the old-log-prob forward, "
                          "where tlt.buffer.capture=old_log_prob captures hidden states; use tlt.buffer.capture="
                          "rollout or turn bypass off")
+
+
+def _check_sglang(config, tlt: TLTConfig) -> None:
+    """What an SGLang-served TLT run needs (docs/sglang.md, "TLT in verl on SGLang")."""
+    from omegaconf import OmegaConf
+
+    from tlt.integrations.sglang import launch
+
+    launch.plan(tlt, launch.installed_version())  # raises with the fix
+    if tlt.drafter.train and tlt.sglang.algorithm == "eagle" and tlt.buffer.capture == "rollout":
+        raise ValueError("tlt.buffer.capture=rollout: SGLang servers do not hand out hidden states; use "
+                         "tlt.buffer.capture=old_log_prob (the actor's old-log-prob forward feeds the DataBuffer)")
+    if OmegaConf.select(config, "actor_rollout_ref.rollout.disaggregation.enabled", default=False):
+        raise ValueError("actor_rollout_ref.rollout.disaggregation.enabled=true: TLT drives one SGLang server "
+                         "per replica; turn PD disaggregation off")
+    if int(OmegaConf.select(config, "actor_rollout_ref.rollout.nnodes", default=0) or 0) > 0:
+        raise ValueError("actor_rollout_ref.rollout.nnodes>0 (standalone rollout): TLT's SGLang loop runs "
+                         "colocated (hybrid) replicas; leave nnodes at 0")
+    if tlt.sglang.attach:
+        n = max(1, config.trainer.n_gpus_per_node * config.trainer.nnodes)
+        tp = ro_world(config.actor_rollout_ref.rollout)
+        replicas = max(1, n // tp)
+        if len(tlt.sglang.attached()) != replicas:
+            raise ValueError(f"tlt.sglang.attach={tlt.sglang.attach!r} names {len(tlt.sglang.attached())} servers "
+                             f"for {replicas} replicas; give one HOST:PORT per replica")
+
+
+def ro_world(rollout) -> int:
+    """GPUs (or CPU ranks) of one rollout replica: tensor x data x pipeline parallel."""
+    return (int(rollout.tensor_model_parallel_size) * int(rollout.get("data_parallel_size", 1) or 1)
+            * int(rollout.get("pipeline_model_parallel_size", 1) or 1))

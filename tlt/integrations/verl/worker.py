@@ -21,7 +21,7 @@ import time
 import ray
 
 from tlt.integrations.verl.capture import HiddenCapture, micro_batch_samples
-from tlt.integrations.verl.server import replica_of_this_rank, server_name
+from tlt.integrations.verl.server import replica_actor_name, replica_of_this_rank
 
 log = logging.getLogger(__name__)
 SGLANG_ADAPTER = "tlt.integrations.verl.sglang_push.TLTSGLangServerAdapter"
@@ -78,10 +78,24 @@ def worker_class():
                      len(samples), step, time.monotonic() - t0)
             return out
 
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        async def tlt_push_drafter(self, source: dict, version: int, drafter_cfg, dtype: str) -> bool:
+            """SGLang replicas: a drafter (spot checkpoint step or exported directory) into this rank's
+            server's draft model only, through TLT's draft-only adapter (every rank of the replica
+            calls this: the push is SPMD over its TP ranks; the tensors go from this rank's device)."""
+            import torch
+
+            from tlt.integrations.verl.sglang_drafts import source_tensors
+
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            tensors = source_tensors(source, drafter_cfg, getattr(torch, dtype.removeprefix("torch.")))
+            await self.rollout.update_draft_weights(((k, v.to(device)) for k, v in tensors.items()), version)
+            return True
+
         def _tlt_ship(self, step: int, samples) -> None:
             replica, _ = replica_of_this_rank(self.config.rollout)
             try:
-                server = ray.get_actor(server_name(replica))
+                server = ray.get_actor(replica_actor_name(self.config.rollout.name, replica))
                 ray.get(server.add_samples.remote(step, samples))
             except Exception:  # adaptation is an optimisation: the RL step goes on without it
                 log.exception("tlt: could not hand %d samples to replica %d", len(samples), replica)
