@@ -66,3 +66,38 @@ def activate(site_dir: str | None = None) -> None:
         sys.modules.setdefault(name, None)
     if site_dir and site_dir not in sys.path:
         sys.path.insert(0, site_dir)
+
+
+PATCH_TORCH = "sglang.srt.utils.patch_torch"
+
+
+class _KeepCpuReducer(importlib.abc.MetaPathFinder):
+    """Once SGLang's ``patch_torch`` module is imported, its ``monkey_patch_torch_reductions``
+    does nothing: that patch rewrites torch's tensor reducer for CUDA IPC and cannot reduce a CPU
+    tensor (``IndexError``), so on a CPU machine pushes keep torch's own reducer."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != PATCH_TORCH:
+            return None
+        spec = next((s for f in sys.meta_path if f is not self and hasattr(f, "find_spec")
+                     for s in [f.find_spec(fullname, path, target)] if s is not None), None)
+        if spec is None or spec.loader is None:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.monkey_patch_torch_reductions = lambda *a, **k: None
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def cpu_tensor_pushes() -> None:
+    """Let SGLang's weight-push serializer carry CPU tensors between processes (a CPU test of
+    pushes): torch's own reducer, shared-memory files instead of fds (the receiver is not a child)."""
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    if not any(isinstance(f, _KeepCpuReducer) for f in sys.meta_path):
+        sys.meta_path.insert(0, _KeepCpuReducer())

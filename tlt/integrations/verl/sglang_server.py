@@ -114,6 +114,8 @@ class TLTSGLangServer(SGLangHttpServer):
             return
         self.http = TLTHttpEngine(model_path=self.model_path, host=self._server_address, port=self._server_port,
                                   launch_server=False, device="cuda" if torch.cuda.is_available() else "cpu")
+        if self._attach is not None:  # verl's own sleep/wake-up/abort calls, over HTTP
+            self.tokenizer_manager = _HttpControl(self.http)
         train = self.cfg.drafter.train and self.eagle and self._coordinator and self._spot_base_port
         if train:
             self.agent = start_spot_agent(
@@ -154,6 +156,8 @@ class TLTSGLangServer(SGLangHttpServer):
         if wanted is None:
             wanted = min(cfg.response_length, cfg.prompt_length + cfg.response_length - len(prompt_ids))
         sp["max_new_tokens"] = max(0, min(int(wanted), room))
+        if "seed" in sp:  # the tlt_agent loop's request seed, under SGLang's name
+            sp["sampling_seed"] = sp.pop("seed")
         logprob = bool(sp.pop("logprobs", False))
         body = {"rid": request_id, "input_ids": prompt_ids, "sampling_params": sp, "return_logprob": logprob}
         out = await self.http._make_async_request("generate", body)
@@ -243,8 +247,8 @@ class TLTSGLangServer(SGLangHttpServer):
 
     async def _push(self, source: dict, version: int) -> None:
         """Every actor worker of this replica takes part (the push is SPMD over its TP ranks)."""
-        await asyncio.gather(*[w.tlt_push_drafter.remote(source, version, self.drafter_cfg, str(self._dtype()))
-                               for w in self.workers])
+        await asyncio.gather(*[_worker_method(w, "tlt_push_drafter").remote(
+            source, version, self.drafter_cfg, str(self._dtype())) for w in self.workers])
 
     async def served_drafter(self) -> dict[str, Any]:
         """The hard check's read-back: digest of the first elements of the draft ``fc`` weight."""
@@ -285,6 +289,40 @@ class TLTSGLangServer(SGLangHttpServer):
     def shutdown(self) -> None:
         if self.agent is not None:
             self.agent.close()
+
+
+def _worker_method(handle, name: str):
+    """A method of TLT's actor worker class on verl's worker actor: colocated roles share one
+    ``WorkerDict`` actor whose methods carry the role as prefix (verl's ``Role`` strings)."""
+    for prefix in ("actor_rollout_ref_", "actor_rollout_", "actor_", ""):
+        try:
+            return getattr(handle, prefix + name)
+        except AttributeError:
+            continue
+    raise AttributeError(f"the replica's worker actor has no {name} (is it TLT's actor worker class?)")
+
+
+class _HttpControl:
+    """The tokenizer-manager calls verl's ``SGLangHttpServer`` makes (sleep, wake-up, cache flush,
+    abort / resume), sent to an attached server's HTTP endpoints instead of an in-process manager."""
+
+    def __init__(self, http: TLTHttpEngine) -> None:
+        self.http = http
+
+    async def release_memory_occupation(self, obj, request=None):
+        return await self.http.release_memory_occupation(list(obj.tags) if obj.tags else None)
+
+    async def resume_memory_occupation(self, obj, request=None):
+        return await self.http.resume_memory_occupation(list(obj.tags) if obj.tags else None)
+
+    async def flush_cache(self):
+        return await self.http.flush_cache()
+
+    async def pause_generation(self, obj):
+        return await self.http._make_async_request("pause_generation", {"mode": obj.mode})
+
+    async def continue_generation(self, obj):
+        return await self.http.continue_generation()
 
 
 class _WithTLT:

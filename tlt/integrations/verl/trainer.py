@@ -335,6 +335,9 @@ def trainer_class():
 
 
 def _sglang_replica():
+    from verl.workers.rollout import replica as verl_replica
+
+    verl_replica._load_sglang()  # verl's own loader first: what importing its SGLang server needs
     from tlt.integrations.verl.sglang_server import TLTSGLangReplica
 
     return TLTSGLangReplica

@@ -1,0 +1,134 @@
+"""TLT's whole loop on verl's SGLang rollout, in a real verl 0.9.1 GRPO run on this CPU.
+
+SGLang's engine needs CUDA (and the lent GPU machine has no SGLang), so each replica's SGLang
+server is a stand-in (``tests/sglang_env/standin.py``): real HTTP, every body parsed into SGLang
+0.5.23's own request classes, generation from the project's engine (plain decoding; no
+speculation is measured here). Everything else is what a GPU user runs: verl with
+``rollout.name=sglang`` and ``trainer.v1.trainer_mode=tlt``, TLT's SGLang replica and server actor
+(attached to the stand-ins: ``tlt.sglang.attach``), verl's SGLang worker adapter with TLT's pushes,
+the coordinator, spot training in the server actors, the push guard. The Ray processes import
+SGLang 0.5.23 through ``cpu_env`` (a ``sitecustomize`` on their ``PYTHONPATH``), whose push
+serializer then carries CPU tensors (its CUDA-IPC reducer patch is left out: no GPU here). Replica 1's
+stand-in answers slowly, so replica 0 idles in the tail of every step.
+
+Checked: the run finishes; a replica goes IDLE -> TRAINING -> BUSY with its KV cache released
+before it reports IDLE and resumed before its next request, and both inside verl's own sleep /
+wake-up calls (a request while the cache is released fails the stand-in); the drafter push is
+draft-only in 0.5.23's format; the stand-in corrupts it and the guard rejects it by read-back,
+rolls back (the start drafter pushed again) with one warning and ``tlt/drafter_push_rejected``.
+0.5.12's request formats stay covered by ``test_sglang_push.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+
+from tlt.demo import job as demo  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+ENVS = Path(os.environ.get("TLT_SGLANG_ENVS", ROOT / ".sglang-envs"))
+VERSION = "0.5.23"
+SITECUSTOMIZE = """\
+import os
+if os.environ.get("TLT_TEST_SGLANG_SITE"):
+    from tests.sglang_env import cpu_env
+    cpu_env.activate(os.environ["TLT_TEST_SGLANG_SITE"])
+    cpu_env.cpu_tensor_pushes()  # SGLang's push serializer is written for CUDA IPC
+"""
+
+
+def _standin(tmp_path: Path, k: int, site: Path, model: Path, max_len: int, env: dict, *extra: str):
+    out = tmp_path / f"standin-{k}"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_env.standin", str(site), str(model), str(max_len),
+                             str(out), *extra], cwd=ROOT, env=env, stdout=open(out / "log", "w"),
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not (out / "port").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, (out / "log").read_text()[-3000:]
+        time.sleep(0.2)
+    return proc, int((out / "port").read_text()), out
+
+
+def _calls(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "calls.jsonl").read_text().splitlines()]
+
+
+def test_tlt_loop_on_sglang(tmp_path):
+    site = ENVS / VERSION
+    if not (site / ".complete").exists():
+        pytest.skip(f"SGLang {VERSION} is not installed for the CPU tests: bash tests/sglang_env/install.sh")
+    from tlt.demo.target_factory import ensure_target
+
+    size = demo.QUICK
+    target = ensure_target(size.target, progress=False)
+    (tmp_path / "py").mkdir()
+    (tmp_path / "py" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**os.environ, "VERL_PLATFORM": "cpu", "TLT_TEST_SGLANG_SITE": str(site),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "py"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    max_len = size.max_prompt + size.max_response + 1
+    # replica 0's server corrupts draft push version 1 (the first push); replica 1's answers slowly
+    s0, p0, out0 = _standin(tmp_path, 0, site, target, max_len, env, "1")
+    s1, p1, out1 = _standin(tmp_path, 1, site, target, max_len, env, "", "6")
+    try:
+        train = demo.write_parquet(tmp_path / "train.parquet", size.prompts, 7)
+        overrides = [o for o in demo.arm_overrides("C", tmp_path, size, target, tmp_path / "none", train, train)
+                     if not o.startswith(("tlt.drafter.init_path", "trainer.total_training_steps"))]
+        cmd = demo.verl_command([*overrides, "trainer.total_training_steps=2", "actor_rollout_ref.rollout.name=sglang",
+                                 "tlt.buffer.capture=old_log_prob", f"tlt.sglang.attach='127.0.0.1:{p0},127.0.0.1:{p1}'",
+                                 "tlt.sglang.readback_elements=16"])
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    finally:
+        s0.kill()
+        s1.kill()
+    text = p.stdout + p.stderr
+    assert p.returncode == 0, text[-4000:]
+    arm = tmp_path / "arm-C"
+    recs = [json.loads(x) for x in (arm / "tlt_steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2]
+    assert recs[-1]["tlt/buffer_samples"] > 0  # the actor's old-log-prob capture fed the DataBuffers
+    assert sum(r["tlt/spot_train_steps"] for r in recs) >= 1
+    assert any(r["stopped"] for r in recs), "no replica was promoted to training and stopped"
+    coord = (arm / "tlt_coordinator.log").read_text()
+    assert " TRAINING (session" in coord
+
+    calls0 = _calls(out0)
+    errors = [c for c in calls0 + _calls(out1) if "error" in c]
+    assert not errors, errors[:3]
+    seq = [(c["endpoint"], tuple(c.get("body", {}).get("tags") or ())) for c in calls0
+           if c["endpoint"] in ("release_memory_occupation", "resume_memory_occupation")]
+    tlt_release = ("release_memory_occupation", ("kv_cache",))
+    assert tlt_release in seq, seq  # TLT released the KV cache for spot training ...
+    i = seq.index(tlt_release)
+    assert seq[i + 1] == ("resume_memory_occupation", ("kv_cache",)), seq  # ... and took it back
+    assert ("release_memory_occupation", ("kv_cache", "weights")) in seq[i + 2:], seq  # before verl's sleep
+
+    # the first drafter push: draft-only, 0.5.23's format, corrupted by replica 0's server
+    eps = [c["endpoint"] for c in calls0]
+    first = next(j for j, c in enumerate(calls0) if c["endpoint"] == "update_weights_from_tensor"
+                 and c.get("selector") == "draft")
+    assert calls0[first]["weight_version"] == "draft-1" and "fc.weight" in calls0[first]["names"]
+    assert eps[first - 2:first] == ["pause_generation", "begin_weight_update"]
+    assert eps[first + 1:first + 3] == ["end_weight_update", "continue_generation"]
+    assert calls0[first - 1]["body"] == {"selector": "draft"}
+    policy = [c for c in calls0 if c["endpoint"] == "update_weights_from_tensor" and c.get("selector") == "target"]
+    assert policy and not any(set(c["names"]) & {"fc.weight"} for c in policy)
+    # the guard read it back, rejected it, and every replica got the start drafter again (version 2)
+    assert any(c["endpoint"] == "get_weights_by_name" and c["found"] for c in calls0[first:])
+    rollback = [c for c in calls0[first + 1:] if c["endpoint"] == "update_weights_from_tensor"
+                and c.get("selector") == "draft"]
+    assert [c["weight_version"] for c in rollback] == ["draft-2"]
+    assert [c["weight_version"] for c in _calls(out1) if c.get("selector") == "draft"] == ["draft-1", "draft-2"]
+    assert recs[-1]["tlt/drafter_push_rejected"] == 1
+    warnings = [x for x in text.splitlines() if "rejected, previous drafter served again" in x]
+    assert len(warnings) == 1 and "replicas [0] of 2 do not serve" in warnings[0], warnings
