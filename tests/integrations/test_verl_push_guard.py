@@ -6,7 +6,8 @@ spot trainer's DCP format, the real ``DrafterPusher`` the ``tlt`` trainer runs a
 The corruption is the test's: replica 1 is a ``TLTServer`` whose load of one checkpoint step
 lands with one weight changed (a push that silently serves something else). The rollout
 statistics for the soft check are given by the test, as the replicas' step records would carry
-them (accept length collapsed to 1.0 after a push).
+them (accept length collapsed to 1.0 after a push). Last, a replica whose served drafter changes
+later (lost across a memory release/resume) gets it pushed again at the next step end.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
 ray = pytest.importorskip("ray")
 
-from drafter.checkpoint import TrainState, save_sync  # noqa: E402
+from drafter.checkpoint import TrainState, pinned, save_sync  # noqa: E402
 from drafter.digest import checkpoint_digest  # noqa: E402
 from drafter.eagle import Drafter, DrafterConfig  # noqa: E402
 from rollout.target import TargetModel  # noqa: E402
@@ -43,6 +44,11 @@ class CorruptingServer(TLTServer):
             with torch.no_grad():
                 next(self.drafter.parameters()).view(-1)[0] += 0.5
         return out
+
+    def lose(self) -> None:
+        """The drafter's weights change under the engine (a memory release/resume that drops them)."""
+        with torch.no_grad():
+            next(self.drafter.parameters()).view(-1)[0] += 0.5
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +112,12 @@ def test_a_corrupted_push_is_rejected_and_rolled_back(cluster, tmp_path, caplog)
     assert "live EAGLE accept length 1.01 over 80 verifies, held-out 2.40" in caplog.text
     out = ray.get(servers[0].generate.remote("r", [1, 5, 7, 9], {"temperature": 1.0, "max_tokens": 8}), timeout=120)
     assert 1 <= len(out.token_ids) <= 8  # the replica serves with the rolled-back drafter
+
+    # Re-check at the next step end: replica 1 lost the served drafter (step 2) -> pushed to it again.
+    assert pinned(root) == {2}  # the served step is kept for re-pushes
+    ray.get(servers[1].lose.remote())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tlt.integrations.verl.drafter_push"):
+        pusher.step_end(str(root), [])
+    assert "replicas [1] no longer serve drafter version 5 (spot step 2)" in caplog.text
+    assert (pusher.repushed, pusher.guard.rejected, served()) == (1, 2, [digest(2)] * 2)

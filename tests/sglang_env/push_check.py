@@ -130,11 +130,11 @@ async def _main(model_path: str) -> dict:
         draft = {"model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4)}
         await adapter.update_draft_weights(iter(draft.items()), version=3)
         draft_calls, calls[:] = list(calls), []
-        await adapter.rotate_ngram_corpus(0, ["12 + 7 = 19", ""])
-        await adapter.rotate_ngram_corpus(1, ["3 * 4 = 12"])
+        await adapter._engine.rotate_corpus(0, ["12 + 7 = 19", ""])
+        await adapter._engine.rotate_corpus(1, ["3 * 4 = 12"])
         corpus_calls, calls[:] = list(calls), []
         for step in range(3):  # a two-step history window: step 0's corpus leaves at step 2
-            await adapter.rotate_ngram_corpus(step, [f"step {step}"], window=2)
+            await adapter._engine.rotate_corpus(step, [f"step {step}"], window=2)
         window_calls = [(e, b["corpus_id"]) for e, b in calls]
     finally:
         await runner.cleanup()

@@ -179,18 +179,17 @@ def test_bench_records_a_trace_then_replays_it(tmp_path, capsys):
     assert "of the per-batch-size oracle" in capsys.readouterr().out
 
 
-def test_ngram_until_the_first_drafter_then_one_restart():
-    from tlt.integrations.sglang.speculation import next_server_args, server_args
+def test_speculation_arguments():
+    from tlt.integrations.sglang.launch import speculation_args
 
-    first = server_args(None, max_running_requests=256)
-    assert first["speculative_algorithm"] == "NGRAM" and first["max_running_requests"] == 256
-    assert next_server_args(first, None, max_running_requests=256) is None  # still no drafter: keep it
-    eagle = next_server_args(first, "/ckpt/drafter-1", max_running_requests=256)
+    ngram = speculation_args(None, max_running_requests=256)
+    assert ngram["speculative_algorithm"] == "NGRAM" and ngram["max_running_requests"] == 256
+    eagle = speculation_args("/ckpt/drafter-1", max_running_requests=256)
     assert eagle["speculative_algorithm"] == "EAGLE" and eagle["speculative_draft_model_path"] == "/ckpt/drafter-1"
     assert eagle["speculative_eagle_topk"] == 1 and eagle["speculative_adaptive"] is True
-    assert next_server_args(eagle, "/ckpt/drafter-7", max_running_requests=256) is None  # hot-pushed, no restart
+    assert eagle["speculative_num_draft_tokens"] == eagle["speculative_num_steps"] + 1
     with pytest.raises(ValueError, match="max_running_requests"):
-        server_args(None, max_running_requests=0)
+        speculation_args(None, max_running_requests=0)
 
 
 def test_hook_table_per_version():

@@ -12,8 +12,9 @@ SGLang / ``tlt.*``          servers start with
 0.5.12, EAGLE               the warm-up drafter (``tlt.drafter.init_path``); 0.5.12 has no
                             steps=0, so without one the run is refused (one line naming
                             ``tlt warmup``, SGLang 0.5.23 and ``tlt.sglang.algorithm=ngram``)
-``sglang.algorithm=ngram``  SGLang's NGRAM for the whole run (fed with earlier steps'
-                            responses as external corpus); no drafter is trained
+``sglang.algorithm=ngram``  SGLang's NGRAM for the whole run (its trie holds the running
+                            requests, so GRPO siblings draft from each other; earlier steps'
+                            responses join as external corpus); no drafter is trained
 ==========================  =============================================================
 
 and the server arguments (SGLang ``ServerArgs`` field names) for each. Pure Python: SGLang is
@@ -30,13 +31,15 @@ from typing import Any
 
 import torch
 
-from tlt.integrations.sglang.speculation import server_args as speculation_args
-
 log = logging.getLogger(__name__)
 
 # SGLang 0.5.12's draft-only push: a --custom-weight-loader that loads only into the draft model
 DRAFT_LOADER = "tlt.integrations.sglang.draft_loader.load_draft_only"
 SUPPORTED = ("0.5.12", "0.5.23")
+NGRAM_DEFAULTS = {"speculative_num_draft_tokens": 8}  # SGLang's n-gram drafts per verify
+# The adaptive policy's starting step count (one of TLT's candidate steps). SGLang 0.5.12 refuses a
+# topk without the step count, and a chain verifies steps + 1 tokens.
+EAGLE_START_STEPS = 3
 
 
 def installed_version() -> str | None:
@@ -73,6 +76,20 @@ def plan(tlt, version: str | None) -> str:
                          "drafter would slow every step until training makes it useful; give a warm-up "
                          "drafter (`tlt warmup`), use SGLang 0.5.23, or set tlt.sglang.algorithm=ngram")
     return "eagle-fresh"
+
+
+def speculation_args(drafter_path: str | None, *, max_running_requests: int) -> dict[str, Any]:
+    """EAGLE (with ``drafter_path``) or NGRAM server arguments, either SGLang version."""
+    if isinstance(max_running_requests, bool) or not isinstance(max_running_requests, int) \
+            or max_running_requests < 1:
+        raise ValueError(f"max_running_requests={max_running_requests!r}: give the rollout batch (an int >= 1); "
+                         "speculative SGLang otherwise caps it at 48")
+    if drafter_path:
+        return {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": str(drafter_path),
+                "speculative_eagle_topk": 1, "speculative_num_steps": EAGLE_START_STEPS,
+                "speculative_num_draft_tokens": EAGLE_START_STEPS + 1, "speculative_adaptive": True,
+                "max_running_requests": max_running_requests}
+    return {"speculative_algorithm": "NGRAM", **NGRAM_DEFAULTS, "max_running_requests": max_running_requests}
 
 
 def server_args(tlt, *, version: str, drafter_path: str | None, max_running_requests: int) -> dict[str, Any]:

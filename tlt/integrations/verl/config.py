@@ -153,7 +153,7 @@ class SGLangSection:
     algorithm: Literal["eagle", "ngram"] = "eagle"
     adaptive_config: str | None = None  # --speculative-adaptive-config FILE; None: TLT's slots
     # "HOST:PORT,HOST:PORT": one already-running SGLang server per replica (launched with TLT's
-    # arguments, `tlt sglang-args`) instead of one launched by each replica's server actor
+    # arguments: docs/sglang.md) instead of one launched by each replica's server actor
     attach: str | None = None
     readback_elements: int = 64    # hard check: draft-weight elements read back per canary tensor
 

@@ -118,6 +118,21 @@ class TLTHttpEngine(AsyncHttpServerAdapter):
     async def remove_external_corpus(self, corpus_id: str) -> dict[str, Any]:
         return await self._make_async_request("remove_external_corpus", {"corpus_id": corpus_id})
 
+    async def rotate_corpus(self, step: int, documents: list[str], window: int = 1) -> int:
+        """NGRAM speculation's history: step ``step``'s responses become external corpus
+        ``tlt-step-<step>`` and the one that left the last ``window`` steps goes. SGLang's external
+        corpora are global to the server (matched for every request, not per prompt: both 0.5.12
+        and 0.5.23); its n-gram trie already holds the running requests' tokens, so GRPO siblings
+        draft from each other. Returns the documents added."""
+        if window < 1:
+            raise ValueError(f"rotate_corpus: window={window} must be >= 1 (steps of responses kept)")
+        docs = [d for d in documents if d]
+        if docs:
+            await self.add_external_corpus(f"tlt-step-{step}", docs)
+        if step - window >= 0:
+            await self.remove_external_corpus(f"tlt-step-{step - window}")
+        return len(docs)
+
 
 class _WithFields:
     """The engine as SGLang's ``update_weights`` helper sees it, posting these fields instead."""
@@ -165,24 +180,6 @@ class TLTSGLangServerAdapter(ServerAdapter):
         actor = getattr(self, "server_actor", None)
         if frozen and hasattr(actor, "update_weights"):  # TLT's server actor (a tlt run)
             await actor.update_weights.remote(frozen, global_steps)
-
-    async def rotate_ngram_corpus(self, step: int, documents: list[str], window: int = 1) -> None:
-        """NGRAM speculation's history: give the server step ``step``'s responses as external corpus
-        ``tlt-step-<step>`` and drop the one that left the last ``window`` steps. SGLang's external
-        corpora are global to the server (matched for every request, not per prompt: both 0.5.12
-        and 0.5.23); its n-gram trie already holds the running requests' tokens, so GRPO siblings
-        draft from each other."""
-        if window < 1:
-            raise ValueError(f"rotate_ngram_corpus: window={window} must be >= 1 (steps of responses kept)")
-        await self._init_server_adapter()
-        if not self._leads_pushes():
-            return
-        docs = [d for d in documents if d]
-        if docs:
-            await self._engine.add_external_corpus(f"tlt-step-{step}", docs)
-        if step - window >= 0:
-            await self._engine.remove_external_corpus(f"tlt-step-{step - window}")
-        log.info("replica %s: n-gram corpus for step %d (%d responses)", self.replica_rank, step, len(docs))
 
     async def update_draft_weights(self, weights, version: int) -> None:
         """A new drafter (SGLang draft-model names), into the draft model only, labelled

@@ -109,6 +109,7 @@ class TLTSGLangServer(SGLangHttpServer):
                 log.warning("replica %d: engine_kwargs.sglang %s replaced by TLT's %s", self.rank, clash,
                             {k: ours[k] for k in clash})
             self.config.engine_kwargs["sglang"] = {**kw, **ours}
+            os.environ.pop("TLT_COORDINATOR", None)  # the plugin's scheduler-side idle signal stays off
             await super().launch_server(master_address, master_port)
         if self.node_rank != 0:
             return
@@ -280,11 +281,7 @@ class TLTSGLangServer(SGLangHttpServer):
 
         tok = AutoTokenizer.from_pretrained(self.model_path)
         docs = [tok.decode(r) for _, r in pairs if r]
-        await self.http.add_external_corpus(f"tlt-step-{step}", docs)
-        window = max(1, self.cfg.speculation.history_steps)
-        if step - window >= 0:
-            await self.http.remove_external_corpus(f"tlt-step-{step - window}")
-        return len(docs)
+        return await self.http.rotate_corpus(step, docs, window=max(1, self.cfg.speculation.history_steps))
 
     def shutdown(self) -> None:
         if self.agent is not None:
