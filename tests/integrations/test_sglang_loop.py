@@ -79,7 +79,7 @@ def test_tlt_loop_on_sglang(tmp_path):
     max_len = size.max_prompt + size.max_response + 1
     # replica 0's server corrupts draft push version 1 (the first push); replica 1's answers slowly
     s0, p0, out0 = _standin(tmp_path, 0, site, target, max_len, env, "1")
-    s1, p1, out1 = _standin(tmp_path, 1, site, target, max_len, env, "", "6")
+    s1, p1, out1 = _standin(tmp_path, 1, site, target, max_len, env, "", "4")
     try:
         train = demo.write_parquet(tmp_path / "train.parquet", size.prompts, 7)
         overrides = [o for o in demo.arm_overrides("C", tmp_path, size, target, tmp_path / "none", train, train)
@@ -132,3 +132,28 @@ def test_tlt_loop_on_sglang(tmp_path):
     assert recs[-1]["tlt/drafter_push_rejected"] == 1
     warnings = [x for x in text.splitlines() if "rejected, previous drafter served again" in x]
     assert len(warnings) == 1 and "replicas [0] of 2 do not serve" in warnings[0], warnings
+
+
+@pytest.fixture(scope="module")
+def server_check():
+    site = ENVS / VERSION
+    if not (site / ".complete").exists():
+        pytest.skip(f"SGLang {VERSION} is not installed for the CPU tests: bash tests/sglang_env/install.sh")
+    p = subprocess.run([sys.executable, "-m", "tests.sglang_env.server_check", str(site)], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_sglang_server_conforms_to_the_replica_interface(server_check):
+    assert server_check["nonconforming"] == []
+
+
+def test_a_request_waits_for_the_kv_cache_and_the_stopped_session(server_check):
+    """The server actor's gate, with a request arriving while the KV cache is being released
+    (tests/sglang_env/server_check.py): it reaches the server only after training stopped and the
+    cache came back; the rollout's end takes the cache back before verl sleeps the replica."""
+    kv = ["kv_cache"]
+    assert server_check["order"] == [
+        ["generate", "a"], ["release", kv], ["IDLE", 3], ["BUSY", 3], ["resume", kv], ["generate", "b"],
+        ["release", kv], ["IDLE", 3], ["BUSY", 3], ["resume", kv], ["generate", "c"]], server_check["order"]

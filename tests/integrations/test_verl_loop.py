@@ -6,7 +6,8 @@
   that advanced, replicas the coordinator promoted and stopped (IDLE -> TRAINING -> BUSY), rollout
   log-probs equal to the actor's recomputed ones (fp32), and the summary keys.
 - ``tlt.enable=false``: the same trainer mode runs as verl's sync trainer, none of TLT's hooks.
-- a bad ``tlt.*`` value stops the run with one line before Ray or any worker starts.
+- a bad ``tlt.*`` value stops the run with one line before Ray or any worker starts, with the
+  project's engine or SGLang as the rollout.
 """
 
 from __future__ import annotations
@@ -100,12 +101,16 @@ def test_tlt_disabled_runs_plain_sync_trainer(tmp_path):
     assert not (arm / "tlt_steps.jsonl").exists() and not (arm / "tlt_coordinator.log").exists()
 
 
-def test_bad_tlt_value_fails_before_ray(tmp_path):
+@pytest.mark.parametrize("rollout,bad,line", [
+    ("tlt", "tlt.spot.lr=-1", "tlt config: tlt.spot.lr=-1.0 is not allowed; use a float in (0, 1]"),
+    ("sglang", "tlt.sglang.readback_elements=0",
+     "tlt config: tlt.sglang.readback_elements=0 is not allowed; use an int >= 1")])
+def test_bad_tlt_value_fails_before_ray(tmp_path, rollout, bad, line):
     t0 = time.monotonic()
-    p = _verl(tmp_path, "tlt.spot.lr=-1", timeout=120)
+    p = _verl(tmp_path, f"actor_rollout_ref.rollout.name={rollout}", bad, timeout=120)
     assert p.returncode == 2
-    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: tlt config: tlt.spot.lr=-1.0 is not allowed; use a float in (0, 1]"]
+    errors = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert errors == [f"error: {line}"]
     assert "ray init kwargs" not in p.stdout  # nothing was started
     assert time.monotonic() - t0 < 60
 

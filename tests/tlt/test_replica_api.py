@@ -1,5 +1,7 @@
 """Every replica implementation has every method of the loop's one replica interface, with its
-parameter names and its sync/async kind (a Ray caller awaits one and ``ray.get``s the other)."""
+parameter names and its sync/async kind (a Ray caller awaits one and ``ray.get``s the other).
+The project's engine here; SGLang's server actor in ``tests/integrations/test_sglang_loop.py`` (in
+a process where SGLang is importable)."""
 
 from __future__ import annotations
 
@@ -34,38 +36,3 @@ def test_each_implementation_conforms(name):
         assert params == list(want.parameters), (cls.__name__, name)
         assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(API[name]), (cls.__name__, name)
 
-
-_SGLANG_CHECK = r"""
-import inspect, json, sys
-from tests.sglang_env import cpu_env
-cpu_env.activate(sys.argv[1])
-from tlt.integrations.replica_api import ReplicaAPI
-from tlt.integrations.verl.sglang_server import TLTSGLangServer
-bad = []
-for name, want in vars(ReplicaAPI).items():
-    if not callable(want) or name.startswith("_"):
-        continue
-    got = getattr(TLTSGLangServer, name, None)
-    if got is None or list(inspect.signature(got).parameters) != list(inspect.signature(want).parameters) \
-            or inspect.iscoroutinefunction(got) != inspect.iscoroutinefunction(want):
-        bad.append(name)
-print(json.dumps(bad))
-"""
-
-
-def test_the_sglang_server_conforms():
-    """TLT's SGLang server actor, in a process with SGLang 0.5.23 importable (its engine is not needed)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
-    root = Path(__file__).resolve().parents[2]
-    site = Path(os.environ.get("TLT_SGLANG_ENVS", root / ".sglang-envs")) / "0.5.23"
-    if not (site / ".complete").exists():
-        pytest.skip("SGLang 0.5.23 is not installed for the CPU tests: bash tests/sglang_env/install.sh")
-    p = subprocess.run([sys.executable, "-c", _SGLANG_CHECK, str(site)], capture_output=True, text=True,
-                       timeout=300, cwd=root)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.strip().splitlines()[-1] == "[]"

@@ -77,14 +77,15 @@ class TLTSGLangServer(SGLangHttpServer):
         self.start_drafter, self._attach = start_drafter, attach
         self.model_path = self.model_config.local_path
         self.eagle = self.cfg.sglang.algorithm == "eagle"
-        embed, head = launch.frozen_tensors(self.model_path)
+        # the device spot sessions train on: the replica's first GPU (verl set CUDA_VISIBLE_DEVICES), else CPU
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        embed, head = (t.to(self.device) for t in launch.frozen_tensors(self.model_path))
         self.frozen = types.SimpleNamespace(embed_weight=embed, lm_head=types.SimpleNamespace(weight=head))
         self.drafter_cfg = drafter_config(self.cfg, self.model_path)
         self.buffer = DataBuffer(BufferConfig(dtype=self.cfg.buffer.dtype, max_bytes=self.cfg.buffer.max_mb << 20))
         self.stats = StepStats()
         self.step = 0
         self.http: TLTHttpEngine | None = None
-        self.memory_log: list[tuple[float, str, tuple[str, ...]]] = []  # TLT's own release/resume calls
         self._in_flight = 0
         self._released = False    # TLT released the KV cache (and must resume it before serving)
         self._rollout_over = True  # between end_rollout and the next begin_step: no idle work
@@ -176,6 +177,9 @@ class TLTSGLangServer(SGLangHttpServer):
         """0 requests in flight: release the KV cache, then report IDLE (if there is data to train on)."""
         await asyncio.sleep(self.cfg.engine.batch_window_ms / 1000)  # a request right behind the last one
         async with self._gate:
+            # from here it runs to the end (never cancelled half-way through a release); a request
+            # that arrives meanwhile waits for the gate and undoes it in _wake
+            self._idle_task = None
             if self._in_flight or self._rollout_over or not len(self.buffer) or self._released:
                 return
             await self._memory("release", ["kv_cache"])
@@ -191,7 +195,7 @@ class TLTSGLangServer(SGLangHttpServer):
             self._released = False
 
     async def _memory(self, what: str, tags: list[str]) -> None:
-        self.memory_log.append((time.monotonic(), what, tuple(tags)))
+        log.debug("replica %d: %s_memory_occupation(%s)", self.rank, what, tags)
         if what == "release":
             await self.http.release_memory_occupation(tags)
         else:
@@ -214,8 +218,7 @@ class TLTSGLangServer(SGLangHttpServer):
     def step_stats(self) -> dict[str, Any]:
         st = self.stats.snapshot()
         st.update(drafter_version=self.drafter_version, proposer=f"sglang-{self.cfg.sglang.algorithm}",
-                  drift_top1=None, buffer=self.buffer.stats(), replica=self.rank,
-                  memory=[(what, list(tags)) for _, what, tags in self.memory_log])
+                  drift_top1=None, buffer=self.buffer.stats(), replica=self.rank)
         return st
 
     def update_weights(self, state: dict, version: int | None = None) -> int:
@@ -225,7 +228,7 @@ class TLTSGLangServer(SGLangHttpServer):
         if embed is None:
             return 0
         head = state.get("lm_head.weight", embed)
-        self.frozen.embed_weight, self.frozen.lm_head.weight = embed.to("cpu"), head.to("cpu")
+        self.frozen.embed_weight, self.frozen.lm_head.weight = embed.to(self.device), head.to(self.device)
         return len(state)
 
     async def load_drafter(self, version: int, step: int | None = None) -> int:

@@ -1,13 +1,16 @@
 """Trainer mode ``tlt``: verl's sync GRPO trainer with TLT's hooks around the rollout.
 
 Owns :class:`TLTTrainer` (``trainer.v1.trainer_mode=tlt``), derived from verl's sync trainer and
-pinned to its semantics. With ``tlt.enable=false`` none of the hooks below run. Per RL step:
+pinned to its semantics. With ``tlt.enable=false`` none of the hooks below run. The replicas are
+the project's engine (``rollout.name=tlt``) or SGLang (``rollout.name=sglang``:
+:mod:`.sglang_server`), both behind :mod:`tlt.integrations.replica_api`. Per RL step:
 
 - ``prepare_step`` (rollout begins): the coordinator learns the step; replicas reset their stats;
 - replicas report IDLE when their requests drain, the coordinator promotes them, they spot-train
   the drafter (:mod:`tlt.integrations.verl.server`);
-- ``on_sample_end`` (rollout ends): ``rollout_done`` preempts training (bounded wait), replica
-  stats are collected; then verl sleeps the replicas;
+- ``on_sample_end`` (rollout ends): ``rollout_done`` preempts training (bounded wait), each
+  replica ends its rollout (memory it released for training taken back) and its stats are
+  collected; then verl sleeps the replicas;
 - training batches: each prompt's requests get seeds from their identity (the ``tlt_agent`` loop),
   a duplicate (index, prompt) is refused, and the batch is put in a canonical order (prompt index,
   sample index) before verl balances it, so equal responses give equal updates whatever order
@@ -217,10 +220,17 @@ def trainer_class():
                 if self._outcome is not None and not self._outcome.reachable:
                     log.warning("tlt: coordinator unreachable at the end of step %d's rollout: "
                                 "drafter training could not be stopped through it", step)
-                # before verl sleeps the replicas: training stopped, memory TLT released taken back
-                ray.get([s.end_rollout.remote() for s in self._servers()], timeout=120)
+                self._end_rollout()
                 self._stats = self._collect_stats()
             return super().on_sample_end()
+
+        def _end_rollout(self) -> None:
+            """Before verl sleeps the replicas: training stopped, memory TLT released taken back."""
+            for i, s in enumerate(self._servers()):
+                try:
+                    ray.get(s.end_rollout.remote(), timeout=120)
+                except Exception as e:  # a replica died: verl's own calls will find out
+                    log.warning("tlt: replica %d did not end its rollout (%r)", i, e)
 
         def _collect_stats(self) -> list[dict]:
             out = []
