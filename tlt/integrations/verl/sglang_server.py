@@ -15,8 +15,9 @@ Owns :class:`TLTSGLangServer`, verl's ``SGLangHttpServer`` Ray actor with the ca
   replica passes through). SGLang's scheduler-side idle hook (:mod:`tlt.integrations.sglang.idle`)
   stays for SGLang outside verl: in a verl run it is off, so one coordinator worker never spans two
   processes.
-- **Spot agent**: in this actor, on the server's node. At 0 in-flight requests (and a non-empty
-  DataBuffer) it releases the server's KV cache (``release_memory_occupation(["kv_cache"])``),
+- **Spot agent**: in this actor; sessions train on the replica's first GPU (the frozen tensors
+  copied there per session, into the room the released KV cache left), else on the CPU. At 0
+  in-flight requests (and a non-empty DataBuffer) the actor releases the server's KV cache (``release_memory_occupation(["kv_cache"])``),
   then reports IDLE; the coordinator's PROMOTE starts a session on the DataBuffer (fed by the
   actor workers' old-log-prob capture). The next request first stops training (checkpointed),
   then resumes the KV cache, then goes to the server.
@@ -77,9 +78,10 @@ class TLTSGLangServer(SGLangHttpServer):
         self.start_drafter, self._attach = start_drafter, attach
         self.model_path = self.model_config.local_path
         self.eagle = self.cfg.sglang.algorithm == "eagle"
-        # the device spot sessions train on: the replica's first GPU (verl set CUDA_VISIBLE_DEVICES), else CPU
+        # spot sessions train on the replica's first GPU (verl set CUDA_VISIBLE_DEVICES), else the CPU;
+        # the frozen tensors wait in host memory and go there only while a session runs
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        embed, head = (t.to(self.device) for t in launch.frozen_tensors(self.model_path))
+        embed, head = launch.frozen_tensors(self.model_path)
         self.frozen = types.SimpleNamespace(embed_weight=embed, lm_head=types.SimpleNamespace(weight=head))
         self.drafter_cfg = drafter_config(self.cfg, self.model_path)
         self.buffer = DataBuffer(BufferConfig(dtype=self.cfg.buffer.dtype, max_bytes=self.cfg.buffer.max_mb << 20))
@@ -124,7 +126,7 @@ class TLTSGLangServer(SGLangHttpServer):
                 cfg=self.cfg, rank=self.rank, seed=self.seed, model=self.frozen, drafter_cfg=self.drafter_cfg,
                 buffer=self.buffer, spot_root=self.spot_root, coordinator=self._coordinator,
                 node_ip=ray.util.get_node_ip_address(), base_port=self._spot_base_port,
-                on_record=self.stats.session, spot_rate=lambda: self.stats.spot_rate)
+                on_record=self.stats.session, spot_rate=lambda: self.stats.spot_rate, device=self.device)
         log.info("replica %d: SGLang at %s:%s (%s)", self.rank, self._server_address, self._server_port,
                  "attached" if self._attach else "launched")
 
@@ -228,7 +230,7 @@ class TLTSGLangServer(SGLangHttpServer):
         if embed is None:
             return 0
         head = state.get("lm_head.weight", embed)
-        self.frozen.embed_weight, self.frozen.lm_head.weight = embed.to(self.device), head.to(self.device)
+        self.frozen.embed_weight, self.frozen.lm_head.weight = embed.to("cpu"), head.to("cpu")
         return len(state)
 
     async def load_drafter(self, version: int, step: int | None = None) -> int:

@@ -37,12 +37,14 @@ class BufferFeed:
         self.buffer.add(FeatureSample(torch.tensor(tokens), mask, hidden, aux), self._step())
 
 
-def session_weights(model: TargetModel) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen embedding and LM head a spot session trains against: its own copies, so a policy
-    push (which copies the new policy into the target in place) never writes tensors a session
-    reads, whether or not the session has stopped yet. Cost per session start: one copy of the
-    embedding and the head (at 7B, vocab 152k x 3584 in bf16: about 2.2 GB)."""
-    return model.embed_weight.detach().clone(), model.lm_head.weight.detach().clone()
+def session_weights(model: TargetModel, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen embedding and LM head a spot session trains against: its own copies (on
+    ``device``, where the session trains; default: where the model's are), so a policy push (which
+    copies the new policy into the target in place) never writes tensors a session reads, whether
+    or not the session has stopped yet. Cost per session start: one copy of the embedding and the
+    head (at 7B, vocab 152k x 3584 in bf16: about 2.2 GB)."""
+    device = device or model.embed_weight.device
+    return (model.embed_weight.detach().to(device, copy=True), model.lm_head.weight.detach().to(device, copy=True))
 
 
 def spot_config(cfg: TLTConfig, seed: int) -> SpotConfig:
@@ -53,15 +55,16 @@ def spot_config(cfg: TLTConfig, seed: int) -> SpotConfig:
 
 def start_spot_agent(*, cfg: TLTConfig, rank: int, seed: int, model: TargetModel, drafter_cfg: DrafterConfig,
                      buffer: DataBuffer, spot_root: str, coordinator: str, node_ip: str, base_port: int,
-                     on_record: Callable, spot_rate: Callable[[], float | None]):
-    """This replica's spot agent, connected to the coordinator and idle until told otherwise."""
+                     on_record: Callable, spot_rate: Callable[[], float | None], device: torch.device | None = None):
+    """This replica's spot agent, connected to the coordinator and idle until told otherwise;
+    sessions train on ``device`` (default: the model's)."""
     from coordinator import WorkerConfig
     from tlt.spot_agent import AgentConfig, SpotAgent
 
     spot = spot_config(cfg, seed)
 
     def make_trainer(s):  # the last session's measured throughput sizes the first chunks
-        embed, head = session_weights(model)
+        embed, head = session_weights(model, device)
         return SpotTrainer(spec=s, config=spot, drafter_config=drafter_cfg, embed_weight=embed, head_weight=head,
                            checkpoint_root=spot_root, init_from=cfg.drafter.init_path, tokens_per_s=spot_rate())
 

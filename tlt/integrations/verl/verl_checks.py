@@ -78,14 +78,14 @@ def _check_sglang(config, tlt: TLTConfig) -> None:
                          "colocated (hybrid) replicas; leave nnodes at 0")
     if tlt.sglang.attach:
         n = max(1, config.trainer.n_gpus_per_node * config.trainer.nnodes)
-        tp = ro_world(config.actor_rollout_ref.rollout)
+        tp = _replica_world(config.actor_rollout_ref.rollout)
         replicas = max(1, n // tp)
         if len(tlt.sglang.attached()) != replicas:
             raise ValueError(f"tlt.sglang.attach={tlt.sglang.attach!r} names {len(tlt.sglang.attached())} servers "
                              f"for {replicas} replicas; give one HOST:PORT per replica")
 
 
-def ro_world(rollout) -> int:
+def _replica_world(rollout) -> int:
     """GPUs (or CPU ranks) of one rollout replica: tensor x data x pipeline parallel."""
     return (int(rollout.tensor_model_parallel_size) * int(rollout.get("data_parallel_size", 1) or 1)
             * int(rollout.get("pipeline_model_parallel_size", 1) or 1))
