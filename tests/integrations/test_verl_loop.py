@@ -5,7 +5,6 @@
   (accept length > 1), a DataBuffer that grew from the old-log-prob capture, a drafter version
   that advanced, replicas the coordinator promoted and stopped (IDLE -> TRAINING -> BUSY), rollout
   log-probs equal to the actor's recomputed ones (fp32), and the summary keys.
-- ``tlt.enable=false``: the same trainer mode runs as verl's sync trainer, none of TLT's hooks.
 - a bad ``tlt.*`` value stops the run with one line before Ray or any worker starts, with the
   project's engine or SGLang as the rollout.
 """
@@ -91,14 +90,6 @@ def _verl(tmp_path, *extra, timeout=600):
     cmd = demo.verl_command([*overrides, "trainer.total_training_steps=1", *extra])
     env = {**os.environ, "VERL_PLATFORM": "cpu"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
-
-
-def test_tlt_disabled_runs_plain_sync_trainer(tmp_path):
-    p = _verl(tmp_path, "tlt.enable=false")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "step:1 " in p.stdout + p.stderr
-    arm = tmp_path / "arm-A"
-    assert not (arm / "tlt_steps.jsonl").exists() and not (arm / "tlt_coordinator.log").exists()
 
 
 @pytest.mark.parametrize("rollout,bad,line", [

@@ -64,3 +64,32 @@ def test_the_wrapped_validate_config_checks_tlt_runs_only():
     with pytest.raises(SystemExit) as e:
         vc.validate_config(OmegaConf.create({"trainer": {"v1": {"trainer_mode": "tlt"}}, **bad}))
     assert e.value.code == 2
+
+
+def test_the_tlt_trainer_with_tlt_off_is_verls_sync_trainer(monkeypatch, tmp_path):
+    """``trainer.v1.trainer_mode=tlt`` with ``tlt.enable=false``: every method TLT overrides hands
+    verl's sync trainer its call and its result, and TLT starts nothing (no coordinator, no Ray,
+    no file). verl's own methods are recorders here; the quick demo runs the same class for real
+    with TLT on (tests/integrations/test_verl_loop.py)."""
+    import ray
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1 import trainer_base
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    calls: list = []
+    hooks = {"prepare_step": (), "on_sample_end": (), "on_step_end": (), "_init_resource_pool_mgr": (),
+             "_build_replay_buffer": (), "_next_train_batch": (4,), "_balance_batch": ("batch", {}),
+             "_compute_old_log_prob": ("batch", {}), "_compute_metrics": ("batch", {}, {}, 1, 0),
+             "fit": ("agent_loop_manager",)}
+    for name in hooks:
+        monkeypatch.setattr(PPOTrainerSync, name, lambda self, *a, _n=name, **k: calls.append((_n, a)) or f"verl:{_n}")
+    monkeypatch.setattr(PPOTrainerSync, "__init__", lambda self, config: calls.append(("__init__", ())))
+    monkeypatch.chdir(tmp_path)
+    config = OmegaConf.create({"tlt": {"enable": False}, "trainer": {"default_local_dir": str(tmp_path / "run")},
+                               "actor_rollout_ref": {"rollout": {"name": "tlt"}}})
+    trainer = trainer_base.TRAINER_REGISTRY["tlt"](config)
+    for name, args in hooks.items():
+        assert getattr(trainer, name)(*args) == f"verl:{name}", name
+    assert calls == [("__init__", ())] + [(n, a) for n, a in hooks.items()]
+    assert trainer._coord_proc is None and trainer._driver is None and not ray.is_initialized()
+    assert list(tmp_path.iterdir()) == []

@@ -133,7 +133,7 @@ def trainer_class():
             return super()._build_replay_buffer()
 
         def _init_resource_pool_mgr(self):
-            super()._init_resource_pool_mgr()
+            out = super()._init_resource_pool_mgr()
             if self.tlt.enable:  # the actor roles only (a critic keeps its own worker class)
                 from verl.trainer.ppo.utils import Role
 
@@ -141,6 +141,7 @@ def trainer_class():
                 for role in (Role.ActorRollout, Role.ActorRolloutRef, Role.Actor):
                     if role in self.role_worker_mapping:
                         self.role_worker_mapping[role] = cls
+            return out
 
         # -------------------------------------------------------------- request identity and order
         def _next_train_batch(self, num_prompts=None):
@@ -249,13 +250,14 @@ def trainer_class():
             return super()._compute_old_log_prob(batch, metrics)
 
         def on_step_end(self):
-            super().on_step_end()  # policy push: target weights only
+            out = super().on_step_end()  # policy push: target weights only
             if not self.tlt.enable:
-                return
+                return out
             with marked_timer("tlt_drafter_push", self.timing_raw):  # guarded: tlt.push_guard
                 self._pusher.step_end(runtime.current().spot_root, self._stats)
             self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}),
                                           **self._metrics()}
+            return out
 
         def _metrics(self) -> dict:
             st = self._stats
