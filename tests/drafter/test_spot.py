@@ -105,6 +105,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_ports() -> tuple[int, int]:
+    """Two ports for back-to-back sessions, below the ephemeral range: the first session's gloo
+    sockets cannot take the second one's port in between (an EADDRINUSE seen in CI)."""
+    from tlt.ports import free_port
+
+    p = free_port(2)
+    return p, p + 1
+
+
 def _spawn(fn, nprocs: int, *args, timeout: float = 90) -> None:
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=fn, args=(r, *args)) for r in range(nprocs)]
@@ -212,7 +221,7 @@ def test_shards_are_disjoint_balanced_and_cover_the_batch():
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_two_ranks_equal_one_process_and_resume_on_other_membership(tmp_path, method):
     root, out = tmp_path / "ckpt", tmp_path
-    _spawn(_two_then_one, 2, (_free_port(), _free_port()), str(root), str(out), method)
+    _spawn(_two_then_one, 2, _two_ports(), str(root), str(out), method)
     ref_losses, ref_w = _reference([2, 2, 2, 2, 1, 1], _cfg(), method)
     s1 = [_read(out / f"s1-{r}.json") for r in range(2)]
     s2 = _read(out / "s2-0.json")
@@ -415,7 +424,7 @@ def test_a_one_rank_warm_state_resumes_a_two_rank_session(tmp_path):
     for mode in ("cold", "prefetched"):
         root = tmp_path / mode
         _session(0, 1, _free_port(), "one", root, _cfg(max_steps=2, interval=100), _Stream())
-        _spawn(_two_from_one, 2, (_free_port(), _free_port()), str(root), str(root), mode == "prefetched")
+        _spawn(_two_from_one, 2, _two_ports(), str(root), str(root), mode == "prefetched")
         results[mode] = (_read(root / "two-0.json").losses, _checkpoint_weights(root, 4))
     assert results["prefetched"][0] == results["cold"][0]
     for k, v in results["cold"][1].items():
@@ -445,7 +454,7 @@ def test_a_two_rank_session_resumes_its_own_shards_from_memory(tmp_path):
     results = {}
     for mode in ("cold", "warm"):
         root = tmp_path / mode
-        _spawn(_two_twice, 2, (_free_port(), _free_port()), str(root), str(root), mode == "warm")
+        _spawn(_two_twice, 2, _two_ports(), str(root), str(root), mode == "warm")
         results[mode] = (_read(root / "second-0.json").losses, _checkpoint_weights(root, 4))
     assert results["warm"][0] == results["cold"][0]
     for k, v in results["cold"][1].items():
