@@ -261,11 +261,11 @@ class TLTSGLangServer(SGLangHttpServer):
         n = self.cfg.sglang.readback_elements
         got = await self.http._make_async_request(
             "get_weights_by_name", {"name": f"tlt.draft/{CANARY['served']}", "truncate_size": n})
-        if not isinstance(got, list) or not got:
-            return {"digest": None, "dtype": "torch.float32", "canary": {"name": CANARY["pushed"], "elements": n}}
-        values = torch.tensor(got, dtype=torch.float32).flatten()[:n]
-        return {"digest": weights_digest([(CANARY["pushed"], values)], torch.float32), "dtype": str(self._dtype()),
-                "canary": {"name": CANARY["pushed"], "elements": n}}
+        digest = None  # no draft model, or no such weight in it
+        if isinstance(got, list) and got:
+            values = torch.tensor(got, dtype=torch.float32).flatten()[:n]
+            digest = weights_digest([(CANARY["pushed"], values)], torch.float32)
+        return {"digest": digest, "dtype": str(self._dtype()), "canary": {"name": CANARY["pushed"], "elements": n}}
 
     def _dtype(self) -> torch.dtype:
         return getattr(torch, str(self.config.dtype).removeprefix("torch."), torch.bfloat16)
