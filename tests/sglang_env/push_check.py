@@ -19,7 +19,6 @@ Writes what it saw to OUT_JSON; any failed check raises (non-zero exit).
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import json
 import os
@@ -27,35 +26,8 @@ import sys
 import types
 
 from tests.sglang_env import cpu_env
-
-
-def _parse(endpoint: str, body: dict):
-    """The body as SGLang's own request object (raises on a field it does not have)."""
-    from sglang.srt.managers import io_struct as io
-
-    cls = {"update_weights_from_tensor": io.UpdateWeightsFromTensorReqInput,
-           "begin_weight_update": getattr(io, "BeginWeightUpdateReqInput", None),
-           "end_weight_update": getattr(io, "EndWeightUpdateReqInput", None),
-           "pause_generation": io.PauseGenerationReqInput,
-           "add_external_corpus": io.AddExternalCorpusReqInput,
-           "remove_external_corpus": io.RemoveExternalCorpusReqInput,
-           "continue_generation": io.ContinueGenerationReqInput}.get(endpoint)
-    if cls is None:
-        return None
-    if endpoint == "update_weights_from_tensor" and not dataclasses.is_dataclass(cls):  # 0.5.23: bytes
-        body = {**body, "serialized_named_tensors": [base64.b64decode(x) for x in body["serialized_named_tensors"]]}
-    return cls(**body)
-
-
-def _tensors(body: dict) -> dict:
-    """name -> tensor carried by an update_weights_from_tensor body (TP rank 0's part)."""
-    from sglang.srt.utils import MultiprocessingSerializer
-
-    raw = base64.b64decode(body["serialized_named_tensors"][0])
-    out = {}
-    for name, local in MultiprocessingSerializer.deserialize(raw):
-        out[name] = MultiprocessingSerializer.deserialize(local.values[0])
-    return out
+from tests.sglang_env.bodies import parse as _parse
+from tests.sglang_env.bodies import tensors as _tensors
 
 
 async def _serve(calls: list):

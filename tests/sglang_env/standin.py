@@ -19,48 +19,14 @@ tail, so that the other one idles). Writes ``OUT_DIR/port`` once listening and o
 from __future__ import annotations
 
 import asyncio
-import base64
-import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 
 from tests.sglang_env import cpu_env
-
-
-def _io(endpoint: str):
-    from sglang.srt.managers import io_struct as io
-
-    return {"generate": io.GenerateReqInput,
-            "update_weights_from_tensor": io.UpdateWeightsFromTensorReqInput,
-            "begin_weight_update": getattr(io, "BeginWeightUpdateReqInput", None),
-            "end_weight_update": getattr(io, "EndWeightUpdateReqInput", None),
-            "pause_generation": io.PauseGenerationReqInput,
-            "continue_generation": io.ContinueGenerationReqInput,
-            "release_memory_occupation": io.ReleaseMemoryOccupationReqInput,
-            "resume_memory_occupation": io.ResumeMemoryOccupationReqInput,
-            "get_weights_by_name": io.GetWeightsByNameReqInput,
-            "add_external_corpus": getattr(io, "AddExternalCorpusReqInput", None),
-            "remove_external_corpus": getattr(io, "RemoveExternalCorpusReqInput", None)}.get(endpoint)
-
-
-def _parse(endpoint: str, body: dict):
-    cls = _io(endpoint)
-    if cls is None:
-        return None
-    if endpoint == "update_weights_from_tensor" and not dataclasses.is_dataclass(cls):  # 0.5.23: bytes
-        body = {**body, "serialized_named_tensors": [base64.b64decode(x) for x in body["serialized_named_tensors"]]}
-    return cls(**body)
-
-
-def _tensors(body: dict) -> dict:
-    """name -> tensor of an update_weights_from_tensor body (TP rank 0's part)."""
-    from sglang.srt.utils import MultiprocessingSerializer
-
-    raw = base64.b64decode(body["serialized_named_tensors"][0])
-    return {name: MultiprocessingSerializer.deserialize(local.values[0]).clone()
-            for name, local in MultiprocessingSerializer.deserialize(raw)}
+from tests.sglang_env.bodies import parse as _parse
+from tests.sglang_env.bodies import tensors as _tensors
 
 
 class StandIn:
