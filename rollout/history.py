@@ -3,14 +3,13 @@
 Owns :class:`ResponseHistory`: RL feeds the same prompts back every epoch, so a prompt's earlier
 responses are the cheapest strong draft source there is (DAS, HistoSpec, SPEC-RL). It keeps, per
 prompt, the responses of the last ``window`` RL steps (a sliding window: the policy moves) and a
-bounded pool of the most recent responses across prompts, each as one indexed corpus
-(:func:`corpus`: each response preceded by the last ``max_n`` tokens of its prompt, so a request
-that has generated nothing yet matches its prompt's end and drafts the response's start; joined
-by :data:`rollout.ngram.SEP`), which :class:`rollout.ngram.NgramProposer` matches like a
-sibling's output. A corpus is indexed in arrays, not dicts (:class:`HashedNgrams`: per n-gram
-length, the positions sorted by a 64-bit hash of the n-gram ending there, found by binary search;
-about 72 bytes per history token, a dict of tuples costs ~10x that), built lazily when a request
-of its prompt first asks and dropped when the prompt's history changes. Memory is bounded by ``window`` x ``per_prompt`` responses per prompt and
+bounded pool of the most recent responses across prompts, each as one corpus (:func:`corpus`:
+each response preceded by the last ``max_n`` tokens of its prompt, so a request that has
+generated nothing yet matches its prompt's end and drafts the response's start; joined by
+:data:`rollout.ngram.SEP`), which :class:`rollout.ngram.NgramProposer` matches like a sibling's
+output. Corpora are kept as tokens only (built when a request of the prompt first asks, dropped
+when the prompt's history changes); the proposer indexes the ones its requests use, once per
+generation. Memory is bounded by ``window`` x ``per_prompt`` responses per prompt and
 ``global_tokens``; :meth:`ResponseHistory.stats` reports it.
 
 Ordering: ``add`` replaces corpora, never mutates one a proposer holds, so a request that started
@@ -24,12 +23,7 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-import numpy as np
-
 from rollout.ngram import SEP, IndexedSeq, NgramConfig, NgramIndex
-
-_MUL = 0x9E3779B97F4A7C15  # odd 64-bit multiplier of the n-gram hash (wrapping uint64 arithmetic)
-_M64 = (1 << 64) - 1
 
 _HISTORY_STAMP = -(1 << 40)  # history stamps count up from here: older than every prompt token
 
@@ -47,58 +41,12 @@ class HistoryConfig:
             raise ValueError(f"HistoryConfig.global_tokens={self.global_tokens}: use >= 0 (0: no global pool)")
 
 
-class HashedNgrams:
-    """A read-only n-gram index of a token array: ``get(ngram) -> positions right after each
-    occurrence, ascending`` (what :class:`rollout.ngram.NgramIndex`'s dict gives), by binary search
-    over positions sorted by the n-gram's hash. Hash collisions only cost a rejected draft."""
-
-    def __init__(self, tokens: Sequence[int], min_n: int, max_n: int) -> None:
-        t = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
-        self.min_n, self.max_n = min_n, max_n
-        self._keys: dict[int, np.ndarray] = {}  # n -> sorted hashes [P]
-        self._pos: dict[int, np.ndarray] = {}  # n -> position after each n-gram, in hash order [P]
-        h = np.zeros(len(t), dtype=np.uint64)
-        sep = np.asarray(tokens, dtype=np.int64) == SEP
-        bad = np.zeros(len(t), dtype=bool)
-        with np.errstate(over="ignore"):
-            for n in range(1, max_n + 1):  # h[p]: hash of tokens[p - n + 1 .. p]
-                if n == 1:
-                    h[:] = t
-                else:  # extend the (n-1)-gram ending at p - 1 by token p
-                    h[n - 1:] = h[n - 2:-1] * np.uint64(_MUL) + t[n - 1:]
-                bad[n - 1:] |= sep[: len(t) - n + 1]  # the n-gram ending at p starts at p - n + 1
-                if n >= min_n and len(t) >= n:
-                    ok = np.flatnonzero(~bad[n - 1:]) + n - 1  # n-grams that cross no separator
-                    # mixed once more, top 63 bits: a Python int searches it as is
-                    key = ((h[ok] * np.uint64(_MUL)) >> np.uint64(1)).astype(np.int64)
-                    order = np.argsort(key, kind="stable")  # equal hashes keep ascending positions
-                    self._keys[n], self._pos[n] = key[order], ok[order] + 1
-
-    def get(self, ngram: tuple[int, ...]) -> list[int] | None:
-        keys = self._keys.get(len(ngram))
-        if keys is None:
-            return None
-        h = 0
-        for tok in ngram:
-            h = (h * _MUL + (tok & _M64)) & _M64
-        h = ((h * _MUL) & _M64) >> 1
-        lo = keys.searchsorted(h)
-        if lo == len(keys) or keys[lo] != h:
-            return None
-        return self._pos[len(ngram)][lo:keys.searchsorted(h, "right")].tolist()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (*self._keys.values(), *self._pos.values()))
-
-
-def corpus(responses: Iterable[Sequence[int]], config: NgramConfig) -> IndexedSeq:
-    """A finished, indexed sequence of ``responses`` (oldest first) joined by SEP."""
+def corpus(responses: Iterable[Sequence[int]]) -> IndexedSeq:
+    """A finished sequence of ``responses`` (oldest first) joined by SEP."""
     seq = IndexedSeq(-1, None, 0, NgramIndex())
     for resp in responses:
         seq.tokens += [int(t) for t in resp] + [SEP]
     seq.stamps = range(_HISTORY_STAMP, _HISTORY_STAMP + len(seq.tokens))  # indexable, no per-token int
-    seq.output_index.table = HashedNgrams(seq.tokens, config.min_n, config.max_n)
     seq.finished = True
     return seq
 
@@ -154,11 +102,11 @@ class ResponseHistory:
         q = self._by_prompt.get(tuple(prompt))
         if q:
             if prompt not in self._corpora:
-                self._corpora[prompt] = corpus((r for _, r in q), self.ngram)
+                self._corpora[prompt] = corpus(r for _, r in q)
             out.append(self._corpora[prompt])
         if self.config.global_tokens and self._recent:
             if self._global is None:
-                self._global = corpus((r for _, r in self._recent), self.ngram)
+                self._global = corpus(r for _, r in self._recent)
             out.append(self._global)
         return out
 
@@ -172,7 +120,5 @@ class ResponseHistory:
     def stats(self) -> dict:
         responses = sum(len(q) for q in self._by_prompt.values())
         tokens = sum(len(r) for q in self._by_prompt.values() for _, r in q)  # prompt tails included
-        indexed = [*self._corpora.values(), *([self._global] if self._global is not None else [])]
         return {"prompts": len(self._by_prompt), "responses": responses, "tokens": tokens,
-                "global_tokens": sum(len(r) for _, r in self._recent), "step": self.step,
-                "index_bytes": sum(c.output_index.table.nbytes + 16 * len(c.tokens) for c in indexed)}
+                "global_tokens": sum(len(r) for _, r in self._recent), "step": self.step}

@@ -287,6 +287,36 @@ def test_random_traffic_invariants(seed):
             seqs[rid].extend(toks)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_chain_is_the_trees_first_path(seed):
+    """A chain (built without a trie) is the greedy first path of the trie a tree arm builds, with
+    history corpora among the sources; a broken vote (e.g. ranking by count before match length)
+    fails it."""
+    from rollout.history import HistoryConfig, ResponseHistory
+
+    rng = random.Random(seed)
+    cfg = NgramConfig(max_occurrences=rng.choice([2, 8, 32]))
+    hist = ResponseHistory(HistoryConfig(global_tokens=64), cfg)
+    hist.add(0, [([1, 2], [rng.randrange(4) for _ in range(20)]) for _ in range(4)])
+    prop = NgramProposer(cfg, history=hist)
+    prop.start(list(range(6)), [r % 2 for r in range(6)], [[1, 2]] * 6)
+    checked = 0
+    for _ in range(20):
+        rids = rng.sample(range(6), 4)
+        depth = rng.randint(1, 5)
+        chains, tree = prop.draft(rids, Arm(depth, 1, depth)), prop.draft(rids, Arm(depth, 3, 3 * depth))
+        for i in range(len(rids)):
+            first = []
+            for j, (t, p) in enumerate(nodes(tree, i)):
+                if p != j - 1:
+                    break
+                first.append(t)
+            assert chain(chains, i) == first
+            checked += bool(first)
+        prop.accept(rids, [[rng.randrange(4) for _ in range(rng.randint(1, 3))] for _ in rids])
+    assert checked > 20  # most proposals drafted something
+
+
 # --- accept-length replay -----------------------------------------------------------------------------
 
 def test_greedy_accept_walks_the_tree():
