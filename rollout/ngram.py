@@ -315,26 +315,19 @@ class NgramProposer:
                 toks.append(t)
                 if not index_prompt:
                     continue
-                table = seq.prompt_index.table
-                for n in range(lo, min(hi, q) + 1):
-                    key = tuple(toks[q - n:q])
-                    bucket = table.get(key)
-                    if bucket is None:
-                        table[key] = [q]
-                    else:
-                        bucket.append(q)
-                continue
-            stamps.append(self._clock)
-            self._clock += 1
-            toks.append(t)
-            entry = (seq, q)
+                table, value = seq.prompt_index.table, q
+            else:
+                stamps.append(self._clock)
+                self._clock += 1
+                toks.append(t)
+                table, value = outputs, (seq, q)
             for n in range(lo, min(hi, q) + 1):
                 key = tuple(toks[q - n:q])
-                bucket = outputs.get(key)
+                bucket = table.get(key)
                 if bucket is None:
-                    outputs[key] = [entry]
+                    table[key] = [value]
                 else:
-                    bucket.append(entry)
+                    bucket.append(value)
 
     def _occurrences(self, seq: IndexedSeq) -> list[tuple[int, int, IndexedSeq, int]]:
         """(match length n, stamp, source, position) of the collected occurrences, best first.
