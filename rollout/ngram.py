@@ -52,7 +52,7 @@ Tree
     (distinct continuations, so ``topk == 1`` gives a chain), at most ``arm.depth`` deep, at most
     ``arm.tokens_to_verify`` nodes in all (the last path is cut). Nodes are emitted in the order
     taken, so a parent always precedes its children. ``Arm.off()`` gives an empty tree. A chain
-    takes the same greedy path without building the trie (:func:`_chain`).
+    takes the same greedy path without building the trie (:mod:`rollout.ngram_tree`).
 
 Lifetime
 --------
@@ -73,7 +73,6 @@ can be reused once its group is dropped.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -82,12 +81,12 @@ from typing import Protocol
 import torch
 
 from rollout.draft_tree import DraftTree, ProposerInput, right_pad
+from rollout.ngram_tree import SEP, chain, trie_paths
 from rollout.strategy import Arm
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["HistorySource", "IndexedSeq", "NgramConfig", "NgramIndex", "NgramProposer", "SEP"]
-SEP = -1  # separates the responses of a history corpus: never a token, so no n-gram matches across it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -397,79 +396,5 @@ class NgramProposer:
         if not occurrences:
             return []
         if arm.topk == 1:
-            return _chain(occurrences, min(arm.depth, arm.tokens_to_verify))
-        # Trie node: [n, count, stamp, children]; (n, count, stamp) is its ranking key. Occurrences
-        # arrive sorted by (n, stamp) descending, so the first one through a node sets n and stamp.
-        root: list = [0, 0, -1, {}]
-        for n, stamp, src, p in occurrences:
-            node = root
-            for tok in src.tokens[p:p + arm.depth]:
-                if tok == SEP:  # a history response ends here
-                    break
-                children = node[3]
-                child = children.get(tok)
-                if child is None:
-                    child = children[tok] = [n, 1, stamp, {}]
-                elif child[0] == n:
-                    child[1] += 1
-                node = child
-
-        out: list[tuple[int, int]] = []
-        heap: list = []  # branch points: (-n, -count, -stamp, token, node, parent index, depth)
-
-        def push_children(node: list, parent: int, depth: int, skip: list | None) -> None:
-            for tok, child in node[3].items():  # keys are unique (stamps are), so nodes are never compared
-                if child is not skip:
-                    heapq.heappush(heap, (-child[0], -child[1], -child[2], tok, child, parent, depth))
-
-        push_children(root, -1, 1, None)
-        paths = 0
-        while heap and paths < arm.topk and len(out) < arm.tokens_to_verify:
-            _, _, _, tok, node, parent, depth = heapq.heappop(heap)
-            paths += 1
-            while True:  # greedy descent from the branch point
-                out.append((tok, parent))
-                if len(out) >= arm.tokens_to_verify or depth >= arm.depth or not node[3]:
-                    break
-                best_tok, best = max(node[3].items(), key=lambda kv: (kv[1][0], kv[1][1], kv[1][2]))
-                parent, depth = len(out) - 1, depth + 1
-                push_children(node, parent, depth, best)
-                tok, node = best_tok, best
-        assert len(out) <= arm.tokens_to_verify
-        return out
-
-
-def _chain(occurrences: list[tuple[int, int, IndexedSeq, int]], depth: int) -> list[tuple[int, int]]:
-    """The trie's greedy path without building the trie. At each level the occurrences still on the
-    path vote for their next token. Occurrences come sorted by (n, stamp) descending, so the best
-    child's n is the first voter's and only voters at that n decide (count, then the newest stamp,
-    which is its first voter's); lower-n voters for the chosen token stay on the path for deeper
-    levels, where they decide once no longer match continues."""
-    conts = []  # (n, stamp, continuation up to depth, cut at a history separator)
-    for n, stamp, src, p in occurrences:
-        cont = src.tokens[p:p + depth]
-        if SEP in cont:
-            cont = cont[:cont.index(SEP)]
-        if cont:
-            conts.append((n, stamp, cont))
-    out: list[tuple[int, int]] = []
-    d = 0
-    while conts:  # every entry has a token at level d
-        top = conts[0][0]
-        counts: dict[int, int] = {}
-        first: dict[int, int] = {}
-        for n, stamp, cont in conts:
-            if n != top:
-                break  # sorted: the rest have a shorter match
-            tok = cont[d]
-            if tok in counts:
-                counts[tok] += 1
-            else:
-                counts[tok], first[tok] = 1, stamp
-        tok = max(counts, key=lambda t: (counts[t], first[t])) if len(counts) > 1 else next(iter(counts))
-        out.append((tok, d - 1))
-        d += 1
-        if d == depth:
-            break
-        conts = [c for c in conts if c[2][d - 1] == tok and len(c[2]) > d]
-    return out
+            return chain(occurrences, min(arm.depth, arm.tokens_to_verify))
+        return trie_paths(occurrences, arm)
