@@ -72,6 +72,7 @@ can be reused once its group is dropped.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -175,6 +176,7 @@ class NgramProposer:
     """The model-free drafter (see the module docstring for the exact rules)."""
 
     feature_layers = None  # needs no target features
+    TABLE_TOKENS = 1 << 15  # history tokens whose n-gram tables are kept (a few MiB)
 
     def __init__(self, config: NgramConfig | None = None, history: HistorySource | None = None) -> None:
         self.config = config if config is not None else NgramConfig()
@@ -185,7 +187,10 @@ class NgramProposer:
         self._clock = 0
         self._generation: int | None = None  # ProposerInput.generation being followed
         self._live: set[int] = set()  # its requests started and not finished
-        self._tables: dict[int, tuple[IndexedSeq, dict]] = {}  # id(history corpus) -> (corpus, dict index)
+        # id(history corpus) -> (corpus, its n-gram table), least recently used first; kept across
+        # generations (corpora never change; a history step replaces them), at most TABLE_TOKENS
+        self._tables: collections.OrderedDict[int, tuple[IndexedSeq, dict]] = collections.OrderedDict()
+        self._table_tokens = 0
 
     # --- lifetime ---------------------------------------------------------------------------
 
@@ -245,10 +250,9 @@ class NgramProposer:
         logger.debug("n-gram drafter: dropped group %s (%d requests)", gid, len(group.members))
 
     def reset(self) -> None:
-        """Forget everything (e.g. between RL steps)."""
+        """Forget every request (e.g. between RL steps); history corpora stay indexed (they never change)."""
         self._reqs.clear()
         self._groups.clear()
-        self._tables.clear()
         self._generation, self._live = None, set()
 
     @property
@@ -369,26 +373,33 @@ class NgramProposer:
         return found
 
     def _corpus_table(self, corpus: IndexedSeq) -> dict[tuple[int, ...], list[int]]:
-        """A history corpus's n-grams (positions ascending), indexed on its first use in this
-        generation: corpora are stored as tokens, and only those of running prompts are indexed."""
+        """A history corpus's n-grams (positions ascending), indexed on first use and kept while
+        it is among the TABLE_TOKENS most recently used history tokens (a replica runs many
+        generations per RL step over the same corpora; indexing the 8k-token pool takes ~0.1 s)."""
         hit = self._tables.get(id(corpus))
-        if hit is None:
-            table: dict[tuple[int, ...], list[int]] = {}
-            toks, lo, hi = corpus.tokens, self.config.min_n, self.config.max_n
-            for p in range(1, len(toks)):
-                if toks[p - 1] == SEP:
-                    continue
-                for n in range(lo, min(hi, p) + 1):
-                    key = tuple(toks[p - n:p])
-                    if SEP in key:
-                        break
-                    bucket = table.get(key)
-                    if bucket is None:
-                        table[key] = [p]
-                    else:
-                        bucket.append(p)
-            hit = self._tables[id(corpus)] = (corpus, table)  # the corpus is kept: its id stays unique
-        return hit[1]
+        if hit is not None:
+            self._tables.move_to_end(id(corpus))
+            return hit[1]
+        table: dict[tuple[int, ...], list[int]] = {}
+        toks, lo, hi = corpus.tokens, self.config.min_n, self.config.max_n
+        for p in range(1, len(toks)):
+            if toks[p - 1] == SEP:
+                continue
+            for n in range(lo, min(hi, p) + 1):
+                key = tuple(toks[p - n:p])
+                if SEP in key:
+                    break
+                bucket = table.get(key)
+                if bucket is None:
+                    table[key] = [p]
+                else:
+                    bucket.append(p)
+        self._tables[id(corpus)] = (corpus, table)  # the corpus is kept: its id stays unique
+        self._table_tokens += len(toks)
+        while self._table_tokens > self.TABLE_TOKENS and len(self._tables) > 1:
+            _, (old, _) = self._tables.popitem(last=False)
+            self._table_tokens -= len(old.tokens)
+        return table
 
     def _draft(self, seq: IndexedSeq, arm: Arm) -> list[tuple[int, int]]:
         """The tree for one request as (token, parent) pairs in topological order."""

@@ -169,3 +169,32 @@ def test_history_memory_per_thousand_prompts():
     tracemalloc.stop()
     print(f"history: {used / 2**20:.1f} MiB per 1,000 prompts x 8 responses x 150 tokens (indexed)")
     assert used < 1 << 30
+
+
+def test_history_corpora_are_indexed_once_across_generations_and_bounded(monkeypatch):
+    """A replica runs many engine generations per RL step over the same corpora: each is indexed
+    once (re-indexing the global pool per generation cost ~0.1 s each and slowed the demo's arm B
+    by a third), and the kept tables stay under TABLE_TOKENS history tokens."""
+    from rollout.draft_tree import ProposerInput
+
+    h = ResponseHistory(HistoryConfig(window=1, global_tokens=400))
+    prop = NgramProposer(history=h)
+    tables: dict[int, object] = {}  # id(corpus) -> the table it was first indexed into
+    real = prop._corpus_table
+
+    def spy(corpus):
+        table = real(corpus)
+        assert tables.setdefault(id(corpus), table) is table, "a corpus was indexed again"
+        return table
+
+    monkeypatch.setattr(prop, "_corpus_table", spy)
+    for step in range(6):
+        h.add(step, [([1, 2, step % 5], list(range(10, 60)))])
+        for g in range(3):  # three generations (engine batches) in one RL step
+            prompts = [[1, 2, step % 5]] * 2
+            prop.propose(ProposerInput(10 * step + g, (0, 1), prompts, [3, 3], [0, 0], None, Arm(3, 1, 3)))
+    assert len(tables) == 12  # each step: the prompt's corpus and the global pool, indexed once
+    monkeypatch.setattr(NgramProposer, "TABLE_TOKENS", 100)  # a new step's corpora evict the old ones
+    h.add(6, [([1, 2, 9], list(range(10, 40)))])
+    prop.propose(ProposerInput(99, (0, 1), [[1, 2, 9]] * 2, [3, 3], [0, 0], None, Arm(3, 1, 3)))
+    assert len(prop._tables) == 2 and prop._table_tokens <= 100
