@@ -8,8 +8,8 @@ each response preceded by the last ``max_n`` tokens of its prompt, so a request 
 generated nothing yet matches its prompt's end and drafts the response's start; joined by
 :data:`rollout.ngram.SEP`), which :class:`rollout.ngram.NgramProposer` matches like a sibling's
 output. Corpora are kept as tokens only (built when a request of the prompt first asks, dropped
-when the prompt's history changes); the proposer indexes the ones its requests use, once per
-generation. Memory is bounded by ``window`` x ``per_prompt`` responses per prompt and
+when the prompt's history changes); the proposer indexes the ones its requests use and keeps
+the recently used tables (:attr:`rollout.ngram.NgramProposer.TABLE_TOKENS`). Memory is bounded by ``window`` x ``per_prompt`` responses per prompt and
 ``global_tokens``; :meth:`ResponseHistory.stats` reports it.
 
 Ordering: ``add`` replaces corpora, never mutates one a proposer holds, so a request that started

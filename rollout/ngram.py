@@ -28,7 +28,7 @@ Sources
     * history (a :class:`HistorySource` given to the proposer, :mod:`rollout.history`): the same
       prompt's responses from earlier RL steps and a bounded pool of recent responses across
       prompts, each a corpus (responses joined by a separator no continuation crosses), indexed
-      by the proposer on first use in a generation. Its stamps are older than every prompt token;
+      by the proposer on first use (kept while recently used). Its stamps are older than every prompt token;
       the corpora are taken in the order the source gives them (the prompt's own, then the pool).
 Match length
     Suffix lengths ``n = min(max_n, len(context))`` down to ``min_n`` are tried. A position found
