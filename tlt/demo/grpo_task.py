@@ -3,11 +3,10 @@
 Owns the verl-format prompt files (parquet: ``data_source``, chat ``prompt``, ``reward_model`` with
 the ground truth, ``extra_info.index``) built from :mod:`tlt.demo.corpus`, and the rule-based
 reward verl calls (``reward.custom_reward_function.path=<this file>``, ``name=compute_score``):
-0 without a ``\\boxed{N}`` answer; otherwise ``0.1 + 0.6 x opener + 0.3 x careful``, where
-``opener`` says the response opens in the careful style and ``careful`` is the share of its step
-lines written in that style (0 without the opener). The policy starts out choosing the careful
-style rarely (as rarely as its training data does) and GRPO makes it common within a few steps:
-the policy really moves. The reward judges style only: a tiny policy's shaky arithmetic would
+0 without a ``\\boxed{N}`` answer; otherwise ``0.1 + 0.9 x careful``, where ``careful`` is the
+share of its step lines written in the careful style. The policy starts out choosing that style
+rarely (as rarely as its training data does) and GRPO makes it common within a few steps: the
+policy really moves. The reward judges style only: a tiny policy's shaky arithmetic would
 drown the signal, and rewarding right answers taught it to shorten its responses (fewer steps,
 fewer mistakes), which erases the long tail. :func:`line_accuracy` reports the arithmetic.
 Nothing here imports verl.
@@ -25,7 +24,6 @@ DATA_SOURCE = "tlt/arith"
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
 _PLAIN = re.compile(r"^(-?\d+) ([+-]) (\d+) = (-?\d+)$")
 _CAREFUL = re.compile(r"^(Adding|Subtracting) (\d+) (to|from) (-?\d+) gives (-?\d+)\.$")
-CAREFUL_OPENER = "I will keep a running total."
 
 
 def _step(line: str) -> tuple[str, bool] | None:
@@ -44,11 +42,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     text = solution_str or ""
     if not _BOXED.findall(text):
         return 0.0
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    steps = [s for s in map(_step, lines) if s is not None]
-    opener = bool(lines) and lines[0] == CAREFUL_OPENER
-    careful = sum(style == "careful" for style, _ in steps) / len(steps) if opener and steps else 0.0
-    return 0.1 + 0.6 * opener + 0.3 * careful
+    steps = [s for s in map(_step, (line.strip() for line in text.splitlines())) if s is not None]
+    careful = sum(style == "careful" for style, _ in steps) / len(steps) if steps else 0.0
+    return 0.1 + 0.9 * careful
 
 
 def line_accuracy(solution_str: str) -> float | None:

@@ -51,6 +51,7 @@ class DemoSize:
     warmup_steps: int       # drafter warm-up optimizer steps
     max_prompt: int = 128
     actor_lr: float = 2e-4
+    kl_coef: float = 0.0       # > 0: verl's KL loss to the reference policy (low_var_kl) at this weight
     spot_lr: float = 3e-3      # the warm-up's learning rate: a few spot steps per RL step must count
     spot_tokens: int = 1024    # tokens per spot micro-step: more steps in a short idle window
     timeout_s: int = 1500   # per arm
@@ -58,14 +59,17 @@ class DemoSize:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps={self.steps}: use at least 1 RL step")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef={self.kl_coef}: use 0 (no KL loss) or a positive weight")
 
 
-# The task's shape: a median of 6 steps with a lognormal tail; about one response in seven in the
-# careful style (the reward prefers it: the SFT policy rarely earns it, RL learns it).
+# The task's shape: a median of 6 steps with a lognormal tail; about one step line in seven in the
+# careful style (the reward prefers it: the SFT policy rarely writes it, RL learns it).
 DEMO_CORPUS = CorpusConfig(median_steps=6, max_steps=18, careful_share=0.15)
 DEFAULT = DemoSize(target=TargetSpec(hidden_size=64, intermediate_size=176, num_layers=20, trained_layers=4,
                                      train_steps=300, grown_steps=10, corpus=DEMO_CORPUS),
-                   prompts=32, batch=8, n=4, steps=8, max_response=320, warmup_steps=60, actor_lr=3e-4)
+                   prompts=32, batch=8, n=4, steps=8, max_response=320, warmup_steps=60, actor_lr=3e-4,
+                   kl_coef=0.1)  # without the KL anchor the policy falls into "by step by step" loops by step 4
 QUICK = DemoSize(target=TargetSpec(hidden_size=64, num_layers=2, intermediate_size=128, train_steps=10,
                                    batch_size=4, seq_len=128, corpus=DEMO_CORPUS),
                  prompts=8, batch=4, n=2, steps=2, max_response=64, warmup_steps=5, timeout_s=600)
@@ -163,7 +167,9 @@ def arm_overrides(arm: str, workdir: Path, size: DemoSize, target: Path, drafter
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
-        "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.entropy_coeff=0",
+        f"actor_rollout_ref.actor.use_kl_loss={str(size.kl_coef > 0).lower()}",
+        f"actor_rollout_ref.actor.kl_loss_coef={size.kl_coef}",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
         f"trainer.total_training_steps={size.steps}", "trainer.total_epochs=100",
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
         f"trainer.default_local_dir={out}", f"trainer.rollout_data_dir={out / 'generations'}",
