@@ -95,8 +95,12 @@ def test_proposer_shares_and_the_model_free_drafters_contribution():
 
     records = {"C": [step(s, "d4k1v4@suffix", 0.75, 1.0) for s in range(1, 5)],
                "D": [step(s, "d5k1v5", 0.0, 1.5) for s in range(1, 5)]}
+    records["C"][0] = step(1, "d4k1v4@suffix", 1.0, 1.0)  # out of the pooled share (steps 2+), kept per step
     s = demo.summarize(records)
     assert s["proposer_share_by_arm"]["C"] == {"suffix": 0.75, "eagle": 0.25}
+    assert s["proposer_share_by_step"]["C"][1] == {"suffix": 1.0, "eagle": 0.0}
+    assert s["proposer_share_by_step"]["C"][4] == {"suffix": 0.75, "eagle": 0.25}
     assert math.isclose(s["rollout_time_ratio_d_over_c"], 1.5)
     text = "\n".join(demo.summary_lines({**s, "seconds": 1.0}))
+    assert "by RL step: 100% 75% 75% 75%" in text
     assert "suffix 75%, eagle 25%" in text and "EAGLE only / EAGLE + suffix drafter 1.50x" in text

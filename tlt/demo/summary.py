@@ -118,6 +118,8 @@ def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] |
     out["arm_share_by_arm"] = {a: _arm_shares(by[a][s] for s in later) for a in by if a != "A"}
     out["proposer_share_by_arm"] = {a: _shares((by[a][s] for s in later), "tlt/proposer_share/")
                                     for a in by if a != "A"}
+    out["proposer_share_by_step"] = {a: {s: _shares([by[a][s]], "tlt/proposer_share/") for s in steps}
+                                     for a in by if a != "A"}
     if "C" in by and "D" in by and later:  # what the model-free drafter adds beside EAGLE
         out["rollout_time_ratio_d_over_c"] = _ratio(by["D"], by["C"], later, _total("tlt/rollout_s"))
         out["rollout_time_ratio_ci90_d_over_c"] = _step_interval(by["D"], by["C"], later, _total("tlt/rollout_s"))
@@ -218,6 +220,10 @@ def summary_lines(s: dict) -> list[str]:
             lines.append(f"arms {a}       " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in list(shares.items())[:5])
                          + " of speculative steps (steps 2+)" + (" = " + ", ".join(
                              f"{k} {100 * v:.0f}%" for k, v in by_proposer.items()) if by_proposer else ""))
+            per_step = s.get("proposer_share_by_step", {}).get(a) or {}
+            if any(per_step.values()):
+                lines.append(f"suffix {a}     share of speculative steps by RL step: " + " ".join(
+                    f"{100 * v.get('suffix', 0.0):.0f}%" if v else "-" for v in per_step.values()))
     if s.get("rollout_time_ratio_d_over_c") is not None:
         lines.append(f"model-free  rollout time EAGLE only / EAGLE + suffix drafter "
                      f"{f(s['rollout_time_ratio_d_over_c'])}x{ci('rollout_time_ratio_ci90_d_over_c')}")
