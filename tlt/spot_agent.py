@@ -27,6 +27,9 @@ rollout begins. Everything between is the agent's:
   PROMOTE that arrives after ``busy()`` (decided on the earlier IDLE) starts nothing; the queued
   BUSY report declines it. Each PROMOTE gets its own state, so a late thread of an earlier
   session can never touch the next one.
+- A session's thread runs at the nice value ``AgentConfig.nice`` (Linux, where niceness is per
+  thread; the threads it starts, gloo's included, inherit it): training takes the CPU cycles the
+  rollout does not want, the CPU's counterpart of a GPU the long tail left idle.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
+import sys
 import threading
 from collections.abc import Callable
 
@@ -49,10 +54,14 @@ class AgentConfig:
     port_span: int = 256         # rendezvous ports used: leader's base port + 0..port_span-1
     formation_wait_s: float = 10.0  # after PROMOTE or a failure: wait this long for a SESSION epoch
     busy_timeout_s: float = 60.0    # busy(): wait at most this for a running session to stop
+    nice: int = 0                   # a session thread's nice value (Linux; 0: the process's own)
 
     def __post_init__(self) -> None:
         if not 1 <= self.port_span <= 4096:
             raise ValueError(f"port_span={self.port_span}: use 1..4096 ports")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"nice={self.nice}: use a nice value in 0..19 (19: train only on cycles nothing "
+                             "else wants)")
         if self.formation_wait_s <= 0 or self.busy_timeout_s <= 0:
             raise ValueError(f"formation_wait_s={self.formation_wait_s} and busy_timeout_s="
                              f"{self.busy_timeout_s} must be > 0 seconds")
@@ -93,6 +102,20 @@ class _SessionState:
     formed_epoch: int = 0
     thread: threading.Thread | None = None
     acked: bool = False                # the session's end was reported: no longer training
+
+
+def lower_thread_priority(nice: int) -> bool:
+    """Raise the calling thread's nice value to at least ``nice`` (Linux only: elsewhere niceness
+    is per process, and the process also serves rollouts). Returns whether it was applied."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return False
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError as e:
+        log.warning("spot session: could not set nice %d on thread %d: %r", nice, tid, e)
+        return False
+    return True
 
 
 def rendezvous_endpoint(leader_address: str, epoch: int, port_span: int) -> tuple[str, int]:
@@ -231,6 +254,7 @@ class SpotAgent:
                          cur.rl_step)
 
     def _run(self, cur: _SessionState) -> None:
+        lower_thread_priority(self.cfg.nice)
         ok, voluntary, formed = True, False, False
         try:
             while (f := self._next_formation(cur)) is not None:

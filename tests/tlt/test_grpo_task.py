@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tlt.demo.corpus import CorpusConfig, make_corpus
-from tlt.demo.grpo_task import DATA_SOURCE, compute_score, line_accuracy, write_parquet
+from tlt.demo.grpo_task import DATA_SOURCE, careful_lines, compute_score, line_accuracy, write_parquet
 
 CAREFUL = CorpusConfig(seed=3, careful_share=1.0)
 
@@ -25,6 +25,7 @@ def test_reward_is_the_share_of_careful_lines():
     assert plain.careful_lines == 0 and compute_score(DATA_SOURCE, plain.response, _answer(plain)) == pytest.approx(0.1)
     # one plain line among careful ones: that line's share of the style credit is lost
     mixed = p.response.replace(p.response.splitlines()[1], "1 + 1 = 2", 1)
+    assert careful_lines(mixed) == (lines - 1, lines)
     assert compute_score(DATA_SOURCE, mixed, ans) == pytest.approx(1.0 - 0.9 / lines)
     assert compute_score(DATA_SOURCE, p.response.replace("\\boxed", "boxed"), ans) == 0.0
     assert compute_score(DATA_SOURCE, None, ans) == 0.0

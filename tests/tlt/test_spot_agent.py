@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import sys
+import threading
 import time
 
 import pytest
@@ -33,7 +36,7 @@ def test_rendezvous_endpoint():
 
 def test_agent_config_errors_name_the_field():
     for kw, field in [({"port_span": 0}, "port_span"), ({"formation_wait_s": 0}, "formation_wait_s"),
-                      ({"busy_timeout_s": -1}, "busy_timeout_s")]:
+                      ({"busy_timeout_s": -1}, "busy_timeout_s"), ({"nice": 20}, "nice")]:
         with pytest.raises(ValueError, match=field):
             AgentConfig(**kw)
     with pytest.raises(ValueError, match="trainer address"):
@@ -134,3 +137,20 @@ def test_no_session_message_in_time_is_reported_as_a_failure(tmp_path):
     agent._on_command(_promote())
     agent._cur.thread.join(5)
     assert reports[-1] == ("BUSY", 0, False)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness is per thread on Linux only")
+def test_a_session_thread_runs_at_the_configured_nice_value(tmp_path):
+    """Spot training yields the CPU: the session thread (and what it starts) is niced, the thread
+    that serves rollouts (here: the caller's) is not."""
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+    for nice in (19, 0):
+        agent, reports = _spied(tmp_path, formation_wait_s=30, nice=nice)
+        agent._next_formation = lambda cur: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        agent.idle(0)
+        agent._on_command(_promote())
+        agent._cur.thread.join(5)
+        assert not agent.training
+    assert seen == [max(19, own), own]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own

@@ -107,6 +107,7 @@ def test_unknown_key_names_full_key_and_allowed(dotted, allowed):
     ("replay_poll_s", 0),
     ("spot.base_port", 80),
     ("spot.preempt_s", 0),
+    ("spot.nice", 20),
     ("coordinator.heartbeat_s", 120),
     ("engine.max_batch", 0),
     ("spot", 3),

@@ -42,9 +42,14 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     text = solution_str or ""
     if not _BOXED.findall(text):
         return 0.0
-    steps = [s for s in map(_step, (line.strip() for line in text.splitlines())) if s is not None]
-    careful = sum(style == "careful" for style, _ in steps) / len(steps) if steps else 0.0
-    return 0.1 + 0.9 * careful
+    careful, steps = careful_lines(text)
+    return 0.1 + 0.9 * (careful / steps if steps else 0.0)
+
+
+def careful_lines(solution_str: str) -> tuple[int, int]:
+    """(careful step lines, all step lines) of a response: how far the policy has moved."""
+    steps = [s for s in map(_step, (x.strip() for x in (solution_str or "").splitlines())) if s is not None]
+    return sum(style == "careful" for style, _ in steps), len(steps)
 
 
 def line_accuracy(solution_str: str) -> float | None:

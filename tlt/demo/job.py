@@ -32,7 +32,7 @@ from pathlib import Path
 from drafter.export import export_drafter
 from drafter.offline_train import TrainConfig
 from tlt.demo.corpus import CorpusConfig, make_corpus
-from tlt.demo.grpo_task import write_parquet
+from tlt.demo.grpo_task import careful_lines, write_parquet
 from tlt.demo.summary import ARM_LABELS, plot, summarize
 from tlt.demo.target_factory import TargetSpec, ensure_target
 from tlt.warmup import WarmupConfig, run_warmup
@@ -144,6 +144,7 @@ def run_demo(workdir: Path, *, quick: bool = False, progress: bool = True, arms:
         summary["response_lengths"] = {"n": len(lengths), "median": med, "p90": p90,
                                        "p90_over_median": p90 / med if med else None, "cap": size.max_response,
                                        "share_at_cap": sum(x >= size.max_response for x in lengths) / len(lengths)}
+        summary["careful_share_by_step"] = careful_shares(workdir / "arm-A" / "generations")
     try:
         plot(records, workdir / "demo.png")
         summary["png"] = str(workdir / "demo.png")
@@ -257,6 +258,16 @@ def speedup_limit(target: Path, drafter: Path, prompts: list[list[int]], depth: 
         ratio = times["plain"] / times["spec"]
         out[f"batch{b}"] = {"plain_step_s": times["plain"], "spec_step_s": times["spec"],
                             "plain_over_spec_step": ratio, "ceiling_all_accepted": (depth + 1) * ratio}
+    return out
+
+
+def careful_shares(gen_dir: Path) -> dict[int, float]:
+    """Per RL step, the share of step lines in the careful style (the reward's) over the responses
+    verl dumped: how far the policy has moved."""
+    out = {}
+    for f in sorted(gen_dir.glob("*.jsonl"), key=lambda f: int(f.stem)):
+        counts = [careful_lines(json.loads(line)["output"]) for line in f.read_text().splitlines()]
+        out[int(f.stem)] = sum(c for c, _ in counts) / max(1, sum(n for _, n in counts))
     return out
 
 

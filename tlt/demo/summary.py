@@ -231,6 +231,9 @@ def summary_lines(s: dict) -> list[str]:
         r = s["response_lengths"]
         lines.append(f"responses    median {r['median']:.0f}, p90 {r['p90']} tokens (p90/median "
                      f"{f(r['p90_over_median'])}), {100 * r['share_at_cap']:.1f}% at the {r['cap']}-token cap")
+    if s.get("careful_share_by_step"):
+        lines.append("policy       careful share of arm A's step lines by RL step: " + " ".join(
+            f"{v:.2f}" for v in s["careful_share_by_step"].values()))
     if "speedup_limit" in s:
         lim = s["speedup_limit"]
         lines.append("CPU ceiling  plain step / speculative step (depth 4): " + ", ".join(

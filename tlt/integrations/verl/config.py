@@ -85,10 +85,13 @@ class SpotSection:
     checkpoint_dir: str | None = None  # default: <trainer.default_local_dir>/tlt_spot
     ttt_steps: int = 3             # training-time-test unroll steps
     preempt_s: float = 0.025       # micro-steps run in chunks of about this long: stop latency
+    nice: int = 19                 # a session thread's nice value: training yields the CPU to rollout
 
     def check(self, p: str) -> None:
         if not 0 < self.lr <= 1:
             raise _bad(f"{p}.lr", self.lr, "use a float in (0, 1]")
+        if not 0 <= self.nice <= 19:
+            raise _bad(f"{p}.nice", self.nice, "use a nice value in 0..19 (0: the replica process's own)")
         if not 0.001 <= self.preempt_s <= 10:
             raise _bad(f"{p}.preempt_s", self.preempt_s, "use seconds in [0.001, 10]")
         for name in ("token_budget", "interval", "min_idle", "ttt_steps"):

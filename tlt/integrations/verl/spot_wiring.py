@@ -78,5 +78,5 @@ def start_spot_agent(*, cfg: TLTConfig, rank: int, seed: int, model: TargetModel
                           heartbeat_interval_s=cc.heartbeat_s, liveness=cc.liveness,
                           reconnect_initial_s=cc.heartbeat_s, reconnect_max_s=8 * cc.heartbeat_s)
     agent = SpotAgent(worker, make_trainer=make_trainer, batches=batches, on_record=on_record,
-                      config=AgentConfig(port_span=PORT_SPAN))
+                      config=AgentConfig(port_span=PORT_SPAN, nice=cfg.spot.nice))
     return agent.start(0)
