@@ -50,7 +50,7 @@ def test_demo_summary_keys(quick_demo):
                 "reward_mean_by_arm", "target_drift"):
         assert key in s, key
     assert set(s["reward_mean_by_arm"]) == {"A", "B", "C"}
-    assert sorted(s["careful_share_by_step"]) == list(range(1, demo.QUICK.steps + 1))
+    assert sorted(map(int, s["careful_share_by_step"])) == list(range(1, demo.QUICK.steps + 1))  # JSON keys
     assert all(0 <= v <= 1 for v in s["careful_share_by_step"].values())
     assert s["steps"] == demo.QUICK.steps
     assert json.loads((out / "summary.json").read_text())["steps"] == s["steps"]
