@@ -177,6 +177,7 @@ def arm_overrides(arm: str, workdir: Path, size: DemoSize, target: Path, drafter
         f"trainer.experiment_name=tlt-demo-{arm}", "trainer.project_name=tlt",
         f"reward.custom_reward_function.path={Path(__file__).with_name('grpo_task.py')}",
         f"tlt.drafter.init_path={drafter}", f"tlt.spot.lr={size.spot_lr}", f"tlt.spot.token_budget={size.spot_tokens}",
+        "tlt.spot.nice=19",  # two shared cores: training takes only what rollout does not want
         *ARMS[arm],
     ]
 

@@ -85,7 +85,7 @@ class SpotSection:
     checkpoint_dir: str | None = None  # default: <trainer.default_local_dir>/tlt_spot
     ttt_steps: int = 3             # training-time-test unroll steps
     preempt_s: float = 0.025       # micro-steps run in chunks of about this long: stop latency
-    nice: int = 19                 # a session thread's nice value: training yields the CPU to rollout
+    nice: int = 0                  # a session thread's nice value (19: training yields a shared CPU to rollout)
 
     def check(self, p: str) -> None:
         if not 0 < self.lr <= 1:
