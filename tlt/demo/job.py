@@ -52,6 +52,7 @@ class DemoSize:
     max_prompt: int = 128
     actor_lr: float = 2e-4
     kl_coef: float = 0.0       # > 0: verl's KL loss to the reference policy (low_var_kl) at this weight
+    spot_nice: int = 0         # tlt.spot.nice: 19 makes training take only the CPU rollout does not want
     spot_lr: float = 3e-3      # the warm-up's learning rate: a few spot steps per RL step must count
     spot_tokens: int = 1024    # tokens per spot micro-step: more steps in a short idle window
     timeout_s: int = 1500   # per arm
@@ -69,7 +70,8 @@ DEMO_CORPUS = CorpusConfig(median_steps=6, max_steps=18, careful_share=0.15)
 DEFAULT = DemoSize(target=TargetSpec(hidden_size=64, intermediate_size=176, num_layers=20, trained_layers=4,
                                      train_steps=300, grown_steps=10, corpus=DEMO_CORPUS),
                    prompts=32, batch=8, n=4, steps=8, max_response=320, warmup_steps=60, actor_lr=3e-4,
-                   kl_coef=0.1)  # without the KL anchor the policy falls into "by step by step" loops by step 4
+                   kl_coef=0.1,  # without the KL anchor the policy falls into "by step by step" loops by step 4
+                   spot_nice=19)  # two shared cores: the scale model of a GPU the long tail left idle
 QUICK = DemoSize(target=TargetSpec(hidden_size=64, num_layers=2, intermediate_size=128, train_steps=10,
                                    batch_size=4, seq_len=128, corpus=DEMO_CORPUS),
                  prompts=8, batch=4, n=2, steps=2, max_response=64, warmup_steps=5, timeout_s=600)
@@ -177,7 +179,7 @@ def arm_overrides(arm: str, workdir: Path, size: DemoSize, target: Path, drafter
         f"trainer.experiment_name=tlt-demo-{arm}", "trainer.project_name=tlt",
         f"reward.custom_reward_function.path={Path(__file__).with_name('grpo_task.py')}",
         f"tlt.drafter.init_path={drafter}", f"tlt.spot.lr={size.spot_lr}", f"tlt.spot.token_budget={size.spot_tokens}",
-        "tlt.spot.nice=19",  # two shared cores: training takes only what rollout does not want
+        f"tlt.spot.nice={size.spot_nice}",
         *ARMS[arm],
     ]
 
