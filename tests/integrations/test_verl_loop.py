@@ -133,7 +133,7 @@ def _run_and_kill_after_step1(tmp_path, kill, *extra, steps=3, then=None):
             if then is not None:
                 while len(records.read_text().splitlines()) < then[0]:
                     assert p.poll() is None and time.monotonic() < deadline + 600, log.read_text()[-3000:]
-                    time.sleep(1)
+                    time.sleep(0.02)
                 then[1](arm)
             rc = p.wait(timeout=600)
         finally:
@@ -158,8 +158,9 @@ def test_spot_trainer_then_coordinator_killed(tmp_path):
       completes with every request served (a restarted replica forwards its requests to a healthy
       one until the next policy push), the restarted replica serves the drafter of the last
       committed checkpoint, and training resumes from that checkpoint;
-    - then kill -9 of the coordinator once step 4 is recorded: step 5 runs without adaptation, with
-      a warning, and the run finishes."""
+    - then kill -9 of the coordinator once step 4 is recorded: the next step that begins after the
+      kill (step 5, or step 6 when step 5 reached the coordinator first: verl starts it right after
+      writing step 4's record) runs without adaptation, with a warning, and the run finishes."""
     from drafter.checkpoint import latest
 
     killed = {}
@@ -180,7 +181,7 @@ def test_spot_trainer_then_coordinator_killed(tmp_path):
         raise AssertionError("no replica was promoted to training after step 1")
 
     recs, text = _run_and_kill_after_step1(tmp_path, kill, "tlt.spot.interval=1", "tlt.coordinator.done_timeout_s=3",
-                                           steps=5, then=(4, _kill_coordinator))
+                                           steps=6, then=(4, _kill_coordinator))
     coord = (tmp_path / "arm-C" / "tlt_coordinator.log").read_text()
     assert f"worker {killed['worker']} LOST" in coord  # it died while in a training session
     assert "restarted: serving again after the next policy push" in text
@@ -191,7 +192,7 @@ def test_spot_trainer_then_coordinator_killed(tmp_path):
     if killed["checkpoint"] is not None and at < len(recs):  # restored the committed drafter
         assert all(p == "eagle" for p in recs[at]["proposers"]), [r["proposers"] for r in recs]
     assert sum(r["tlt/spot_train_steps"] for r in recs[at - 1:4]) >= 1  # training went on after the kill
-    assert all(r["coordinator_reachable"] for r in recs[:4]) and not recs[4]["coordinator_reachable"]
+    assert all(r["coordinator_reachable"] for r in recs[:4]) and not recs[5]["coordinator_reachable"]
     assert "coordinator unreachable" in text
 
 
