@@ -38,6 +38,11 @@ def _step(line: str) -> tuple[str, bool] | None:
     return None
 
 
+def _steps(text: str | None) -> list[tuple[str, bool]]:
+    """(style, arithmetic right) of each step line of a response."""
+    return [s for s in map(_step, (x.strip() for x in (text or "").splitlines())) if s is not None]
+
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
     text = solution_str or ""
     if not _BOXED.findall(text):
@@ -48,13 +53,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 def careful_lines(solution_str: str) -> tuple[int, int]:
     """(careful step lines, all step lines) of a response: how far the policy has moved."""
-    steps = [s for s in map(_step, (x.strip() for x in (solution_str or "").splitlines())) if s is not None]
+    steps = _steps(solution_str)
     return sum(style == "careful" for style, _ in steps), len(steps)
 
 
 def line_accuracy(solution_str: str) -> float | None:
     """Share of a response's step lines whose arithmetic is right (None without step lines)."""
-    steps = [s for s in map(_step, (x.strip() for x in (solution_str or "").splitlines())) if s is not None]
+    steps = _steps(solution_str)
     return sum(ok for _, ok in steps) / len(steps) if steps else None
 
 
