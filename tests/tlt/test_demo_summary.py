@@ -104,3 +104,32 @@ def test_proposer_shares_and_the_model_free_drafters_contribution():
     text = "\n".join(demo.summary_lines({**s, "seconds": 1.0}))
     assert "by RL step: 100% 75% 75% 75%" in text
     assert "suffix 75%, eagle 25%" in text and "EAGLE only / EAGLE + suffix drafter 1.50x" in text
+
+
+def test_eagle_ratios_leave_the_suffix_drafter_out_and_match_strategies():
+    def step(s, version, arms):  # arms: {arm: (verifies, committed)}
+        r = _step(s, sum(v for v, _ in arms.values()), sum(c for _, c in arms.values()), version)
+        for arm, (v, c) in arms.items():
+            r[f"tlt/arm_verifies/{arm}"], r[f"tlt/arm_committed/{arm}"] = float(v), float(c)
+        return r
+
+    # Stale B: d3 accepts 2.0, d5 2.2, and the suffix drafter (the same in both arms) carries most
+    # verifies. Spot C: d3 3.0, d5 3.3 (1.5x at each strategy), but its tuner picks d5 more often.
+    b = {"d3k1v3": (80, 160), "d5k1v5": (20, 44), "d4k1v4@suffix": (300, 540)}
+    c = {"d3k1v3": (20, 60), "d5k1v5": (80, 264), "d4k1v4@suffix": (100, 180)}
+    records = {"B": [step(s, 0, b) for s in range(1, 5)], "C": [step(s, s - 1, c) for s in range(1, 5)]}
+    s = demo.summarize(records)
+    assert s["accept_length_steps"] == [3, 4]
+    assert math.isclose(s["eagle_accept_length_by_arm"]["B"], 204 / 100)
+    assert math.isclose(s["eagle_accept_length_by_arm"]["C"], 324 / 100)
+    assert math.isclose(s["eagle_accept_length_ratio_spot_vs_stale"], 324 / 204)
+    # same strategies: weights 100 (d3) and 100 (d5) verifies per step -> (3.0 + 3.3) / (2.0 + 2.2)
+    assert math.isclose(s["eagle_same_strategy_ratio_spot_vs_stale"], 1.5)
+    assert s["eagle_same_strategy_ratio_ci90"] == [1.5, 1.5]
+    # the pooled figure is diluted by the suffix drafter's verifies
+    assert math.isclose(s["accept_length_ratio_spot_vs_stale"], (504 / 200) / (744 / 400))  # 1.35
+    text = "\n".join(demo.summary_lines({**s, "seconds": 1.0}))
+    assert "EAGLE alone  spot vs stale accept length 1.59x" in text and "at the same strategies 1.50x" in text
+    # records without per-arm counters (older runs): no EAGLE figures, no error
+    old = {a: [_step(s, 10, 20, s - 1) for s in range(1, 4)] for a in "BC"}
+    assert demo.summarize(old)["eagle_accept_length_ratio_spot_vs_stale"] is None

@@ -98,4 +98,7 @@ def test_step_stats_count_eagle_verifies_apart_and_keep_heldout_figures():
     snap = st.snapshot()
     assert (snap["verifies"], snap["committed"]) == (6, 16)
     assert (snap["eagle_verifies"], snap["eagle_committed"]) == (4, 10)
+    # per arm: the summary compares drafters at the same strategy
+    assert snap["arm_verifies"] == {"3,1,3": 4, "3,1,3@suffix": 2}
+    assert snap["arm_committed"] == {"3,1,3": 10, "3,1,3@suffix": 6}
     assert snap["heldout"] == [(2, 2.5)]  # once per session (rank 0 reports it)

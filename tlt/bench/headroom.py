@@ -58,14 +58,18 @@ class OracleProposer:
 
     @torch.no_grad()
     def propose(self, inp: ProposerInput) -> DraftTree:
-        rows = []
-        for r in inp.rows:
-            ids = torch.tensor([list(inp.tokens[r])])  # [1, T]
-            for _ in range(inp.arm.depth):
-                nxt = self.model(ids).logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
-                ids = torch.cat([ids, nxt], 1)
-            rows.append(ids[0, -inp.arm.depth:])
-        tokens = torch.stack(rows)  # [B, depth]
+        # All rows in one forward per level: right padding leaves a causal model's logits at each
+        # row's real positions unchanged, so row r's next token is read at its own last position.
+        seqs = [list(inp.tokens[r]) for r in inp.rows]
+        lens = torch.tensor([len(x) for x in seqs])  # [B]
+        ids = torch.zeros(len(seqs), int(lens.max()) + inp.arm.depth, dtype=torch.long)  # [B, T + depth]
+        for i, x in enumerate(seqs):
+            ids[i, :len(x)] = torch.tensor(x)
+        rows = torch.arange(len(seqs))
+        for j in range(inp.arm.depth):
+            logits = self.model(ids[:, :int(lens.max()) + j]).logits  # [B, T + j, V]
+            ids[rows, lens + j] = logits[rows, lens + j - 1].argmax(-1)
+        tokens = torch.stack([ids[i, lens[i]:lens[i] + inp.arm.depth] for i in range(len(seqs))])  # [B, depth]
         parents = torch.arange(-1, inp.arm.depth - 1).expand_as(tokens)
         return DraftTree(tokens, parents.contiguous(), torch.ones_like(tokens, dtype=torch.bool))
 

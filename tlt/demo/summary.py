@@ -33,18 +33,55 @@ def _pooled_accept(rows) -> float | None:
     return sum(r.get("tlt/spec_committed", 0) for r in rows) / verifies if verifies else None
 
 
+def _per_arm(rows) -> dict[str, list[float]]:
+    """EAGLE-drafted arms (strategies) -> [tokens committed, verifies], pooled over step records."""
+    out: dict[str, list[float]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("tlt/arm_verifies/") and not k.endswith("@suffix"):
+                arm = k.removeprefix("tlt/arm_verifies/")
+                c = out.setdefault(arm, [0.0, 0.0])
+                c[0] += r.get(f"tlt/arm_committed/{arm}", 0.0)
+                c[1] += v
+    return out
+
+
+def _eagle_accept(rows) -> float | None:
+    """Tokens committed per verify over the verifies the EAGLE drafter drafted (suffix arms left out)."""
+    arms = _per_arm(rows).values()
+    verifies = sum(v for _, v in arms)
+    return sum(c for c, _ in arms) / verifies if verifies else None
+
+
+def _same_strategy_ratio(num_rows, den_rows) -> float | None:
+    """EAGLE accept length of num over den at the same strategies: per arm both arms verified, each
+    arm's accept length weighted by its verifies in both (the tuners' different depth choices cancel)."""
+    a, b = _per_arm(num_rows), _per_arm(den_rows)
+    common = [k for k in a if k in b and a[k][1] and b[k][1]]
+    num = sum((a[k][1] + b[k][1]) * a[k][0] / a[k][1] for k in common)
+    den = sum((a[k][1] + b[k][1]) * b[k][0] / b[k][1] for k in common)
+    return num / den if den else None
+
+
 def _total(key: str):
-    """The summed ``key`` of some step records (a measure for :func:`_ratio`)."""
+    """The summed ``key`` of some step records (a measure for :func:`_over`)."""
     return lambda rows: sum(r.get(key, 0.0) for r in rows)
 
 
-def _ratio(num: dict[int, dict], den: dict[int, dict], steps, measure) -> float | None:
-    """``measure`` (of a list of step records) of num's ``steps`` over den's."""
-    a, b = measure([num[s] for s in steps]), measure([den[s] for s in steps])
-    return a / b if a and b else None
+def _over(measure):
+    """The ratio of a per-arm ``measure`` (of a list of step records): num's over den's."""
+    def ratio(num_rows, den_rows) -> float | None:
+        a, b = measure(num_rows), measure(den_rows)
+        return a / b if a and b else None
+    return ratio
 
 
-def _step_interval(num: dict[int, dict], den: dict[int, dict], steps: list[int], measure,
+def _ratio(num: dict[int, dict], den: dict[int, dict], steps, ratio) -> float | None:
+    """``ratio`` (of two lists of step records, e.g. :func:`_over`) of num's ``steps`` and den's."""
+    return ratio([num[s] for s in steps], [den[s] for s in steps])
+
+
+def _step_interval(num: dict[int, dict], den: dict[int, dict], steps: list[int], ratio,
                    draws: int = 2000) -> list[float] | None:
     """90% interval of :func:`_ratio` when the RL steps are resampled with replacement.
 
@@ -55,7 +92,7 @@ def _step_interval(num: dict[int, dict], den: dict[int, dict], steps: list[int],
     if len(steps) < 2:
         return None
     rng = random.Random(0)
-    got = sorted(r for r in (_ratio(num, den, rng.choices(steps, k=len(steps)), measure)
+    got = sorted(r for r in (_ratio(num, den, rng.choices(steps, k=len(steps)), ratio)
                              for _ in range(draws)) if r is not None)
     if len(got) < draws // 2:  # most resamples have nothing to compare
         return None
@@ -100,8 +137,16 @@ def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] |
     if "B" in by and "C" in by:
         # Steps whose rollout used a spot-trained drafter: pushed at the end of an earlier step.
         adapted = [s for s in later if by["C"].get(s - 1, {}).get("tlt/drafter_version", 0) >= 1]
-        out["accept_length_ratio_spot_vs_stale"] = _ratio(by["C"], by["B"], adapted, _pooled_accept)
-        out["accept_length_ratio_ci90"] = _step_interval(by["C"], by["B"], adapted, _pooled_accept)
+        out["accept_length_ratio_spot_vs_stale"] = _ratio(by["C"], by["B"], adapted, _over(_pooled_accept))
+        out["accept_length_ratio_ci90"] = _step_interval(by["C"], by["B"], adapted, _over(_pooled_accept))
+        # The drafters alone: the suffix drafter is the same in both arms, and each arm's tuner
+        # picks its own depths, so the pooled figure mixes both into the drafters' difference.
+        out["eagle_accept_length_by_arm"] = {a: _eagle_accept(by[a][s] for s in adapted) for a in "BC"}
+        out["eagle_accept_length_ratio_spot_vs_stale"] = _ratio(by["C"], by["B"], adapted, _over(_eagle_accept))
+        out["eagle_accept_length_ratio_ci90"] = _step_interval(by["C"], by["B"], adapted, _over(_eagle_accept))
+        out["eagle_same_strategy_ratio_spot_vs_stale"] = _ratio(by["C"], by["B"], adapted, _same_strategy_ratio)
+        out["eagle_same_strategy_ratio_ci90"] = _step_interval(by["C"], by["B"], adapted, _same_strategy_ratio)
+        out["eagle_accept_length_by_step"] = {a: {s: _eagle_accept([by[a][s]]) for s in adapted} for a in "BC"}
         out["accept_length_steps"] = adapted
         out["accept_length_verifies"] = {a: int(sum(by[a][s].get("tlt/spec_verifies", 0) for s in adapted))
                                          for a in "BC"}
@@ -110,8 +155,8 @@ def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] |
         for key, name, ci_name in (
                 ("tlt/rollout_s", "rollout_time_ratio_ar_over_tlt", "rollout_time_ratio_ci90_ar_over_tlt"),
                 ("timing_s/step", "step_time_ratio_ar_over_tlt", "step_time_ratio_ci90_ar_over_tlt")):
-            out[name] = _ratio(by["A"], by["C"], later, _total(key))
-            out[ci_name] = _step_interval(by["A"], by["C"], later, _total(key))
+            out[name] = _ratio(by["A"], by["C"], later, _over(_total(key)))
+            out[ci_name] = _step_interval(by["A"], by["C"], later, _over(_total(key)))
         out["rollout_s_by_arm"] = {a: sum(by[a][s].get("tlt/rollout_s", 0.0) for s in later) for a in by}
     out["response_length_mean_by_arm"] = {a: _mean(by[a][s].get("response_length/mean") for s in later)
                                           for a in by}
@@ -121,8 +166,9 @@ def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] |
     out["proposer_share_by_step"] = {a: {s: _shares([by[a][s]], "tlt/proposer_share/") for s in steps}
                                      for a in by if a != "A"}
     if "C" in by and "D" in by and later:  # what the model-free drafter adds beside EAGLE
-        out["rollout_time_ratio_d_over_c"] = _ratio(by["D"], by["C"], later, _total("tlt/rollout_s"))
-        out["rollout_time_ratio_ci90_d_over_c"] = _step_interval(by["D"], by["C"], later, _total("tlt/rollout_s"))
+        out["rollout_time_ratio_d_over_c"] = _ratio(by["D"], by["C"], later, _over(_total("tlt/rollout_s")))
+        out["rollout_time_ratio_ci90_d_over_c"] = _step_interval(by["D"], by["C"], later,
+                                                                 _over(_total("tlt/rollout_s")))
     return out
 
 
@@ -207,6 +253,16 @@ def summary_lines(s: dict) -> list[str]:
                      f"{ci('accept_length_ratio_ci90')} (target drift {f(s.get('target_drift'), '.3f')}; "
                      "verifies " + ", ".join(f"{a} {n}" for a, n in s.get("accept_length_verifies", {}).items())
                      + ")")
+    if s.get("eagle_accept_length_ratio_spot_vs_stale") is not None:
+        al = s.get("eagle_accept_length_by_arm") or {}
+        lines.append(f"EAGLE alone  spot vs stale accept length {f(s['eagle_accept_length_ratio_spot_vs_stale'])}x"
+                     f"{ci('eagle_accept_length_ratio_ci90')} (B {f(al.get('B'))}, C {f(al.get('C'))}); "
+                     f"at the same strategies {f(s.get('eagle_same_strategy_ratio_spot_vs_stale'))}x"
+                     f"{ci('eagle_same_strategy_ratio_ci90')}")
+        per_step = s.get("eagle_accept_length_by_step") or {}
+        if per_step.get("B") and per_step.get("C"):
+            lines.append("EAGLE by step  C / B: " + " ".join(
+                f"{st}:{f(c)}/{f(per_step['B'].get(st))}" for st, c in per_step["C"].items()))
     if "rollout_time_ratio_ar_over_tlt" in s:
         lines.append(f"AR / TLT     rollout time {f(s['rollout_time_ratio_ar_over_tlt'])}x"
                      f"{ci('rollout_time_ratio_ci90_ar_over_tlt')}, step time "

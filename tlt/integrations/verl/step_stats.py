@@ -16,7 +16,8 @@ from tlt.integrations.verl.assembly import SUFFIX
 
 def _empty() -> dict[str, Any]:
     return {"committed": 0, "verifies": 0, "accepted": 0, "drafted": 0, "tokens": 0,
-            "arms": collections.Counter(), "idle_at": None, "idle_s": 0.0, "sessions": 0,
+            "arms": collections.Counter(), "arm_verifies": collections.Counter(),
+            "arm_committed": collections.Counter(), "idle_at": None, "idle_s": 0.0, "sessions": 0,
             "failed_sessions": 0, "train_steps": 0, "losses": [], "preempt_s": [], "batches": 0,
             "requests": 0, "gen_s": 0.0, "phases": [], "eagle_verifies": 0, "eagle_committed": 0,
             "heldout": []}
@@ -52,6 +53,8 @@ class StepStats:
                     st["accepted"] += s.accepted
                     st["drafted"] += s.drafted
                     st["arms"][s.arm] += 1
+                    st["arm_verifies"][s.arm] += s.batch
+                    st["arm_committed"][s.arm] += s.committed
                     if not s.arm.endswith(f"@{SUFFIX}"):  # drafted by the EAGLE proposer
                         st["eagle_verifies"] += s.batch
                         st["eagle_committed"] += s.committed
@@ -101,7 +104,8 @@ class StepStats:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             st = dict(self._st)
-            st["arms"] = dict(st["arms"])
+            for k in ("arms", "arm_verifies", "arm_committed"):
+                st[k] = dict(st[k])
             for k in ("losses", "preempt_s", "phases", "heldout"):
                 st[k] = list(st[k])
         if st["idle_at"] is not None:

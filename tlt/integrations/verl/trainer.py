@@ -30,6 +30,7 @@ other): its address, the rendezvous ports and the checkpoint directory reach the
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -267,10 +268,11 @@ def trainer_class():
             drafted = sum(s["drafted"] for s in st)
             tokens = sum(s["tokens"] for s in st)
             losses = [x for s in st for x in s["losses"]]
-            arms: dict[str, int] = {}
+            arms, arm_verifies, arm_committed = collections.Counter(), collections.Counter(), collections.Counter()
             for s in st:
-                for a, n in s["arms"].items():
-                    arms[a] = arms.get(a, 0) + n
+                arms.update(s["arms"])
+                arm_verifies.update(s.get("arm_verifies", {}))
+                arm_committed.update(s.get("arm_committed", {}))
             n_arms = sum(arms.values()) or 1
             m = {
                 # NaN when nothing was verified (speculation off all step): no accept length, not 0
@@ -293,6 +295,9 @@ def trainer_class():
             if drift:  # 1 - top-1 agreement of the policies before and after the last update
                 m["tlt/target_drift"] = 1.0 - statistics.fmean(drift)
             m.update({f"tlt/arm_share/{a}": n / n_arms for a, n in arms.items()})
+            # per arm (strategy@proposer): the summary compares drafters at the same strategy
+            m.update({f"tlt/arm_verifies/{a}": float(n) for a, n in arm_verifies.items()})
+            m.update({f"tlt/arm_committed/{a}": float(n) for a, n in arm_committed.items()})
             suffix = sum(n for a, n in arms.items() if a.endswith("@suffix"))
             if arms:  # which proposer drafted the speculative steps
                 m["tlt/proposer_share/suffix"] = suffix / n_arms
