@@ -108,6 +108,7 @@ def test_unknown_key_names_full_key_and_allowed(dotted, allowed):
     ("spot.base_port", 80),
     ("spot.preempt_s", 0),
     ("spot.nice", 20),
+    ("spot.warmup_steps", -1),
     ("coordinator.heartbeat_s", 120),
     ("engine.max_batch", 0),
     ("spot", 3),
@@ -127,6 +128,13 @@ def test_valid_values_parse():
     assert cfg.spot.lr == 1.0 and isinstance(cfg.spot.lr, float)
     assert cfg.spot.base_port == 20000
     assert TLTConfig().speculation.parsed_arm() is None
+
+
+def test_spot_warmup_reaches_the_trainers_lr_schedule():
+    from tlt.integrations.verl.spot_wiring import spot_config
+
+    spot = spot_config(TLTConfig.from_mapping({"spot": {"lr": 0.01, "warmup_steps": 4}}), seed=0)
+    assert [spot.lr_at(s) for s in range(5)] == pytest.approx([0.0025, 0.005, 0.0075, 0.01, 0.01])
 
 
 # ------------------------------------------------------------------ 4. from_verl

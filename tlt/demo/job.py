@@ -53,8 +53,9 @@ class DemoSize:
     actor_lr: float = 2e-4
     kl_coef: float = 0.0       # > 0: verl's KL loss to the reference policy (low_var_kl) at this weight
     spot_nice: int = 0         # tlt.spot.nice: 19 makes training take only the CPU rollout does not want
-    spot_lr: float = 3e-3      # the warm-up's learning rate: a few spot steps per RL step must count
-    spot_tokens: int = 1024    # tokens per spot micro-step: more steps in a short idle window
+    spot_lr: float = 1e-2      # a few spot steps per RL step must count
+    spot_warmup: int = 4       # tlt.spot.warmup_steps: the first steps at 1e-2 would undo the warm-up drafter
+    spot_tokens: int = 512     # tokens per spot micro-step: more steps in a short idle window
     timeout_s: int = 1500   # per arm
 
     def __post_init__(self) -> None:
@@ -178,7 +179,8 @@ def arm_overrides(arm: str, workdir: Path, size: DemoSize, target: Path, drafter
         f"trainer.default_local_dir={out}", f"trainer.rollout_data_dir={out / 'generations'}",
         f"trainer.experiment_name=tlt-demo-{arm}", "trainer.project_name=tlt",
         f"reward.custom_reward_function.path={Path(__file__).with_name('grpo_task.py')}",
-        f"tlt.drafter.init_path={drafter}", f"tlt.spot.lr={size.spot_lr}", f"tlt.spot.token_budget={size.spot_tokens}",
+        f"tlt.drafter.init_path={drafter}", f"tlt.spot.lr={size.spot_lr}", f"tlt.spot.warmup_steps={size.spot_warmup}",
+        f"tlt.spot.token_budget={size.spot_tokens}",
         f"tlt.spot.nice={size.spot_nice}",
         *ARMS[arm],
     ]

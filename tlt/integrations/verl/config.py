@@ -78,6 +78,7 @@ class SpeculationSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpotSection:
     lr: float = 3e-4
+    warmup_steps: int = 0          # the first spot optimizer steps ramp the lr up linearly (0: none)
     token_budget: int = 2048       # tokens per replica per micro-step
     interval: int = 10             # optimizer steps between async selective checkpoints
     min_idle: int = 1              # idle replicas needed before a training session starts
@@ -90,6 +91,8 @@ class SpotSection:
     def check(self, p: str) -> None:
         if not 0 < self.lr <= 1:
             raise _bad(f"{p}.lr", self.lr, "use a float in (0, 1]")
+        if self.warmup_steps < 0:
+            raise _bad(f"{p}.warmup_steps", self.warmup_steps, "use an int >= 0 (0: the full lr from the first step)")
         if not 0 <= self.nice <= 19:
             raise _bad(f"{p}.nice", self.nice, "use a nice value in 0..19 (0: the replica process's own)")
         if not 0.001 <= self.preempt_s <= 10:

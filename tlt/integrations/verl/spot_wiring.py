@@ -49,7 +49,8 @@ def session_weights(model: TargetModel, device: torch.device | None = None) -> t
 
 def spot_config(cfg: TLTConfig, seed: int) -> SpotConfig:
     s = cfg.spot
-    return SpotConfig(lr=s.lr, token_budget=s.token_budget, interval=s.interval, local_data=True,
+    return SpotConfig(lr=s.lr, warmup_steps=s.warmup_steps, token_budget=s.token_budget, interval=s.interval,
+                      local_data=True,
                       preempt_s=s.preempt_s, ttt=TTTConfig(steps=s.ttt_steps), seed=seed)
 
 
