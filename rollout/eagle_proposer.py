@@ -73,7 +73,7 @@ class EagleProposer:
         above = self._above_floor(floor, base_max + arm.depth * arm.topk)  # [B, largest span]
         k = arm.topk
         d = self.drafter
-        scores_at = self._scorer(inp, base)
+        scores_at = self._scorer(inp, base, arm.depth)
         logp = scores_at(d.logits(root)[:, None], 0)[:, 0]  # [B, Vd]
         score, idx = logp.topk(k, -1)  # level-1 candidates [B, k]
         tokens = [d.draft_to_target(idx)]
@@ -126,10 +126,10 @@ class EagleProposer:
         return DraftTree(all_tokens.gather(1, chosen), par, torch.ones(b, n, dtype=torch.bool, device=self.device))
 
     # ---------------------------------------------------------------- internals
-    def _scorer(self, inp: ProposerInput, base: torch.Tensor):
+    def _scorer(self, inp: ProposerInput, base: torch.Tensor, depth: int):
         """scores(logits [B, N, Vd], level) -> [B, N, Vd] draft scores of candidates for position
-        ``base + 1 + level`` (base: [B] position of each row's last committed token): log q, or
-        log_softmax(log q_T + G) with the target's noise on sampled rows."""
+        ``base + 1 + level`` (base: [B] position of each row's last committed token; level <
+        ``depth``): log q, or log_softmax(log q_T + G) with the target's noise on sampled rows."""
         s = inp.sampling if self.shared_noise else None
         if s is None or not s.sampled:
             return lambda logits, level: logits.float().log_softmax(-1)
@@ -137,11 +137,13 @@ class EagleProposer:
         keys, temp = s.keys[rows], s.temperature[rows]  # [B]
         sampled = (temp > 0)[:, None, None]
         t = torch.where(temp > 0, temp, torch.ones_like(temp))[:, None, None]
+        # The noise depends on (key, position, token) only: every level's in one call.
+        pos = base[:, None] + 1 + torch.arange(depth, device=self.device)  # [B, depth]
+        noise = gumbel(keys, pos, self._draft_hash)  # [B, depth, Vd]
 
         def scores(logits: torch.Tensor, level: int) -> torch.Tensor:
             lp = (logits.float() / t).log_softmax(-1)
-            pos = (base + 1 + level)[:, None].expand(-1, logits.shape[1])  # [B, N]
-            noisy = (lp + gumbel(keys, pos, self._draft_hash)).log_softmax(-1)
+            noisy = (lp + noise[:, level, None]).log_softmax(-1)  # one position for the level's N candidates
             return torch.where(sampled, noisy, lp)
         return scores
 
