@@ -28,14 +28,13 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from drafter.checkpoint import load_weights
+from drafter.checkpoint import STATE_NAME, load_weights
 from drafter.eagle import Drafter
 from drafter.packing import FeatureSample, pack, pack_by_budget
 from drafter.spot import SessionSpec, SpotConfig, SpotTrainer
 from drafter.ttt import StepStats, TTTConfig, ttt_forward
 
 log = logging.getLogger(__name__)
-STATE_NAME = "trainer_state"  # DCP checkpoints (drafter.checkpoint layout), newest kept
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -40,6 +40,13 @@ an interrupted and resumed run trains on exactly the batches an uninterrupted on
 
 Work lost to a kill: at most one checkpoint ``interval`` plus the steps of a save still in flight.
 
+First session: with no checkpoint yet, a session starts from ``init_from``. A warm-up directory
+(``tlt warmup``) also holds its training state (``trainer_state/``): when that state's newest
+checkpoint is the step the directory's weights record, the session continues its optimizer
+moments, with the spot schedule starting at step 0. Fresh Adam moments would make the first
+update lr * sign(grad) on every weight: with the few steps an idle window fits, that undid the
+warm-up (accept length below the frozen drafter's for the next RL step).
+
 Warm resume: a session's end keeps this rank's shards (weights and optimizer state) in process
 memory (:mod:`drafter.resume_state`; a replica that loads a newer drafter prefetches it the same way). The
 next session resumes from them instead of reading the checkpoint when every rank agrees they are
@@ -53,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -64,8 +72,8 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from drafter.checkpoint import AsyncCheckpointer, TrainState, latest, load
-from drafter.eagle import WEIGHTS_NAME, Drafter, DrafterConfig
+from drafter.checkpoint import STATE_NAME, AsyncCheckpointer, TrainState, latest, load
+from drafter.eagle import CONFIG_NAME, WEIGHTS_NAME, Drafter, DrafterConfig
 from drafter.packing import FeatureSample, empty_like, pack, shard_samples, split_chunks
 from drafter.rendezvous import RendezvousAborted, rendezvous
 from drafter.session import STOP_REASONS, NextBatch, PreemptFlag, SessionResult, SessionSpec, SpotConfig
@@ -160,10 +168,29 @@ class SpotTrainer:
         dist.all_reduce(agree, op=dist.ReduceOp.MIN)
         self.warm = bool(agree[0])
         if not self.warm:
-            return load(self.root, {"train": state}, process_group=pg) or 0
+            step = load(self.root, {"train": state}, process_group=pg)
+            init_state = self._init_state()
+            if step is None and init_state is not None:
+                # A first session continues the warm-up's optimizer: fresh Adam moments would make
+                # its first steps lr * sign(grad) on every weight and undo the warm-up.
+                load(init_state, {"train": state}, process_group=pg)
+                state.step, state.progress["samples"] = 0, 0
+                for g in opt.param_groups:  # the moments are the warm-up's, the settings this config's
+                    g.update(betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
+            return step or 0
         restore(w, d, opt, s.world_size, s.rank)
         state.step, state.progress["samples"] = w.step, w.samples
         return w.step
+
+    def _init_state(self) -> Path | None:
+        """The warm-up's training state behind ``init_from`` (a drafter directory), when its
+        newest checkpoint holds the very weights of that directory; else None (weights only)."""
+        if not isinstance(self.init_from, Path):
+            return None
+        root = self.init_from / STATE_NAME
+        config = self.init_from / CONFIG_NAME
+        recorded = json.loads(config.read_text()).get("step") if config.is_file() else None
+        return root if recorded is not None and latest(root) == recorded else None
 
     def _overlap_staging(self) -> bool:
         if self.cfg.overlap_staging is None:

@@ -111,3 +111,47 @@ def test_target_embedding_is_shared_and_never_trained():
 def test_empty_training_set_is_an_error():
     with pytest.raises(ValueError, match="no training samples"):
         train(make_drafter("eagle"), [], _cfg(), None, progress=False)
+
+
+def _first_spot_session(warm_dir, root, samples, drafter):
+    """One spot step from the warm-up directory ``warm_dir`` into an empty ``root``; returns the
+    Adam step count of the checkpoint it wrote and the schedule's step."""
+    import dataclasses
+    import socket
+
+    from drafter.checkpoint import TrainState, load
+    from drafter.offline_train import EpochBatches
+    from drafter.spot import SessionSpec
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = dataclasses.replace(_cfg().spot_config(), max_steps=1, interval=1)
+    SpotTrainer(spec=SessionSpec(rank=0, world_size=1, master_port=port, session_id="spot"), config=cfg,
+                drafter_config=drafter.config, embed_weight=drafter.embed_weight,
+                head_weight=drafter.target_head_weight, checkpoint_root=root,
+                init_from=warm_dir).run(EpochBatches(samples, cfg.token_budget, 0), lambda: False)
+    d = Drafter(drafter.config, drafter.embed_weight, drafter.target_head_weight)
+    opt = torch.optim.AdamW(d.parameters())
+    st = TrainState(d, opt, frozen=(d.embed_weight, d.target_head_weight))
+    assert load(root, {"train": st}, alone=True) == 1
+    return {int(v["step"]) for v in opt.state.values()}, st.step
+
+
+def test_a_first_spot_session_continues_the_warmups_optimizer(tmp_path):
+    """A warm-up directory carries its training state: the first spot session continues its Adam
+    moments (fresh ones make the first step lr * sign(grad) on every weight, undoing the warm-up)
+    while the spot schedule starts at step 0. A directory whose weights are not its newest
+    state's (the recorded step differs) gives the weights only."""
+    import json
+
+    samples = make_samples(8)
+    warm = make_drafter("eagle")
+    train(warm, samples, _cfg(max_steps=3, save_every=3), tmp_path / "warm", progress=False)
+    adam_steps, step = _first_spot_session(tmp_path / "warm", tmp_path / "spot", samples, warm)
+    assert adam_steps == {4} and step == 1  # 3 warm-up steps + this one; the schedule restarted
+
+    config = tmp_path / "warm" / "tlt_drafter.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "step": 2}))
+    adam_steps, step = _first_spot_session(tmp_path / "warm", tmp_path / "spot2", samples, warm)
+    assert adam_steps == {1} and step == 1

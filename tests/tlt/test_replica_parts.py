@@ -102,3 +102,20 @@ def test_step_stats_count_eagle_verifies_apart_and_keep_heldout_figures():
     assert snap["arm_verifies"] == {"3,1,3": 4, "3,1,3@suffix": 2}
     assert snap["arm_committed"] == {"3,1,3": 10, "3,1,3@suffix": 6}
     assert snap["heldout"] == [(2, 2.5)]  # once per session (rank 0 reports it)
+
+
+def test_step_stats_time_the_replicas_decoding_span():
+    """The first batch's start and the last batch's end: the trainer reports the rollout's time
+    outside the replicas' decoding (before the first batch, after the last)."""
+    import types
+
+    from tlt.integrations.verl.step_stats import StepStats
+
+    st = StepStats()
+    assert (st.snapshot()["first_at"], st.snapshot()["done_at"]) == (None, None)
+    for started, gen_s in ((10.0, 2.0), (12.5, 1.0)):
+        st.batch(types.SimpleNamespace(tokens=1, steps=[]), started=started, gen_s=gen_s, requests=1)
+    snap = st.snapshot()
+    assert (snap["first_at"], snap["done_at"], snap["batches"]) == (10.0, 13.5, 2)
+    st.reset()
+    assert st.snapshot()["first_at"] is None

@@ -68,7 +68,7 @@ class DemoSize:
 # The task's shape: a median of 6 steps with a lognormal tail; about one step line in seven in the
 # careful style (the reward prefers it: the SFT policy rarely writes it, RL learns it).
 DEMO_CORPUS = CorpusConfig(median_steps=6, max_steps=18, careful_share=0.15)
-DEFAULT = DemoSize(target=TargetSpec(hidden_size=64, intermediate_size=176, num_layers=20, trained_layers=4,
+DEFAULT = DemoSize(target=TargetSpec(hidden_size=64, intermediate_size=176, num_layers=28, trained_layers=4,
                                      train_steps=300, grown_steps=10, corpus=DEMO_CORPUS),
                    prompts=32, batch=8, n=4, steps=8, max_response=320, warmup_steps=60, actor_lr=3e-4,
                    kl_coef=0.1,  # without the KL anchor the policy falls into "by step by step" loops by step 4

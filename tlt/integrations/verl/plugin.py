@@ -1,8 +1,9 @@
 """The ``verl.plugins`` entry point: registers TLT with verl in every process that imports verl.
 
-Owns registration, in this order: the ``tlt_agent`` agent loop (request seeds; on import), the CPU
-platform and its shims (only when ``VERL_PLATFORM=cpu``), the ``tlt`` rollout backend (replica +
-worker-side adapter) and the ``tlt`` trainer mode. Everything it adds is under TLT's own names,
+Owns registration, in this order: the ``tlt_agent`` agent loop (request seeds; on import), the
+``tlt_varlen_sdpa`` attention function (packed rows without flash-attn), the CPU platform and its
+shims (only when ``VERL_PLATFORM=cpu``), the ``tlt`` rollout backend (replica + worker-side
+adapter) and the ``tlt`` trainer mode. Everything it adds is under TLT's own names,
 and the one verl function it wraps (``validate_config``, to check ``tlt.*`` before Ray starts)
 passes through unless ``trainer.v1.trainer_mode=tlt``: with TLT off, verl behaves as stock
 (``tests/tlt/test_verl_stock.py``). TLT's adapter for verl's ``sglang`` rollout (target-only
@@ -25,8 +26,9 @@ def register() -> None:
     from verl.workers.rollout import base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from tlt.integrations.verl import agent_loop, cpu_platform, replica, trainer  # noqa: F401 (registers tlt_agent)
+    from tlt.integrations.verl import agent_loop, cpu_platform, replica, trainer, varlen_attention  # noqa: F401
 
+    varlen_attention.register()
     cpu_platform.install()
     RolloutReplicaRegistry.register("tlt", replica.load_replica)
     base._ROLLOUT_REGISTRY[("tlt", "async")] = "tlt.integrations.verl.replica.TLTRolloutAdapter"

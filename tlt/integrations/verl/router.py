@@ -5,14 +5,21 @@ Owns :class:`GroupRouter` (``actor_rollout_ref.rollout.router_config_path`` nami
 user set no router of their own). verl's default balancer spreads a group's siblings over the
 replicas by least in-flight count, so a replica's model-free drafter sees about half of each group;
 here the first sample of a prompt picks the least-loaded replica and its siblings follow (keyed by
-the prompt's token ids, kept for the last ``max_groups`` prompts). The cost: load is balanced per
-group of ``n`` samples rather than per request, so the replicas' request counts differ by at most
-``n`` at the start of a step instead of 1.
+the prompt's token ids). The cost: load is balanced per group of ``n`` samples rather than per
+request, so the replicas' request counts differ by at most ``n`` at the start of a step instead of 1.
+
+A group's replica is remembered only while one of its requests is in flight. A prompt that comes
+back in a later step (the next epoch) is placed by load again: every replica's draft history holds
+every prompt's earlier responses, so nothing is gained by going back, and a memory across steps
+once put all eight groups of a step on one replica. Ties between equally loaded replicas are broken
+by a hash of the prompt, not at random, so two runs that send the same groups in the same order
+place them alike.
 """
 
 from __future__ import annotations
 
-import random
+import collections
+import zlib
 from typing import Any
 
 from cachetools import LRUCache
@@ -23,10 +30,16 @@ class GroupRouter(GlobalRequestLoadBalancer):
     def __init__(self, servers: dict[str, Any], config: dict | None = None) -> None:
         config = dict(config or {})
         super().__init__(servers)
-        self._group_server: LRUCache = LRUCache(maxsize=int(config.get("max_groups", 100_000)))
+        self._group_server: dict[tuple[int, ...], str] = {}  # groups with a request in flight
+        self._group_inflight: collections.Counter = collections.Counter()
+        # request id -> its group (LRU: a request verl never releases cannot grow it without bound)
+        self._request_group: LRUCache = LRUCache(maxsize=int(config.get("max_groups", 100_000)))
 
     def require_acquire_fields(self) -> list[str]:
         return ["prompt_ids"]
+
+    def require_release_fields(self) -> list[str]:
+        return ["request_id"]
 
     def acquire_server(self, request_id: str, prompt_ids: list[int] | None = None, **extra) -> tuple[str, Any]:
         if prompt_ids is None or request_id in self._request_id_to_server:
@@ -37,13 +50,28 @@ class GroupRouter(GlobalRequestLoadBalancer):
             if not self._inflight_requests:
                 raise RuntimeError("No available servers in load balancer")
             low = min(self._inflight_requests.values())
-            server_id = random.choice([s for s, n in self._inflight_requests.items() if n == low])
+            ties = sorted(s for s, n in self._inflight_requests.items() if n == low)
+            server_id = ties[zlib.crc32(",".join(map(str, key)).encode()) % len(ties)]
             self._group_server[key] = server_id
         self._request_id_to_server[request_id] = server_id
         self._inflight_requests[server_id] += 1
+        self._group_inflight[key] += 1
+        self._request_group[request_id] = key
         return server_id, self._servers[server_id]
+
+    def release_server(self, server_id: str, request_id: str | None = None) -> None:
+        super().release_server(server_id, request_id)
+        key = self._request_group.pop(request_id, None) if request_id is not None else None
+        if key is None:
+            return
+        self._group_inflight[key] -= 1
+        if self._group_inflight[key] <= 0:  # the group is done: its next step is placed by load
+            del self._group_inflight[key]
+            self._group_server.pop(key, None)
 
     def clear_sticky_cache(self) -> dict:
         out = super().clear_sticky_cache()
         self._group_server.clear()
+        self._group_inflight.clear()
+        self._request_group.clear()
         return out

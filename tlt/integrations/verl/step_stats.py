@@ -20,7 +20,7 @@ def _empty() -> dict[str, Any]:
             "arm_committed": collections.Counter(), "idle_at": None, "idle_s": 0.0, "sessions": 0,
             "failed_sessions": 0, "train_steps": 0, "losses": [], "preempt_s": [], "batches": 0,
             "requests": 0, "gen_s": 0.0, "phases": [], "eagle_verifies": 0, "eagle_committed": 0,
-            "heldout": []}
+            "heldout": [], "first_at": None, "done_at": None}
 
 
 class StepStats:
@@ -42,6 +42,9 @@ class StepStats:
         self.resumed(started)
         with self._lock:
             st = self._st
+            if st["first_at"] is None:  # when decoding began and last ended: the rest of the rollout is verl's
+                st["first_at"] = started
+            st["done_at"] = started + gen_s
             st["gen_s"] += gen_s
             st["batches"] += 1
             st["requests"] += requests

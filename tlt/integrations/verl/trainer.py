@@ -216,7 +216,8 @@ def trainer_class():
         def on_sample_end(self):
             if self.tlt.enable:
                 step = self.global_steps
-                self._rollout_s = time.monotonic() - self._t_rollout
+                self._t_rollout_end = time.monotonic()
+                self._rollout_s = self._t_rollout_end - self._t_rollout
                 with marked_timer("tlt_preempt", self.timing_raw):
                     self._outcome = (self._driver.rollout_done(step) if self._driver is not None else None)
                 if self._outcome is not None and not self._outcome.reachable:
@@ -310,7 +311,12 @@ def trainer_class():
                                 "spot_phase_s": [list(x) for s in st for x in s["phases"]],
                                 "proposers": [s["proposer"] for s in st],
                                 "replica_idle_s": [s["idle_s"] for s in st],
-                                "replica_gen_s": [s["gen_s"] for s in st]}
+                                "replica_gen_s": [s["gen_s"] for s in st],
+                                "replica_batches": [s["batches"] for s in st],
+                                # the rollout outside the replicas' decoding (monotonic clocks are
+                                # machine-wide): before the first batch, after the last
+                                "replica_lead_s": [_since(self._t_rollout, s.get("first_at")) for s in st],
+                                "replica_trail_s": [_since(s.get("done_at"), self._t_rollout_end) for s in st]}
             return m
 
         def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
@@ -382,6 +388,10 @@ def _route_groups(config, cfg: TLTConfig) -> None:
         return
     with open_dict(rollout):
         rollout.router_config_path = str(Path(tlt.configs.__file__).with_name("tlt_router.yaml"))
+
+
+def _since(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
 
 
 def _as_list(x) -> list:
