@@ -109,7 +109,7 @@ def test_step_stats_time_the_replicas_decoding_span():
     outside the replicas' decoding (before the first batch, after the last)."""
     import types
 
-    from tlt.integrations.verl.step_stats import StepStats
+    from tlt.integrations.verl.step_stats import StepStats, replica_fields
 
     st = StepStats()
     assert (st.snapshot()["first_at"], st.snapshot()["done_at"]) == (None, None)
@@ -117,5 +117,9 @@ def test_step_stats_time_the_replicas_decoding_span():
         st.batch(types.SimpleNamespace(tokens=1, steps=[]), started=started, gen_s=gen_s, requests=1)
     snap = st.snapshot()
     assert (snap["first_at"], snap["done_at"], snap["batches"]) == (10.0, 13.5, 2)
+    idle = StepStats().snapshot()  # a replica that decoded nothing this step
+    fields = replica_fields([snap, idle], began=9.5, ended=14.0)
+    assert fields["replica_lead_s"] == [0.5, None] and fields["replica_trail_s"] == [0.5, None]
+    assert fields["replica_gen_s"] == [3.0, 0.0] and fields["replica_batches"] == [2, 0]
     st.reset()
     assert st.snapshot()["first_at"] is None

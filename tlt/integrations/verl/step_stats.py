@@ -114,3 +114,16 @@ class StepStats:
         if st["idle_at"] is not None:
             st["idle_s"] += time.monotonic() - st["idle_at"]
         return st
+
+
+def replica_fields(stats: list[dict[str, Any]], began: float, ended: float) -> dict[str, list]:
+    """Per replica, in order, from their snapshots: idle and decoding seconds, engine batches, and
+    the rollout outside their decoding (``began``/``ended``: the rollout's monotonic bounds on the
+    driver; monotonic clocks are machine-wide): seconds before the first batch, after the last."""
+    def since(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else b - a
+
+    return {"replica_idle_s": [s["idle_s"] for s in stats], "replica_gen_s": [s["gen_s"] for s in stats],
+            "replica_batches": [s["batches"] for s in stats],
+            "replica_lead_s": [since(began, s.get("first_at")) for s in stats],
+            "replica_trail_s": [since(s.get("done_at"), ended) for s in stats]}

@@ -48,6 +48,7 @@ from tlt.integrations.verl.config import TLTConfig, from_verl
 from tlt.integrations.verl.drafter_push import DrafterPusher
 from tlt.integrations.verl.server import HISTORY_FILE
 from tlt.integrations.verl.spot_wiring import PORT_SPAN
+from tlt.integrations.verl.step_stats import replica_fields
 from tlt.integrations.verl.verl_checks import check_verl_config, raise_if_registration_failed
 from tlt.ports import free_port
 from tlt.push_guard import GuardConfig
@@ -310,13 +311,7 @@ def trainer_class():
                                 "preempt_s": [x for s in st for x in s["preempt_s"]],
                                 "spot_phase_s": [list(x) for s in st for x in s["phases"]],
                                 "proposers": [s["proposer"] for s in st],
-                                "replica_idle_s": [s["idle_s"] for s in st],
-                                "replica_gen_s": [s["gen_s"] for s in st],
-                                "replica_batches": [s["batches"] for s in st],
-                                # the rollout outside the replicas' decoding (monotonic clocks are
-                                # machine-wide): before the first batch, after the last
-                                "replica_lead_s": [_since(self._t_rollout, s.get("first_at")) for s in st],
-                                "replica_trail_s": [_since(s.get("done_at"), self._t_rollout_end) for s in st]}
+                                **replica_fields(st, self._t_rollout, self._t_rollout_end)}
             return m
 
         def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
@@ -388,10 +383,6 @@ def _route_groups(config, cfg: TLTConfig) -> None:
         return
     with open_dict(rollout):
         rollout.router_config_path = str(Path(tlt.configs.__file__).with_name("tlt_router.yaml"))
-
-
-def _since(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else b - a
 
 
 def _as_list(x) -> list:
