@@ -88,6 +88,14 @@ __all__ = ["STOP_REASONS", "NextBatch", "PreemptFlag", "SessionResult", "Session
 _FIRST_CHUNK_TOKENS = 64  # chunk size before any throughput was measured (one busy-CPU chunk < 0.1 s)
 
 
+def warmup_state(drafter_dir: str | Path) -> Path | None:
+    """The training state (a checkpoint root) of a ``tlt warmup`` drafter directory, when its newest
+    checkpoint holds the very weights of that directory (the step its config records); else None."""
+    root, config = Path(drafter_dir) / STATE_NAME, Path(drafter_dir) / CONFIG_NAME
+    recorded = json.loads(config.read_text()).get("step") if config.is_file() else None
+    return root if recorded is not None and latest(root) == recorded else None
+
+
 class SpotTrainer:
     """One rank of one training session; ``run`` forms the group, trains, checkpoints, leaves."""
 
@@ -169,11 +177,18 @@ class SpotTrainer:
         self.warm = bool(agree[0])
         if not self.warm:
             step = load(self.root, {"train": state}, process_group=pg)
-            init_state = self._init_state()
-            if step is None and init_state is not None:
+            init = warmup_state(self.init_from) if isinstance(self.init_from, Path) else None
+            if step is None and init is not None:
                 # A first session continues the warm-up's optimizer: fresh Adam moments would make
-                # its first steps lr * sign(grad) on every weight and undo the warm-up.
-                load(init_state, {"train": state}, process_group=pg)
+                # its first steps lr * sign(grad) on every weight and undo the warm-up. From this
+                # process's memory when every rank holds it (prefetched), else from the checkpoint.
+                w = WARM.get(str(init))
+                agree = torch.tensor([float(usable(w, d, latest(init), s.world_size, s.rank))])
+                dist.all_reduce(agree, op=dist.ReduceOp.MIN)
+                if agree[0]:
+                    restore(w, d, opt, s.world_size, s.rank)
+                else:
+                    load(init, {"train": state}, process_group=pg)
                 state.step, state.progress["samples"] = 0, 0
                 for g in opt.param_groups:  # the moments are the warm-up's, the settings this config's
                     g.update(betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
@@ -181,16 +196,6 @@ class SpotTrainer:
         restore(w, d, opt, s.world_size, s.rank)
         state.step, state.progress["samples"] = w.step, w.samples
         return w.step
-
-    def _init_state(self) -> Path | None:
-        """The warm-up's training state behind ``init_from`` (a drafter directory), when its
-        newest checkpoint holds the very weights of that directory; else None (weights only)."""
-        if not isinstance(self.init_from, Path):
-            return None
-        root = self.init_from / STATE_NAME
-        config = self.init_from / CONFIG_NAME
-        recorded = json.loads(config.read_text()).get("step") if config.is_file() else None
-        return root if recorded is not None and latest(root) == recorded else None
 
     def _overlap_staging(self) -> bool:
         if self.cfg.overlap_staging is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -135,23 +137,44 @@ def _first_spot_session(warm_dir, root, samples, drafter):
     opt = torch.optim.AdamW(d.parameters())
     st = TrainState(d, opt, frozen=(d.embed_weight, d.target_head_weight))
     assert load(root, {"train": st}, alone=True) == 1
-    return {int(v["step"]) for v in opt.state.values()}, st.step
+    return {int(v["step"]) for v in opt.state.values()}, st.step, d.state_dict()
 
 
-def test_a_first_spot_session_continues_the_warmups_optimizer(tmp_path):
+def test_a_first_spot_session_continues_the_warmups_optimizer(tmp_path, monkeypatch):
     """A warm-up directory carries its training state: the first spot session continues its Adam
     moments (fresh ones make the first step lr * sign(grad) on every weight, undoing the warm-up)
-    while the spot schedule starts at step 0. A directory whose weights are not its newest
-    state's (the recorded step differs) gives the weights only."""
+    while the spot schedule starts at step 0, from the checkpoint or, prefetched, from this
+    process's memory (the same update). A directory whose weights are not its newest state's (the
+    recorded step differs) gives the weights only."""
     import json
+
+    import drafter.spot as spot
+    from drafter.resume_state import WARM, prefetch
 
     samples = make_samples(8)
     warm = make_drafter("eagle")
     train(warm, samples, _cfg(max_steps=3, save_every=3), tmp_path / "warm", progress=False)
-    adam_steps, step = _first_spot_session(tmp_path / "warm", tmp_path / "spot", samples, warm)
+    init = spot.warmup_state(tmp_path / "warm")
+    assert init == tmp_path / "warm" / STATE_NAME
+    adam_steps, step, weights = _first_spot_session(tmp_path / "warm", tmp_path / "spot", samples, warm)
     assert adam_steps == {4} and step == 1  # 3 warm-up steps + this one; the schedule restarted
+
+    # prefetched into this process (a replica does it at start): the same step, no checkpoint read
+    cfg = _cfg().spot_config()
+    prefetch(init, warm.config, warm.embed_weight, warm.target_head_weight, lr=cfg.lr, betas=cfg.betas,
+             weight_decay=cfg.weight_decay)
+    read, real_load = [], spot.load
+    monkeypatch.setattr(spot, "load", lambda root, *a, **k: read.append(Path(root)) or real_load(root, *a, **k))
+    try:
+        adam_steps, step, again = _first_spot_session(tmp_path / "warm", tmp_path / "spot2", samples, warm)
+    finally:
+        WARM.pop(str(init), None)
+    assert init not in read and adam_steps == {4} and step == 1
+    for name, a in weights.items():
+        torch.testing.assert_close(again[name], a, rtol=0, atol=0, msg=name)
 
     config = tmp_path / "warm" / "tlt_drafter.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "step": 2}))
-    adam_steps, step = _first_spot_session(tmp_path / "warm", tmp_path / "spot2", samples, warm)
+    assert spot.warmup_state(tmp_path / "warm") is None
+    adam_steps, step, _ = _first_spot_session(tmp_path / "warm", tmp_path / "spot3", samples, warm)
     assert adam_steps == {1} and step == 1

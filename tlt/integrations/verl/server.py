@@ -41,6 +41,7 @@ import torch
 from drafter.buffer import BufferConfig, DataBuffer
 from drafter.eagle import Drafter, DrafterConfig
 from drafter.resume_state import prefetch
+from drafter.spot import warmup_state
 from rollout.target import TargetModel
 from tlt.integrations.verl.assembly import ReplicaEngine
 from tlt.integrations.verl.batcher import Request, RequestBatcher
@@ -133,6 +134,7 @@ class TLTServer:
         self.probe = DriftProbe(self.model, self._lock)
         self.agent = None
         if train:
+            self._prefetch_warmup_state()
             self.agent = start_spot_agent(
                 cfg=self.cfg, rank=replica_rank, seed=seed, model=self.model, drafter_cfg=self.drafter_cfg,
                 buffer=self.buffer, spot_root=spot_root, coordinator=coordinator,
@@ -146,6 +148,15 @@ class TLTServer:
     @property
     def proposer_name(self) -> str:
         return self.assembly.proposer_name
+
+    def _prefetch_warmup_state(self) -> None:
+        """The first spot session continues the warm-up drafter's optimizer state: read into this
+        process now, so that session does not spend step 1's short idle window reading it."""
+        init = warmup_state(self.cfg.drafter.init_path) if self.cfg.drafter.init_path else None
+        if init is not None:
+            spot = spot_config(self.cfg, self.seed)
+            prefetch(init, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight,
+                     lr=spot.lr, betas=spot.betas, weight_decay=spot.weight_decay)
 
     def _reload_history(self) -> None:
         """A restarted replica rebuilds its draft history from the run directory (the trainer keeps
