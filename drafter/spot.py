@@ -42,8 +42,9 @@ Work lost to a kill: at most one checkpoint ``interval`` plus the steps of a sav
 
 First session: with no checkpoint yet, a session starts from ``init_from``. A warm-up directory
 (``tlt warmup``) also holds its training state (``trainer_state/``): when that state's newest
-checkpoint is the step the directory's weights record, the session continues its optimizer
-moments, with the spot schedule starting at step 0. Fresh Adam moments would make the first
+checkpoint is the step the directory's weights record (:func:`warmup_state`), the session
+continues its optimizer moments, with the spot schedule starting at step 0: from this process's
+memory when every rank prefetched that state (a replica does at start), else from the checkpoint. Fresh Adam moments would make the first
 update lr * sign(grad) on every weight: with the few steps an idle window fits, that undid the
 warm-up (accept length below the frozen drafter's for the next RL step).
 
