@@ -44,9 +44,10 @@ First session: with no checkpoint yet, a session starts from ``init_from``. A wa
 (``tlt warmup``) also holds its training state (``trainer_state/``): when that state's newest
 checkpoint is the step the directory's weights record (:func:`warmup_state`), the session
 continues its optimizer moments, with the spot schedule starting at step 0: from this process's
-memory when every rank prefetched that state (a replica does at start), else from the checkpoint. Fresh Adam moments would make the first
-update lr * sign(grad) on every weight: with the few steps an idle window fits, that undid the
-warm-up (accept length below the frozen drafter's for the next RL step).
+memory when every rank prefetched that state (a replica does at start), else from the checkpoint.
+Fresh Adam moments would make the first update lr * sign(grad) on every weight: with the few steps
+an idle window fits, that undid the warm-up (accept length below the frozen drafter's for the next
+RL step).
 
 Warm resume: a session's end keeps this rank's shards (weights and optimizer state) in process
 memory (:mod:`drafter.resume_state`; a replica that loads a newer drafter prefetches it the same way). The

@@ -37,8 +37,7 @@ def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     if not bounds or bounds[0] != 0:
         bounds = [0, *bounds]
     bounds.append(pos.numel())
-    p = dropout if module.training else 0.0
-    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=p,
+    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
                                            is_causal=True, scale=scaling, enable_gqa=True)
             for a, b in zip(bounds[:-1], bounds[1:]) if b > a]  # each [1, H, len, D]
     return torch.cat(outs, 2).transpose(1, 2).contiguous(), None
