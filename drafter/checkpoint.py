@@ -60,7 +60,6 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
 log = logging.getLogger(__name__)
-STATE_NAME = "trainer_state"  # a drafter directory's training state (a checkpoint root), beside its weights
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 TMP_SUFFIX = ".tmp"

@@ -28,9 +28,10 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from drafter.checkpoint import STATE_NAME, load_weights
+from drafter.checkpoint import load_weights
 from drafter.eagle import Drafter
 from drafter.packing import FeatureSample, pack, pack_by_budget
+from drafter.resume_state import STATE_NAME
 from drafter.spot import SessionSpec, SpotConfig, SpotTrainer
 from drafter.ttt import StepStats, TTTConfig, ttt_forward
 

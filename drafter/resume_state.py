@@ -9,11 +9,18 @@ session, so that session does not spend its short idle window reading the checkp
 restoration into the next session's freshly sharded drafter, by parameter name (a one-rank state
 is cut into any session's FSDP2 shards). ``drafter.spot`` decides when a
 snapshot may be used (every rank agrees nothing changed); this module only copies.
+
+Also what a first session (no checkpoint yet) resumes from: a ``tlt warmup`` drafter directory
+holds its training state (``trainer_state/``) beside its weights, and when that state is the step
+the weights record (:func:`warmup_state`) the session continues its optimizer moments (from
+memory when prefetched: a replica does at start). Fresh Adam moments would make the first update
+lr * sign(grad) on every weight: with the few steps an idle window fits, that undid the warm-up.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -21,7 +28,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from drafter.checkpoint import TrainState, latest, load
-from drafter.eagle import Drafter, DrafterConfig
+from drafter.eagle import CONFIG_NAME, Drafter, DrafterConfig
+
+STATE_NAME = "trainer_state"  # a drafter directory's training state (a checkpoint root), beside its weights
 
 
 @dataclasses.dataclass
@@ -109,3 +118,11 @@ def prefetch(root: str | Path, drafter_config: DrafterConfig, embed_weight: torc
     load(root, {"train": state}, step=step, alone=True)
     WARM[str(root)] = w = snapshot(d, opt, step, 1, 0, state.progress["samples"])
     return w
+
+
+def warmup_state(drafter_dir: str | Path) -> Path | None:
+    """The training state (a checkpoint root) of a ``tlt warmup`` drafter directory, when its newest
+    checkpoint holds the very weights of that directory (the step its config records); else None."""
+    root, config = Path(drafter_dir) / STATE_NAME, Path(drafter_dir) / CONFIG_NAME
+    recorded = json.loads(config.read_text()).get("step") if config.is_file() else None
+    return root if recorded is not None and latest(root) == recorded else None

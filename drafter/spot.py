@@ -40,14 +40,8 @@ an interrupted and resumed run trains on exactly the batches an uninterrupted on
 
 Work lost to a kill: at most one checkpoint ``interval`` plus the steps of a save still in flight.
 
-First session: with no checkpoint yet, a session starts from ``init_from``. A warm-up directory
-(``tlt warmup``) also holds its training state (``trainer_state/``): when that state's newest
-checkpoint is the step the directory's weights record (:func:`warmup_state`), the session
-continues its optimizer moments, with the spot schedule starting at step 0: from this process's
-memory when every rank prefetched that state (a replica does at start), else from the checkpoint.
-Fresh Adam moments would make the first update lr * sign(grad) on every weight: with the few steps
-an idle window fits, that undid the warm-up (accept length below the frozen drafter's for the next
-RL step).
+First session: with no checkpoint yet, a session starts from ``init_from``; a warm-up directory's
+optimizer state comes with it (:mod:`drafter.resume_state`).
 
 Warm resume: a session's end keeps this rank's shards (weights and optimizer state) in process
 memory (:mod:`drafter.resume_state`; a replica that loads a newer drafter prefetches it the same way). The
@@ -62,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -74,13 +67,13 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from drafter.checkpoint import STATE_NAME, AsyncCheckpointer, TrainState, latest, load
-from drafter.eagle import CONFIG_NAME, WEIGHTS_NAME, Drafter, DrafterConfig
+from drafter.checkpoint import AsyncCheckpointer, TrainState, latest, load
+from drafter.eagle import WEIGHTS_NAME, Drafter, DrafterConfig
 from drafter.packing import FeatureSample, empty_like, pack, shard_samples, split_chunks
 from drafter.rendezvous import RendezvousAborted, rendezvous
 from drafter.session import STOP_REASONS, NextBatch, PreemptFlag, SessionResult, SessionSpec, SpotConfig
 from drafter.ttt import TTTConfig, ttt_forward
-from drafter.resume_state import WARM, restore, snapshot, usable
+from drafter.resume_state import WARM, restore, snapshot, usable, warmup_state
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +81,6 @@ __all__ = ["STOP_REASONS", "NextBatch", "PreemptFlag", "SessionResult", "Session
            "run_session"]
 
 _FIRST_CHUNK_TOKENS = 64  # chunk size before any throughput was measured (one busy-CPU chunk < 0.1 s)
-
-
-def warmup_state(drafter_dir: str | Path) -> Path | None:
-    """The training state (a checkpoint root) of a ``tlt warmup`` drafter directory, when its newest
-    checkpoint holds the very weights of that directory (the step its config records); else None."""
-    root, config = Path(drafter_dir) / STATE_NAME, Path(drafter_dir) / CONFIG_NAME
-    recorded = json.loads(config.read_text()).get("step") if config.is_file() else None
-    return root if recorded is not None and latest(root) == recorded else None
 
 
 class SpotTrainer:
@@ -171,33 +156,30 @@ class SpotTrainer:
         return d, opt
 
     def _resume(self, d: Drafter, opt: torch.optim.Optimizer, state: TrainState, pg) -> int:
-        """Resume from this process's warm state when every rank can, else from the checkpoint."""
-        w, s = WARM.get(str(self.root)), self.spec
-        ok = usable(w, d, latest(self.root), s.world_size, s.rank)
-        agree = torch.tensor([float(ok)])
+        """Resume from the newest checkpoint; a first session continues the warm-up's optimizer
+        state behind ``init_from`` (:func:`~drafter.resume_state.warmup_state`), its schedule at 0."""
+        step, self.warm = self._read(self.root, d, opt, state, pg)
+        init = warmup_state(self.init_from) if isinstance(self.init_from, Path) else None
+        if step is None and init is not None:
+            self._read(init, d, opt, state, pg)
+            state.step, state.progress["samples"] = 0, 0
+            for g in opt.param_groups:  # the moments are the warm-up's, the settings this config's
+                g.update(betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
+        return step or 0
+
+    def _read(self, root: Path, d: Drafter, opt: torch.optim.Optimizer, state: TrainState,
+              pg) -> tuple[int | None, bool]:
+        """The newest checkpoint under ``root`` into ``d``, ``opt`` and ``state``: from this
+        process's memory when every rank holds it (one all-reduce), else read. Returns its step
+        (None: no checkpoint) and whether it came from memory."""
+        w, s = WARM.get(str(root)), self.spec
+        agree = torch.tensor([float(usable(w, d, latest(root), s.world_size, s.rank))])
         dist.all_reduce(agree, op=dist.ReduceOp.MIN)
-        self.warm = bool(agree[0])
-        if not self.warm:
-            step = load(self.root, {"train": state}, process_group=pg)
-            init = warmup_state(self.init_from) if isinstance(self.init_from, Path) else None
-            if step is None and init is not None:
-                # A first session continues the warm-up's optimizer: fresh Adam moments would make
-                # its first steps lr * sign(grad) on every weight and undo the warm-up. From this
-                # process's memory when every rank holds it (prefetched), else from the checkpoint.
-                w = WARM.get(str(init))
-                agree = torch.tensor([float(usable(w, d, latest(init), s.world_size, s.rank))])
-                dist.all_reduce(agree, op=dist.ReduceOp.MIN)
-                if agree[0]:
-                    restore(w, d, opt, s.world_size, s.rank)
-                else:
-                    load(init, {"train": state}, process_group=pg)
-                state.step, state.progress["samples"] = 0, 0
-                for g in opt.param_groups:  # the moments are the warm-up's, the settings this config's
-                    g.update(betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
-            return step or 0
+        if not agree[0]:
+            return load(root, {"train": state}, process_group=pg), False
         restore(w, d, opt, s.world_size, s.rank)
         state.step, state.progress["samples"] = w.step, w.samples
-        return w.step
+        return w.step, True
 
     def _overlap_staging(self) -> bool:
         if self.cfg.overlap_staging is None:

@@ -149,12 +149,12 @@ def test_a_first_spot_session_continues_the_warmups_optimizer(tmp_path, monkeypa
     import json
 
     import drafter.spot as spot
-    from drafter.resume_state import WARM, prefetch
+    from drafter.resume_state import WARM, prefetch, warmup_state
 
     samples = make_samples(8)
     warm = make_drafter("eagle")
     train(warm, samples, _cfg(max_steps=3, save_every=3), tmp_path / "warm", progress=False)
-    init = spot.warmup_state(tmp_path / "warm")
+    init = warmup_state(tmp_path / "warm")
     assert init == tmp_path / "warm" / STATE_NAME
     adam_steps, step, weights = _first_spot_session(tmp_path / "warm", tmp_path / "spot", samples, warm)
     assert adam_steps == {4} and step == 1  # 3 warm-up steps + this one; the schedule restarted
@@ -175,6 +175,6 @@ def test_a_first_spot_session_continues_the_warmups_optimizer(tmp_path, monkeypa
 
     config = tmp_path / "warm" / "tlt_drafter.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "step": 2}))
-    assert spot.warmup_state(tmp_path / "warm") is None
+    assert warmup_state(tmp_path / "warm") is None
     adam_steps, step, _ = _first_spot_session(tmp_path / "warm", tmp_path / "spot3", samples, warm)
     assert adam_steps == {1} and step == 1

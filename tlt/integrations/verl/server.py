@@ -40,8 +40,7 @@ import torch
 
 from drafter.buffer import BufferConfig, DataBuffer
 from drafter.eagle import Drafter, DrafterConfig
-from drafter.resume_state import prefetch
-from drafter.spot import warmup_state
+from drafter.resume_state import prefetch, warmup_state
 from rollout.target import TargetModel
 from tlt.integrations.verl.assembly import ReplicaEngine
 from tlt.integrations.verl.batcher import Request, RequestBatcher
