@@ -26,6 +26,7 @@ the drafter's training data from the policy that is rolling out.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Protocol, Sequence
 
@@ -40,6 +41,8 @@ from rollout.static_step import StaticTargetStep
 from rollout.strategy import Arm
 from rollout.target import TargetModel
 from rollout.verify import verify
+
+log = logging.getLogger(__name__)
 
 
 class Tuner(Protocol):
@@ -131,11 +134,12 @@ class RolloutEngine:
         self._features_buf: torch.Tensor | None = None  # [max_batch, slots, F], allocated on first use
         self._generation = 0
         static = cfg.static_shapes if cfg.static_shapes is not None else self.device.type == "cuda"
-        self.static_step: StaticTargetStep | None = None
-        if static:
-            sizes = tuple(c for c in DEFAULT_CAPTURE_BATCH_SIZES if c < cfg.max_batch) + (cfg.max_batch,)
-            self.static_step = StaticTargetStep(target, self.cache, GraphPlanConfig(capture_batch_sizes=sizes),
-                                                self._capture, self._features, cuda_graphs=cfg.cuda_graphs)
+        self.static_step: StaticTargetStep | None = self._new_static_step() if static else None
+
+    def _new_static_step(self) -> StaticTargetStep:
+        sizes = tuple(c for c in DEFAULT_CAPTURE_BATCH_SIZES if c < self.cfg.max_batch) + (self.cfg.max_batch,)
+        return StaticTargetStep(self.target, self.cache, GraphPlanConfig(capture_batch_sizes=sizes),
+                                self._capture, self._features, cuda_graphs=self.cfg.cuda_graphs)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -220,13 +224,17 @@ class RolloutEngine:
         kept = (self._aux_layers, self._stores_hidden)
         self.proposers, self.tuner, self._aux_layers = dict(proposers), tuner, (aux.pop() if aux else ())
         try:
-            if getattr(self, "static_step", None) is not None and (self._aux_layers, self._stores_hidden) != kept:
-                raise ValueError("the new proposers read other target features than the captured CUDA graphs "
-                                 "produce: build a new engine")
             self._check_arms()
         except ValueError:
             self.proposers, self.tuner, self._aux_layers = old
             raise
+        if getattr(self, "static_step", None) is not None and (self._aux_layers, self._stores_hidden) != kept:
+            # the step's graphs produce the old features (a first EAGLE drafter reads the hidden state):
+            # a new static step captures again on first use (capture time is no arm's cost)
+            capture_s = self.static_step.capture_s
+            self.static_step = self._new_static_step()
+            self.static_step.capture_s = capture_s
+            log.info("engine: the proposers read other target features: its graphs are captured again")
 
     def _check_arms(self) -> None:
         """Every arm this engine may run fits its KV slots and names one of its proposers."""

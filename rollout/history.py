@@ -2,14 +2,17 @@
 
 Owns :class:`ResponseHistory`: RL feeds the same prompts back every epoch, so a prompt's earlier
 responses are the cheapest strong draft source there is (DAS, HistoSpec, SPEC-RL). It keeps, per
-prompt, the responses of the last ``window`` RL steps (a sliding window: the policy moves) and a
-bounded pool of the most recent responses across prompts, each as one corpus (:func:`corpus`:
-each response preceded by the last ``max_n`` tokens of its prompt, so a request that has
-generated nothing yet matches its prompt's end and drafts the response's start; joined by
+prompt, the responses of the prompt's last ``visits`` rollouts (RL steps that sampled it), however
+many steps ago: a prompt returns once per epoch, so a window counted in RL steps shorter than an
+epoch would never hold a returning prompt's responses; the newest visits are kept because the policy
+moves. Beside them, a bounded pool of the most recent responses across prompts. Each is one corpus
+(:func:`corpus`: each response preceded by the last ``max_n`` tokens of its prompt, so a request that
+has generated nothing yet matches its prompt's end and drafts the response's start; joined by
 :data:`rollout.ngram.SEP`), which :class:`rollout.ngram.NgramProposer` matches like a sibling's
 output. Corpora are kept as tokens only (built when a request of the prompt first asks, dropped
 when the prompt's history changes); the proposer indexes the ones its requests use and keeps
-the recently used tables (:attr:`rollout.ngram.NgramProposer.TABLE_TOKENS`). Memory is bounded by ``window`` x ``per_prompt`` responses per prompt and
+the recently used tables (:attr:`rollout.ngram.NgramProposer.TABLE_TOKENS`). Memory is bounded by
+``max_prompts`` (the least recently visited prompt goes first) x ``per_prompt`` responses and by
 ``global_tokens``; :meth:`ResponseHistory.stats` reports it.
 
 Ordering: ``add`` replaces corpora, never mutates one a proposer holds, so a request that started
@@ -30,13 +33,15 @@ _HISTORY_STAMP = -(1 << 40)  # history stamps count up from here: older than eve
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HistoryConfig:
-    window: int = 2  # RL steps of a prompt's responses kept (the policy moves: older ones mislead)
+    visits: int = 2  # a prompt's responses from its last this many rollouts (the policy moves: older mislead)
     per_prompt: int = 32  # at most this many of a prompt's responses, newest kept
+    max_prompts: int = 4096  # prompts kept; the least recently visited goes first
     global_tokens: int = 8192  # recent responses across prompts (0: no global pool)
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.per_prompt < 1:
-            raise ValueError(f"HistoryConfig: window={self.window} and per_prompt={self.per_prompt} must be >= 1")
+        for name in ("visits", "per_prompt", "max_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"HistoryConfig.{name}={getattr(self, name)}: use >= 1")
         if self.global_tokens < 0:
             raise ValueError(f"HistoryConfig.global_tokens={self.global_tokens}: use >= 0 (0: no global pool)")
 
@@ -52,7 +57,7 @@ def corpus(responses: Iterable[Sequence[int]]) -> IndexedSeq:
 
 
 class ResponseHistory:
-    """Per-prompt windows of earlier responses and a global pool (see the module docstring)."""
+    """Per-prompt visits of earlier responses and a global pool (see the module docstring)."""
 
     def __init__(self, config: HistoryConfig = HistoryConfig(), ngram: NgramConfig | None = None) -> None:
         self.config, self.ngram = config, ngram or NgramConfig()
@@ -64,35 +69,32 @@ class ResponseHistory:
         self.step: int | None = None  # newest step added
 
     def add(self, step: int, pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> int:
-        """Step ``step``'s (prompt, response) pairs; drops what left the window. Returns how many."""
-        added, touched = 0, set()
+        """Step ``step``'s (prompt, response) pairs; drops what falls out of the bounds. Returns how many."""
+        cfg, added, touched = self.config, 0, set()
         for prompt, response in pairs:
             key, resp = tuple(int(t) for t in prompt), [int(t) for t in response]
             if not resp:
                 continue
             resp = list(key[-self.ngram.max_n:]) + resp
-            q = self._by_prompt.setdefault(key, collections.deque())
+            q = self._by_prompt.pop(key, None) or collections.deque()  # re-inserted: last visited last
             q.append((step, resp))
-            while len(q) > self.config.per_prompt:
+            visits = sorted({s for s, _ in q})[-cfg.visits:]
+            while len(q) > cfg.per_prompt or q[0][0] < visits[0]:
                 q.popleft()
+            self._by_prompt[key] = q
             self._recent.append((step, resp))
             touched.add(key)
             added += 1
+        while len(self._by_prompt) > cfg.max_prompts:
+            touched.add(next(iter(self._by_prompt)))
+            del self._by_prompt[next(iter(self._by_prompt))]
         self.step = step if self.step is None else max(self.step, step)
-        oldest = self.step - self.config.window + 1
-        for key in list(self._by_prompt):
-            q = self._by_prompt[key]
-            while q and q[0][0] < oldest:
-                q.popleft()
-                touched.add(key)
-            if not q:
-                del self._by_prompt[key]
         tokens = sum(len(r) + 1 for _, r in self._recent)
-        while self._recent and (tokens > self.config.global_tokens or self._recent[0][0] < oldest):
+        while self._recent and tokens > cfg.global_tokens:
             tokens -= len(self._recent.popleft()[1]) + 1
         for key in touched:  # rebuilt, not mutated: proposals in flight keep their corpora
             self._corpora.pop(key, None)
-        if added or touched:
+        if added:
             self._global = None
         return added
 
@@ -112,7 +114,7 @@ class ResponseHistory:
 
     def pairs(self) -> list[tuple[int, list[int], list[int]]]:
         """Everything kept per prompt, as (step, prompt, response) in step order: what a restarted
-        replica needs to rebuild this history (``add`` them back step by step)."""
+        replica needs to rebuild this history (``add`` them back step by step, in this order)."""
         cut = self.ngram.max_n
         return sorted(((s, list(k), r[min(cut, len(k)):]) for k, q in self._by_prompt.items() for s, r in q),
                       key=lambda x: x[0])

@@ -342,34 +342,43 @@ class NgramProposer:
         outputs = seq.group.outputs if (own or sib) else {}
         prompt = seq.prompt_index.table if cfg.use_prompt else {}
         found: list[tuple[int, int, IndexedSeq, int]] = []
-        seen: set[tuple[int, int]] = set()  # (id(source), position): counted at its longest n
+        # counted at its longest n: (source, position) of outputs, positions of the own prompt,
+        # (corpus index, position) of history corpora
+        seen_out: set[tuple[IndexedSeq, int]] = set()
+        seen_prompt: set[int] = set()
+        seen_hist: set[tuple[int, int]] = set()
         size = len(ctx)
         for n in range(min(cfg.max_n, size), cfg.min_n - 1, -1):
             key = tuple(ctx[size - n:])
-            for src, p in reversed(outputs.get(key, ())):
-                if (src is seq and not own) or (src is not seq and not sib):
-                    continue
-                if (id(src), p) in seen:
-                    continue
-                seen.add((id(src), p))
-                found.append((n, src.stamps[p], src, p))
-                if len(found) >= cap:
-                    return found
-            for p in reversed(prompt.get(key, ())):
-                if (id(seq), p) in seen:
-                    continue
-                seen.add((id(seq), p))
-                found.append((n, seq.stamps[p], seq, p))
-                if len(found) >= cap:
-                    return found
-            for corpus, table in seq.history:
-                for p in reversed(table.get(key, ())):
-                    if (id(corpus), p) in seen:
+            hits = outputs.get(key)
+            if hits:
+                for item in reversed(hits):
+                    src = item[0]
+                    if (not own and src is seq) or (not sib and src is not seq) or item in seen_out:
                         continue
-                    seen.add((id(corpus), p))
-                    found.append((n, corpus.stamps[p], corpus, p))
+                    seen_out.add(item)
+                    found.append((n, src.stamps[item[1]], src, item[1]))
                     if len(found) >= cap:
                         return found
+            hits = prompt.get(key)
+            if hits:
+                for p in reversed(hits):
+                    if p in seen_prompt:
+                        continue
+                    seen_prompt.add(p)
+                    found.append((n, seq.stamps[p], seq, p))
+                    if len(found) >= cap:
+                        return found
+            for c, (corpus, table) in enumerate(seq.history):
+                hits = table.get(key)
+                if hits:
+                    for p in reversed(hits):
+                        if (c, p) in seen_hist:
+                            continue
+                        seen_hist.add((c, p))
+                        found.append((n, corpus.stamps[p], corpus, p))
+                        if len(found) >= cap:
+                            return found
         return found
 
     def _corpus_table(self, corpus: IndexedSeq) -> dict[tuple[int, ...], list[int]]:
@@ -381,15 +390,12 @@ class NgramProposer:
             self._tables.move_to_end(id(corpus))
             return hit[1]
         table: dict[tuple[int, ...], list[int]] = {}
-        toks, lo, hi = corpus.tokens, self.config.min_n, self.config.max_n
-        for p in range(1, len(toks)):
-            if toks[p - 1] == SEP:
-                continue
-            for n in range(lo, min(hi, p) + 1):
-                key = tuple(toks[p - n:p])
-                if SEP in key:
-                    break
-                bucket = table.get(key)
+        toks, get = corpus.tokens, table.get
+        for n in range(self.config.min_n, self.config.max_n + 1):
+            # the n-grams ending at p - 1, for p = n .. len - 1 (one with an empty continuation never
+            # counts); an n-gram holding SEP is indexed too but never looked up (no context has SEP)
+            for p, key in enumerate(zip(*[toks[i:len(toks) - n + i] for i in range(n)]), n):
+                bucket = get(key)
                 if bucket is None:
                     table[key] = [p]
                 else:

@@ -264,8 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "and it leaves a core to the rest of the machine, which keeps the timing noise low; "
                    "0: torch's default)")
     s.add_argument("--target-steps", type=int, default=0,
-                   help="headroom: train the demo's target this many steps instead (0: the demo's own target; "
-                   "a sharper target raises the ceiling; built once and cached)")
+                   help="headroom, drafters: train the demo's target this many steps instead (0: the demo's own "
+                   "target; a sharper target raises the ceiling; built once and cached)")
     s.add_argument("--shape", default="auto",
                    help="step-cost: target shape with random weights: demo, qwen2-1.5b or llama-8b (auto: "
                    "qwen2-1.5b on CUDA, demo on CPU)")

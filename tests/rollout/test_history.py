@@ -1,7 +1,7 @@
 """History-aware model-free drafting and proposers as arms.
 
-- :class:`rollout.history.ResponseHistory`: a sliding window of steps per prompt, bounded per
-  prompt and globally, rebuildable from its pairs (a restarted replica).
+- :class:`rollout.history.ResponseHistory`: each prompt's last visits, however long ago, bounded per
+  prompt, in prompts and globally, rebuildable from its pairs (a restarted replica).
 - The suffix drafter drafts a prompt's earlier responses: with the seeds of an earlier epoch it
   drafts exactly what the target samples; sampled outputs stay token-identical to plain decoding.
 - The engine runs several proposers as arms, checks every arm at construction, swaps proposers
@@ -26,24 +26,31 @@ from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.tokenizer import TextTokenizer
 
 
-def test_history_keeps_a_window_of_steps_bounded_per_prompt_and_globally():
-    h = ResponseHistory(HistoryConfig(window=2, per_prompt=3, global_tokens=40))
-    p, q = [1, 2, 3], [4, 5]
+def test_history_keeps_each_prompts_last_visits_however_long_ago_bounded_everywhere():
+    h = ResponseHistory(HistoryConfig(visits=2, per_prompt=3, max_prompts=2, global_tokens=40))
+    p, q, r = [1, 2, 3], [4, 5], [6]
     h.add(1, [(p, [10, 11]), (q, [20])])
     h.add(2, [(p, [12]), (p, [13]), (p, [14])])
     assert h.stats()["responses"] == 4  # p keeps its newest 3, q still has step 1's
-    h.add(3, [(q, [21, 22])])
+    h.add(9, [(q, [21, 22])])  # q returns 8 steps later (the next epoch): both its visits are kept
     kept = h.pairs()
-    assert [(s, r) for s, k, r in kept if k == p] == [(2, [12]), (2, [13]), (2, [14])]  # step 1 left the window
-    assert [(s, r) for s, k, r in kept if k == q] == [(3, [21, 22])]
+    assert [(s, r) for s, k, r in kept if k == p] == [(2, [12]), (2, [13]), (2, [14])]
+    assert [(s, r) for s, k, r in kept if k == q] == [(1, [20]), (9, [21, 22])]
+    h.add(10, [(q, [23])])  # a third visit: q's first one leaves
+    assert [(s, r) for s, k, r in h.pairs() if k == q] == [(9, [21, 22]), (10, [23])]
     assert h.stats()["global_tokens"] <= 40
-    rebuilt = ResponseHistory(HistoryConfig(window=2, per_prompt=3, global_tokens=40))
+    kept = h.pairs()
+    rebuilt = ResponseHistory(HistoryConfig(visits=2, per_prompt=3, max_prompts=2, global_tokens=40))
     for step in sorted({s for s, _, _ in kept}):
         rebuilt.add(step, [(k, r) for s, k, r in kept if s == step])
     assert rebuilt.pairs() == kept
-    assert [len(c.tokens) for c in rebuilt.sources(tuple(p))] == [len(c.tokens) for c in h.sources(tuple(p))]
-    with pytest.raises(ValueError, match="window"):
-        HistoryConfig(window=0)
+    assert rebuilt.sources(tuple(p))[0].tokens == h.sources(tuple(p))[0].tokens  # the pool: from what is kept
+    h.add(11, [(r, [30])])  # a third prompt: the least recently visited one (p) goes
+    assert {tuple(k) for _, k, _ in h.pairs()} == {tuple(q), tuple(r)}
+    assert h.sources(tuple(p)) == [h.sources(tuple(r))[-1]]  # p drafts from the global pool only
+    for bad in ({"visits": 0}, {"per_prompt": 0}, {"max_prompts": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            HistoryConfig(**bad)
 
 
 @pytest.fixture(scope="module")
@@ -177,14 +184,14 @@ def test_history_corpora_are_indexed_once_across_generations_and_bounded(monkeyp
     by a third), and the kept tables stay under TABLE_TOKENS history tokens."""
     from rollout.draft_tree import ProposerInput
 
-    h = ResponseHistory(HistoryConfig(window=1, global_tokens=400))
+    h = ResponseHistory(HistoryConfig(visits=1, global_tokens=80))  # the pool: the newest response
     prop = NgramProposer(history=h)
-    tables: dict[int, object] = {}  # id(corpus) -> the table it was first indexed into
+    tables: dict[int, tuple] = {}  # id(corpus) -> (corpus, kept alive: ids stay unique; its first table)
     real = prop._corpus_table
 
     def spy(corpus):
         table = real(corpus)
-        assert tables.setdefault(id(corpus), table) is table, "a corpus was indexed again"
+        assert tables.setdefault(id(corpus), (corpus, table))[1] is table, "a corpus was indexed again"
         return table
 
     monkeypatch.setattr(prop, "_corpus_table", spy)

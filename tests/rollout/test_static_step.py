@@ -63,6 +63,35 @@ def test_static_shapes_are_token_identical(setup, warm_drafters, kind, arm):  # 
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
 
 
+def test_a_first_eagle_drafter_joins_a_static_engine(setup, warm_drafters):  # noqa: F811
+    """A replica starts with the suffix drafter only (no target features); its first EAGLE drafter
+    reads the hidden state, so the static step is rebuilt (on CUDA: its graphs captured again), the
+    engine and its cache stay, the output stays token-identical; a later drafter of the same kind
+    keeps the step (and its graphs)."""
+    model, prompts, params = setup
+    prompts, params = prompts[:5], params[:5]
+    ref = _run(model, prompts, params, static=False)[1]
+    groups = [0, 0, 1, 1, 2]
+    eng, res = _run(model, prompts, params, static=True, groups=groups, proposer=NgramProposer(),
+                    tuner=BegMab(TunerConfig.for_device("cpu", seed=1)))
+    assert res.outputs == ref.outputs
+    cache, step = eng.cache, eng.static_step
+
+    def eagle():
+        drafter = Drafter.load(warm_drafters["eagle"], model.embed_weight, model.lm_head.weight)
+        return EagleProposer(drafter, max_batch=8, max_len=600)
+
+    proposers = ("", "suffix")
+    eng.set_proposers({"": eagle(), "suffix": NgramProposer()}, BegMab(TunerConfig.for_device("cpu", proposers=proposers, seed=1)))
+    assert eng.cache is cache and eng.static_step is not step  # the features changed: a new step
+    res = eng.generate(prompts, params, groups)
+    assert res.outputs == ref.outputs and any(s.sd for s in res.steps)
+    step = eng.static_step
+    eng.set_proposers({"": eagle(), "suffix": NgramProposer()}, BegMab(TunerConfig.for_device("cpu", proposers=proposers, seed=1)))
+    assert eng.static_step is step  # the same features: the step and its graphs stay
+    assert eng.generate(prompts, params, groups).outputs == ref.outputs
+
+
 def test_static_shapes_default_off_on_cpu(setup):  # noqa: F811
     model, _, _ = setup
     assert RolloutEngine(model, EngineConfig(max_batch=2, max_len=64)).static_step is None

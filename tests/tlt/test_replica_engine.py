@@ -67,8 +67,13 @@ def test_replica_engine_on_a_gpu(dtype):
     engine, cache = rep.engine, rep.engine.cache
     drafter = Drafter(DrafterConfig.for_target(cfg), model.embed_weight, model.lm_head.weight).to(device="cuda",
                                                                                                  dtype=dtype)
-    rep.set_drafter(drafter.eval())
+    rep.set_drafter(drafter.eval())  # the first drafter reads the hidden state: graphs captured again
     assert rep.engine is engine and engine.cache is cache and rep.proposer_name == "eagle"
     again = engine.generate(prompts, params, seeds=[1, 2, 3]).outputs
     if dtype == torch.float32:
         assert again == out
+    step, replays = engine.static_step, engine.static_step.replays
+    rep.set_drafter(drafter.eval())  # a new drafter of the same kind keeps the step and its graphs
+    assert engine.static_step is step and step.pool is not None
+    assert engine.generate(prompts, params, seeds=[1, 2, 3]).outputs == again or dtype != torch.float32
+    assert step.replays > replays

@@ -59,9 +59,26 @@ class _Timed:
         return getattr(self.inner, "catch_up_s", 0.0)
 
 
+def structure_ceiling(outputs: list[list[int]], digits: set[int], depth: int) -> float:
+    """Accept length of a drafter that drafts every token outside ``digits`` right and every digit
+    wrong, drafting up to ``depth`` tokens per verify (the bonus token included, as measured)."""
+    committed = verifies = 0
+    for out in outputs:
+        i = 0
+        while i < len(out):
+            k = 0
+            while k < depth and i + k < len(out) and out[i + k] not in digits:
+                k += 1
+            step = min(k + 1, len(out) - i)
+            i, committed, verifies = i + step, committed + step, verifies + 1
+    return committed / verifies if verifies else 1.0
+
+
 def run(args: argparse.Namespace) -> dict:
     quick = bool(args.quick)
     size = QUICK if quick else DEFAULT
+    if getattr(args, "target_steps", 0):  # a sharper policy: its samples of one prompt agree more
+        size = dataclasses.replace(size, target=dataclasses.replace(size.target, train_steps=args.target_steps))
     torch.set_num_threads(args.threads or torch.get_num_threads())
     target = ensure_target(size.target, progress=False)
     model = TargetModel.from_pretrained(target).eval()
@@ -79,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
     cfg = EngineConfig(max_batch=len(reqs), max_len=max_len, max_draft_tokens=16)
 
     def suffix(history: bool, global_pool: bool) -> tuple[NgramProposer, ResponseHistory | None]:
-        hist = ResponseHistory(HistoryConfig(window=epochs, global_tokens=8192 if global_pool else 0)) if history else None
+        hist = ResponseHistory(HistoryConfig(global_tokens=8192 if global_pool else 0)) if history else None
         return NgramProposer(history=hist), hist
 
     def eagle() -> EagleProposer:
@@ -127,6 +144,8 @@ def run(args: argparse.Namespace) -> dict:
                 "us_per_propose_per_request": us, "history": hist.stats() if hist is not None else None}
             log.info("%s %s: AL %.2f", name, shape_name, committed / max(1, verifies))
     base = table["suffix, siblings only"]
+    digits = {t for t in range(tok.vocab_size) if any(c.isdigit() for c in tok.decode([t]))}
+    ceiling = {s: structure_ceiling([o for outs in ref[1:] for o in outs], digits, arms[s].depth) for s in arms}
     lines = [f"drafters: {n_prompts} prompts x {n} samples of the demo's task at temperature 1, {epochs} epochs "
              f"(the same prompts each epoch, new seeds), target {target.name}, {torch.get_num_threads()} thread(s); "
              f"accept length over epochs 2..{epochs} (tokens per verify, bonus included); chain {arms['chain']}, "
@@ -138,6 +157,10 @@ def run(args: argparse.Namespace) -> dict:
             cost = ", ".join(f"{k} {v:.0f} us" for k, v in r["us_per_propose_per_request"].items())
             cells.append(f"{shape_name} AL {al:.2f} ({al / b:.2f}x siblings-only; {cost}/request)")
         lines.append(f"  {name:28s} " + " | ".join(cells))
+    lines.append("  ceiling of drafting text    " + " | ".join(
+        f"{s} AL {c:.2f} ({c / base[s]['accept_length']:.2f}x siblings-only)" for s, c in ceiling.items())
+        + ": every token without a digit drafted right, every digit wrong (the task's operands and results "
+        "are digits the policy samples afresh)")
     try:
         import arctic_inference  # noqa: F401
         lines.append("  arctic-inference is installed: its SuffixDecodingCache is not wired into this bench yet")
@@ -147,5 +170,6 @@ def run(args: argparse.Namespace) -> dict:
             "epochs": epochs, "arms": {k: str(v) for k, v in arms.items()}, "variants": table,
             "history_over_siblings": {s: table["suffix + history"][s]["accept_length"] / base[s]["accept_length"]
                                       for s in arms},
+            "text_ceiling": ceiling,
             "machine": {"python": platform.python_version(), "torch": torch.__version__,
                         "threads": torch.get_num_threads()}, "summary": lines}

@@ -124,7 +124,8 @@ def _run(args: argparse.Namespace) -> dict:
     quick = bool(args.quick)
     target_dir = ensure_target((QUICK if quick else DEFAULT).target, progress=False)
     drafter_dir = _drafter_dir(target_dir, 20 if quick else 150, quick)
-    model = TargetModel.from_pretrained(target_dir)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CUDA: static shapes + graphs by default
+    model = TargetModel.from_pretrained(target_dir, device=device)
     tok = TextTokenizer.from_pretrained(target_dir)
     drafter = Drafter.load(drafter_dir, model.embed_weight, model.lm_head.weight)
     rng = random.Random(args.seed)
@@ -163,7 +164,7 @@ def _run(args: argparse.Namespace) -> dict:
     # the cost of the drafter being there at all: attached, speculation never on
     engines["EAGLE proposer, SD off"] = engine(arm=Arm.off(), proposer=eagle())
     torch.manual_seed(args.seed)
-    untrained = Drafter(drafter.config, model.embed_weight, model.lm_head.weight)
+    untrained = Drafter(drafter.config, model.embed_weight, model.lm_head.weight).to(device)
     engines["random drafter + BEG-MAB"] = engine(
         proposer=EagleProposer(untrained, max_batch=bs, max_len=max_len + 64), tuner=mab())
     engines["EAGLE + BEG-MAB, fixed elastic 32"] = engine(proposer=eagle(), tuner=mab(), threshold=32)
@@ -219,7 +220,8 @@ def _run(args: argparse.Namespace) -> dict:
     for name, arm, temp in (("ar", None, 0.0), ("sd", Arm(3, 1, 3), 0.0), ("sampled", Arm(3, 1, 3), 1.0)):
         eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=max_len, arm=arm, elastic_threshold=8),
                             proposer=EagleProposer(drafter, max_batch=8, max_len=max_len + 64) if arm else None)
-        with count_host_syncs() as count:
+        eng.generate(prompts[:8], [SamplingParams(max_new_tokens=64, temperature=temp)] * 8)  # CUDA: captures
+        with count_host_syncs() as count:  # the steady state: graphs replayed, nothing captured
             res = eng.generate(prompts[:8], [SamplingParams(max_new_tokens=64, temperature=temp)] * 8)
         syncs[name] = count.total / len(res.steps)
     workloads = {"long_tail": "EAGLE + BEG-MAB", "ngram_siblings": "n-gram + BEG-MAB",

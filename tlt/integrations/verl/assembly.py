@@ -2,7 +2,7 @@
 
 Owns :class:`ReplicaEngine`, which the replica's Ray actor wraps. Proposers are arms, not
 fallbacks: the model-free suffix drafter (the prompt, the live GRPO group, the same prompt's
-responses from the last ``tlt.speculation.history_steps`` RL steps and a global pool of recent
+responses from its last ``tlt.speculation.history_visits`` rollouts and a global pool of recent
 responses; :mod:`rollout.history`) is an arm from the first step, and the EAGLE drafter joins it
 once one exists; BEG-MAB learns per batch-size bucket which one (or neither: ``off``) pays.
 
@@ -21,7 +21,7 @@ from drafter.digest import module_digest
 from drafter.eagle import Drafter
 from rollout.eagle_proposer import EagleProposer
 from rollout.engine import EngineConfig, FeatureSink, RolloutEngine
-from rollout.history import HistoryConfig, ResponseHistory
+from rollout.history import ResponseHistory
 from rollout.ngram import NgramProposer
 from rollout.target import TargetModel
 from rollout.tuner import BegMab, TunerConfig
@@ -41,9 +41,8 @@ class ReplicaEngine:
         self.engine_cfg = EngineConfig(max_batch=cfg.engine.max_batch, max_len=max_len,
                                        max_draft_tokens=spec.max_draft_tokens, elastic_threshold=spec.elastic_threshold,
                                        arm=spec.parsed_arm(), seed=seed * 7919 + rank)
-        self.history = (ResponseHistory(HistoryConfig(window=spec.history_steps,
-                                                      global_tokens=spec.history_global_tokens))
-                        if self.on and spec.ngram and spec.history_steps else None)
+        hist = spec.history_config()
+        self.history = ResponseHistory(hist) if self.on and spec.ngram and hist is not None else None
         self.suffix = NgramProposer(history=self.history) if self.on and spec.ngram else None
         self.drafter = drafter
         proposers = self._proposers()

@@ -13,6 +13,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from rollout.history import HistoryConfig
 from rollout.strategy import Arm
 
 
@@ -46,17 +47,23 @@ class SpeculationSection:
     arm: str | None = None         # fixed strategy "DEPTH,TOPK,TOKENS_TO_VERIFY" ("0,0,0" = off); None: BEG-MAB
     # the model-free suffix drafter (prompt, GRPO group, earlier steps' responses) as arms beside EAGLE
     ngram: bool = True
-    history_steps: int = 2         # a prompt's responses from this many earlier RL steps draft for it (0: none)
+    history_visits: int = 2        # a prompt's responses from its last this many rollouts draft for it (0: none)
     history_global_tokens: int = 8192  # a pool of recent responses across prompts (0: none)
     max_draft_tokens: int = 64
+
+    def history_config(self) -> HistoryConfig | None:
+        """The suffix drafter's history bounds (None: no history)."""
+        if not self.history_visits:
+            return None
+        return HistoryConfig(visits=self.history_visits, global_tokens=self.history_global_tokens)
 
     def check(self, p: str) -> None:
         if self.elastic_threshold is not None and self.elastic_threshold < 0:
             raise _bad(f"{p}.elastic_threshold", self.elastic_threshold, "use null (learned) or an int >= 0")
         if self.max_draft_tokens < 1:
             raise _bad(f"{p}.max_draft_tokens", self.max_draft_tokens, "use an int >= 1")
-        if self.history_steps < 0 or self.history_global_tokens < 0:
-            raise _bad(f"{p}.history_steps / history_global_tokens", (self.history_steps, self.history_global_tokens),
+        if self.history_visits < 0 or self.history_global_tokens < 0:
+            raise _bad(f"{p}.history_visits / history_global_tokens", (self.history_visits, self.history_global_tokens),
                        "use ints >= 0 (0: off)")
         if self.arm is not None:
             self.parsed_arm(p)

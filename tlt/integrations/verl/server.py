@@ -45,13 +45,13 @@ from rollout.target import TargetModel
 from tlt.integrations.verl.assembly import ReplicaEngine
 from tlt.integrations.verl.batcher import Request, RequestBatcher
 from tlt.integrations.verl.config import TLTConfig
+from tlt.integrations.verl.history_log import HISTORY_FILE, read_history
 from tlt.integrations.verl.requests import engine_params
 from tlt.integrations.verl.spot_wiring import BufferFeed, spot_config, start_spot_agent
 from tlt.integrations.verl.step_stats import StepStats
 from tlt.integrations.verl.weight_sync import DriftProbe, copy_policy, load_spot_drafter
 
 log = logging.getLogger(__name__)
-HISTORY_FILE = "tlt_history.jsonl"  # in the run directory: the last steps' responses, for restarts
 
 
 def server_name(replica_rank: int) -> str:
@@ -158,13 +158,9 @@ class TLTServer:
                      lr=spot.lr, betas=spot.betas, weight_decay=spot.weight_decay)
 
     def _reload_history(self) -> None:
-        """A restarted replica rebuilds its draft history from the run directory (the trainer keeps
-        the last ``history_steps`` steps' responses there)."""
-        by_step: dict[int, list] = collections.defaultdict(list)
-        for line in self.history_file.read_text().splitlines():
-            rec = json.loads(line)
-            by_step[rec["step"]].append((rec["prompt"], rec["response"]))
-        n = sum(self.assembly.add_history(step, by_step[step]) for step in sorted(by_step))
+        """A restarted replica rebuilds its draft history from the run directory (the trainer's
+        :class:`~tlt.integrations.verl.history_log.HistoryLog`)."""
+        n = sum(self.assembly.add_history(step, pairs) for step, pairs in read_history(self.history_file).items())
         log.warning("replica %d: draft history rebuilt from %s (%d responses)", self.rank, self.history_file, n)
 
     # ------------------------------------------------------------------ verl server interface

@@ -286,7 +286,7 @@ class TLTSGLangServer(SGLangHttpServer):
 
         tok = AutoTokenizer.from_pretrained(self.model_path)
         docs = [tok.decode(r) for _, r in pairs if r]
-        return await self.http.rotate_corpus(step, docs, window=max(1, self.cfg.speculation.history_steps))
+        return await self.http.rotate_corpus(step, docs, window=max(1, self.cfg.speculation.history_visits))
 
     def shutdown(self) -> None:
         if self.agent is not None:

@@ -46,7 +46,7 @@ import ray
 from tlt.integrations.verl import runtime
 from tlt.integrations.verl.config import TLTConfig, from_verl
 from tlt.integrations.verl.drafter_push import DrafterPusher
-from tlt.integrations.verl.server import HISTORY_FILE
+from tlt.integrations.verl.history_log import HISTORY_FILE, HistoryLog
 from tlt.integrations.verl.spot_wiring import PORT_SPAN
 from tlt.integrations.verl.step_stats import replica_fields
 from tlt.integrations.verl.verl_checks import check_verl_config, raise_if_registration_failed
@@ -82,7 +82,7 @@ def trainer_class():
                 fraction=self.tlt.drafter.guard_fraction, min_verifies=self.tlt.drafter.guard_min_verifies))
             self._aux_layers = None
             self._uid_index: dict[str, int] = {}  # prompt uid -> dataset index, this step's batch
-            self._history: list[tuple[int, list[int], list[int]]] = []  # (step, prompt, response), last steps
+            self._history_log: HistoryLog | None = None  # the replicas' draft history, for restarts
             if not self.tlt.enable:
                 return
             self.replay_buffer.poll_interval = self.tlt.replay_poll_s
@@ -175,7 +175,7 @@ def trainer_class():
         def _record_responses(self, batch, step: int) -> None:
             """One line per response (step, prompt index, sample index, length, token hash); the
             step's (prompt, response) pairs go to every replica's draft history and to the run
-            directory (the last ``history_steps`` steps, for a replica that restarts)."""
+            directory (:class:`~tlt.integrations.verl.history_log.HistoryLog`, for a replica that restarts)."""
             import transfer_queue as tq
 
             keys = [k for k, tag in zip(batch.keys, batch.tags) if not tag.get("is_padding", False)]
@@ -188,17 +188,14 @@ def trainer_class():
                     f.write(json.dumps({"step": step, "index": self._uid_index.get(uid, -1), "sample": int(sample),
                                         "length": len(toks), "sha1": hashlib.sha1(
                                             json.dumps(toks).encode()).hexdigest()}) + "\n")
-            window = self.tlt.speculation.history_steps
-            if not (window and self.tlt.speculation.ngram and self.tlt.speculation.enable):
+            hist = self.tlt.speculation.history_config()
+            if hist is None or not (self.tlt.speculation.ngram and self.tlt.speculation.enable):
                 return
             pairs = list(zip(prompts, responses))
             ray.get([s.add_history.remote(step, pairs) for s in self._servers()], timeout=120)
-            self._history = [h for h in self._history if h[0] > step - window] + [(step, p, r) for p, r in pairs]
-            path = self._record_path.with_name(HISTORY_FILE)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps({"step": s, "prompt": p, "response": r}) + "\n"
-                                   for s, p, r in self._history))
-            tmp.replace(path)  # atomic: a restarting replica reads a whole file
+            if self._history_log is None:
+                self._history_log = HistoryLog(self._record_path.with_name(HISTORY_FILE), hist)
+            self._history_log.add(step, pairs)
 
         def _servers(self) -> list:
             return [r.servers[0] for r in self.llm_server_manager.get_replicas()]
