@@ -81,7 +81,7 @@ from typing import Protocol
 
 import torch
 
-from rollout.draft_tree import DraftTree, ProposerInput, right_pad
+from rollout.draft_tree import DraftTree, ProposerInput
 from rollout.ngram_tree import SEP, chain, trie_paths
 from rollout.strategy import Arm
 
@@ -134,11 +134,12 @@ class IndexedSeq:
     """One request (or a history corpus): its tokens, their stamps and its prompt index (its outputs
     are indexed in its group's table)."""
 
-    __slots__ = ("rid", "group", "tokens", "stamps", "prompt_len", "prompt_index", "finished", "history")
+    __slots__ = ("rid", "group", "member", "tokens", "stamps", "prompt_len", "prompt_index", "finished", "history")
 
     def __init__(self, rid: int, group: "_Group | None", prompt_len: int, prompt_index: NgramIndex) -> None:
         self.rid = rid
         self.group = group
+        self.member = 0  # its index in group.members
         self.tokens: list[int] = []
         self.stamps: list[int] = []  # stamps[i]: i - prompt_len in the prompt, else the global clock
         self.prompt_len = prompt_len
@@ -155,6 +156,10 @@ class HistorySource(Protocol):
     def sources(self, prompt: tuple[int, ...]) -> list[IndexedSeq]: ...
 
 
+_MEMBER_BITS = 16  # a group's members are numbered in the low bits of its output table's entries
+_MEMBER_MASK = (1 << _MEMBER_BITS) - 1
+
+
 class _Group:
     __slots__ = ("gid", "members", "running", "prompt_indexes", "outputs")
 
@@ -163,9 +168,10 @@ class _Group:
         self.members: list[IndexedSeq] = []
         self.running = 0
         self.prompt_indexes: dict[tuple[int, ...], NgramIndex] = {}  # equal prompts share one index
-        # n-gram -> (member, position p >= its prompt_len) of every member's outputs, in the order the
-        # token at p arrived (= stamp order): one lookup per n covers own output and siblings
-        self.outputs: dict[tuple[int, ...], list[tuple[IndexedSeq, int]]] = {}
+        # n-gram -> p << MEMBER_BITS | member for positions p >= prompt_len of every member's outputs,
+        # in the order the token at p arrived (= stamp order): one lookup per n covers own output and
+        # siblings. Ints, not (member, p) tuples: the tables hold no object the cyclic GC must walk.
+        self.outputs: dict[tuple[int, ...], list[int]] = {}
 
 
 def _as_list(tokens: Iterable[int]) -> list[int]:
@@ -217,6 +223,9 @@ class NgramProposer:
             self._append(seq, prompt, index_prompt=shared is None)
             if shared is None:
                 group.prompt_indexes[key] = seq.prompt_index
+            seq.member = len(group.members)
+            if seq.member > _MEMBER_MASK:
+                raise ValueError(f"start: group {gid} has more than {_MEMBER_MASK + 1} requests")
             group.members.append(seq)
             group.running += 1
             self._reqs[rid] = seq
@@ -290,10 +299,16 @@ class NgramProposer:
         if arm.is_off:
             return DraftTree.empty(len(rids))
         drafts = [self._draft(self._running(rid, "propose"), arm) for rid in rids]
-        tokens = right_pad([[t for t, _ in d] for d in drafts])  # [B, N]
-        parents = right_pad([[p for _, p in d] for d in drafts], fill=-1)  # padding hangs off the root
-        valid = right_pad([[1] * len(d) for d in drafts]).bool()
-        return DraftTree(tokens, parents, valid)
+        width = max(map(len, drafts), default=0)
+        flat: list[int] = []  # tokens, parents (padding hangs off the root), valid flags: one copy
+        for d in drafts:
+            flat += [t for t, _ in d] + [0] * (width - len(d))
+        for d in drafts:
+            flat += [p for _, p in d] + [-1] * (width - len(d))
+        for d in drafts:
+            flat += [1] * len(d) + [0] * (width - len(d))
+        packed = torch.tensor(flat, dtype=torch.long).view(3, len(drafts), width)  # [3, B, N]
+        return DraftTree(packed[0], packed[1], packed[2].bool())
 
     # --- internals --------------------------------------------------------------------------
 
@@ -323,7 +338,7 @@ class NgramProposer:
                 stamps.append(self._clock)
                 self._clock += 1
                 toks.append(t)
-                table, value = outputs, (seq, q)
+                table, value = outputs, q << _MEMBER_BITS | seq.member
             for n in range(lo, min(hi, q) + 1):
                 key = tuple(toks[q - n:q])
                 bucket = table.get(key)
@@ -340,11 +355,12 @@ class NgramProposer:
         cfg, ctx = self.config, seq.tokens
         cap, own, sib = cfg.max_occurrences, cfg.use_own_output, cfg.use_siblings
         outputs = seq.group.outputs if (own or sib) else {}
+        members = seq.group.members
         prompt = seq.prompt_index.table if cfg.use_prompt else {}
         found: list[tuple[int, int, IndexedSeq, int]] = []
         # counted at its longest n: (source, position) of outputs, positions of the own prompt,
         # (corpus index, position) of history corpora
-        seen_out: set[tuple[IndexedSeq, int]] = set()
+        seen_out: set[int] = set()
         seen_prompt: set[int] = set()
         seen_hist: set[tuple[int, int]] = set()
         size = len(ctx)
@@ -352,12 +368,13 @@ class NgramProposer:
             key = tuple(ctx[size - n:])
             hits = outputs.get(key)
             if hits:
-                for item in reversed(hits):
-                    src = item[0]
-                    if (not own and src is seq) or (not sib and src is not seq) or item in seen_out:
+                for code in reversed(hits):
+                    src = members[code & _MEMBER_MASK]
+                    if (not own and src is seq) or (not sib and src is not seq) or code in seen_out:
                         continue
-                    seen_out.add(item)
-                    found.append((n, src.stamps[item[1]], src, item[1]))
+                    seen_out.add(code)
+                    p = code >> _MEMBER_BITS
+                    found.append((n, src.stamps[p], src, p))
                     if len(found) >= cap:
                         return found
             hits = prompt.get(key)
@@ -400,6 +417,10 @@ class NgramProposer:
                     table[key] = [p]
                 else:
                     bucket.append(p)
+        # positions as tuples: a table of only ints and tuples of ints leaves the cyclic garbage
+        # collector's view after one pass, so its full collections never walk it (they did, and took
+        # about 60% of the drafter's time with a global pool)
+        table = {k: tuple(v) for k, v in table.items()}
         self._tables[id(corpus)] = (corpus, table)  # the corpus is kept: its id stays unique
         self._table_tokens += len(toks)
         while self._table_tokens > self.TABLE_TOKENS and len(self._tables) > 1:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import platform
 import time
@@ -44,13 +45,14 @@ class _Timed:
     """Wraps a proposer: wall time and requests per proposal (the draft's cost)."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.seconds, self.requests = inner, 0.0, 0
+        self.inner, self.seconds, self.catch_up, self.requests = inner, 0.0, 0.0, 0
         self.feature_layers = inner.feature_layers
 
     def propose(self, inp):
         t0 = time.perf_counter()
         tree = self.inner.propose(inp)
         self.seconds += time.perf_counter() - t0
+        self.catch_up += self.catch_up_s  # what other arms committed, taken in first (the switch's cost)
         self.requests += len(inp.rows)
         return tree
 
@@ -85,6 +87,8 @@ def run(args: argparse.Namespace) -> dict:
     tok = TextTokenizer.from_pretrained(target)
     drafter = Drafter.load(_drafter_dir(target, 20 if quick else 60, quick), model.embed_weight,
                            model.lm_head.weight).eval()
+    gc.collect()
+    gc.freeze()  # what a replica does once loaded (tlt.integrations.verl.server): full GC passes skip it
     n_prompts, n, epochs = (4, 2, 3) if quick else (16, 4, 3)
     shape = dataclasses.replace(size.target.corpus, seed=size.target.seed + 1000)
     prompts = [tok.chat_prompt([{"role": "user", "content": p.prompt}]) for p in make_corpus(n_prompts, shape)]
@@ -139,9 +143,10 @@ def run(args: argparse.Namespace) -> dict:
                 if hist is not None:
                     hist.add(epoch, list(zip(reqs, res.outputs)))
             us = {k or "main": 1e6 * p.seconds / max(1, p.requests) for k, p in props.items()}
+            catch_up = {k or "main": 1e6 * p.catch_up / max(1, p.requests) for k, p in props.items()}
             table.setdefault(name, {})[shape_name] = {
                 "accept_length": committed / verifies if verifies else None, "verifies": verifies,
-                "us_per_propose_per_request": us, "history": hist.stats() if hist is not None else None}
+                "us_per_propose_per_request": us, "us_catch_up_per_request": catch_up, "history": hist.stats() if hist is not None else None}
             log.info("%s %s: AL %.2f", name, shape_name, committed / max(1, verifies))
     base = table["suffix, siblings only"]
     digits = {t for t in range(tok.vocab_size) if any(c.isdigit() for c in tok.decode([t]))}
@@ -154,7 +159,8 @@ def run(args: argparse.Namespace) -> dict:
         cells = []
         for shape_name, r in row.items():
             al, b = r["accept_length"], base[shape_name]["accept_length"]
-            cost = ", ".join(f"{k} {v:.0f} us" for k, v in r["us_per_propose_per_request"].items())
+            cost = ", ".join(f"{k} {v:.0f} us" + (f" (catch-up {c:.0f})" if len(r["us_catch_up_per_request"]) > 1 else "")
+                             for (k, v), c in zip(r["us_per_propose_per_request"].items(), r["us_catch_up_per_request"].values()))
             cells.append(f"{shape_name} AL {al:.2f} ({al / b:.2f}x siblings-only; {cost}/request)")
         lines.append(f"  {name:28s} " + " | ".join(cells))
     lines.append("  ceiling of drafting text    " + " | ".join(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import itertools
 import json
 import logging
@@ -139,6 +140,11 @@ class TLTServer:
                 buffer=self.buffer, spot_root=spot_root, coordinator=coordinator,
                 node_ip=ray.util.get_node_ip_address(), base_port=spot_base_port, on_record=self.stats.session,
                 spot_rate=lambda: self.stats.spot_rate)
+        # Everything loaded so far lives as long as the replica: out of the cyclic collector's full
+        # passes, which otherwise walk it each time the rollout's allocations trigger one (they took
+        # about 60% of the suffix drafter's time per proposal; docs/rollout.md)
+        gc.collect()
+        gc.freeze()
 
     @property
     def engine(self):
