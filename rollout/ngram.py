@@ -187,7 +187,9 @@ class NgramProposer:
     def __init__(self, config: NgramConfig | None = None, history: HistorySource | None = None) -> None:
         self.config = config if config is not None else NgramConfig()
         self.history = history
-        self.catch_up_s = 0.0  # seconds the last proposal spent indexing what was committed since
+        # seconds the last proposal spent taking in what arrived since its last call (a new generation's
+        # requests and history corpora, tokens other arms committed): not this arm's drafting cost
+        self.catch_up_s = 0.0
         self._reqs: dict[int, IndexedSeq] = {}
         self._groups: dict[int, _Group] = {}
         self._clock = 0
@@ -275,6 +277,7 @@ class NgramProposer:
         """The engine's entry point: update the index from ``inp``, then draft for its rows."""
         if inp.arm.is_off:
             return DraftTree.empty(len(inp.rows))
+        t0 = time.perf_counter()
         if inp.generation != self._generation:
             self.reset()
             self._generation = inp.generation
@@ -282,7 +285,6 @@ class NgramProposer:
             self.start(list(every), [inp.groups[r] for r in every],
                        [inp.tokens[r][: inp.prompt_lens[r]] for r in every])
             self._live = set(every)
-        t0 = time.perf_counter()
         running = set(inp.rows)
         for r in sorted(self._live):  # running requests and those that finished since the last call
             seq = self._reqs[r]
