@@ -360,8 +360,8 @@ class NgramProposer:
         members = seq.group.members
         prompt = seq.prompt_index.table if cfg.use_prompt else {}
         found: list[tuple[int, int, IndexedSeq, int]] = []
-        # counted at its longest n: (source, position) of outputs, positions of the own prompt,
-        # (corpus index, position) of history corpora
+        # each occurrence counted once, at its longest n: output codes (position and member), own
+        # prompt positions, (corpus index, position) of history corpora
         seen_out: set[int] = set()
         seen_prompt: set[int] = set()
         seen_hist: set[tuple[int, int]] = set()
