@@ -9,7 +9,9 @@ the draft sources; ``tlt demo`` measures them under a moving policy). Per varian
 accept length (tokens committed per verify, bonus included) over the epochs after the first, and
 microseconds per proposal per request. Variants: the suffix drafter over the live siblings only
 (the n-gram drafter as it was), with the prompt's history, with the global pool too, the warm-up
-EAGLE drafter, and BEG-MAB choosing between EAGLE and the history suffix drafter per step.
+EAGLE drafter, BEG-MAB choosing between EAGLE and the history suffix drafter per step, and (tree
+arm only) one verify over the union of EAGLE's and the suffix drafter's trees, each half the arm's
+paths and nodes (:mod:`rollout.union`). Last, the task's text ceiling (:func:`structure_ceiling`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from rollout.ngram import NgramProposer
 from rollout.strategy import Arm
 from rollout.target import TargetModel
 from rollout.tuner import BegMab, TunerConfig
+from rollout.union import UnionProposer
 from tlt.bench.rollout import _drafter_dir
 from tlt.demo.corpus import make_corpus
 from tlt.demo.job import DEFAULT, QUICK
@@ -39,6 +42,7 @@ from tlt.demo.target_factory import ensure_target
 from tlt.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
+UNION = "union: EAGLE + suffix"  # one verify pass over EAGLE's half-size tree and the suffix drafter's
 
 
 class _Timed:
@@ -113,16 +117,21 @@ def run(args: argparse.Namespace) -> dict:
         if name == "BEG-MAB: EAGLE + suffix":
             prop, hist = suffix(True, True)
             return {"": eagle(), "suffix": prop}, hist
+        if name == UNION:
+            prop, hist = suffix(True, True)
+            return {"": UnionProposer(eagle(), prop)}, hist
         prop, hist = suffix("history" in name, "global" in name)
         return {"": prop}, hist
 
     names = ("suffix, siblings only", "suffix + history", "suffix + history + global", "EAGLE (warm-up)",
-             "BEG-MAB: EAGLE + suffix")
+             "BEG-MAB: EAGLE + suffix", UNION)
     arms = {"chain": Arm(6, 1, 6), "tree": Arm(6, 2, 12)}
     table: dict[str, dict[str, dict]] = {}
     ref: list[list[list[int]]] = []  # outputs per epoch: every variant must commit the same tokens
     for name in names:
         for shape_name, arm in arms.items():
+            if name == UNION and arm.topk < 2:
+                continue  # a union has two paths at least
             inner, hist = variant(name)
             props = {k: _Timed(p) for k, p in inner.items()}
             tuned = len(props) > 1
