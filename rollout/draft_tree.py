@@ -56,6 +56,20 @@ class DraftTree:
         parents = (torch.arange(n, device=device) - 1).expand(len(drafts), n).clone()
         return cls(tokens, parents, valid)
 
+    @classmethod
+    def from_nodes(cls, rows: Sequence[Sequence[tuple[int, int]]], device: torch.device | str = "cpu") -> "DraftTree":
+        """Per request, its nodes as (token, parent) in topological order; one host->tensor copy."""
+        width = max(map(len, rows), default=0)
+        flat: list[int] = []  # all tokens, then all parents (padding hangs off the root), then valid flags
+        for r in rows:
+            flat += [t for t, _ in r] + [0] * (width - len(r))
+        for r in rows:
+            flat += [p for _, p in r] + [-1] * (width - len(r))
+        for r in rows:
+            flat += [1] * len(r) + [0] * (width - len(r))
+        packed = torch.tensor(flat, dtype=torch.long).view(3, len(rows), width).to(device)  # [3, B, N]
+        return cls(packed[0], packed[1], packed[2].bool())
+
     def depths(self) -> torch.Tensor:
         """[B, N] depth of each node, 0 for children of the last verified token."""
         return tree_depths(self.parents)

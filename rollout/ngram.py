@@ -300,17 +300,7 @@ class NgramProposer:
         """Trees for requests ``rids`` from the index as it stands."""
         if arm.is_off:
             return DraftTree.empty(len(rids))
-        drafts = [self._draft(self._running(rid, "propose"), arm) for rid in rids]
-        width = max(map(len, drafts), default=0)
-        flat: list[int] = []  # tokens, parents (padding hangs off the root), valid flags: one copy
-        for d in drafts:
-            flat += [t for t, _ in d] + [0] * (width - len(d))
-        for d in drafts:
-            flat += [p for _, p in d] + [-1] * (width - len(d))
-        for d in drafts:
-            flat += [1] * len(d) + [0] * (width - len(d))
-        packed = torch.tensor(flat, dtype=torch.long).view(3, len(drafts), width)  # [3, B, N]
-        return DraftTree(packed[0], packed[1], packed[2].bool())
+        return DraftTree.from_nodes([self._draft(self._running(rid, "propose"), arm) for rid in rids])
 
     # --- internals --------------------------------------------------------------------------
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from rollout.draft_tree import DraftTree, Proposer, ProposerInput
 from rollout.strategy import Arm
 
@@ -58,9 +56,5 @@ def merge(a: DraftTree, b: DraftTree, limit: int) -> DraftTree:
                     toks.append(t)
                     pars.append(parent)
                 index[j] = node[key]
-        rows.append((toks, pars))
-    width = max((len(t) for t, _ in rows), default=0)
-    tokens = torch.tensor([t + [0] * (width - len(t)) for t, _ in rows], dtype=torch.long).reshape(len(rows), width)
-    parents = torch.tensor([p + [-1] * (width - len(p)) for _, p in rows], dtype=torch.long).reshape(len(rows), width)
-    valid = torch.tensor([[True] * len(t) + [False] * (width - len(t)) for t, _ in rows]).reshape(len(rows), width)
-    return DraftTree(tokens.to(a.tokens.device), parents.to(a.tokens.device), valid.to(a.tokens.device))
+        rows.append(list(zip(toks, pars)))
+    return DraftTree.from_nodes(rows, device=a.tokens.device)

@@ -56,7 +56,7 @@ class _Timed:
         t0 = time.perf_counter()
         tree = self.inner.propose(inp)
         self.seconds += time.perf_counter() - t0
-        self.catch_up += self.catch_up_s  # what other arms committed, taken in first (the switch's cost)
+        self.catch_up += self.catch_up_s  # what arrived since its last call, taken in first (the switch's cost)
         self.requests += len(inp.rows)
         return tree
 
