@@ -409,10 +409,6 @@ class NgramProposer:
                     table[key] = [p]
                 else:
                     bucket.append(p)
-        # positions as tuples: a table of only ints and tuples of ints leaves the cyclic garbage
-        # collector's view after one pass, so its full collections never walk it (they did, and took
-        # about 60% of the drafter's time with a global pool)
-        table = {k: tuple(v) for k, v in table.items()}
         self._tables[id(corpus)] = (corpus, table)  # the corpus is kept: its id stays unique
         self._table_tokens += len(toks)
         while self._table_tokens > self.TABLE_TOKENS and len(self._tables) > 1:

@@ -75,5 +75,7 @@ def test_replica_engine_on_a_gpu(dtype):
     step, replays = engine.static_step, engine.static_step.replays
     rep.set_drafter(drafter.eval())  # a new drafter of the same kind keeps the step and its graphs
     assert engine.static_step is step and step.pool is not None
-    assert engine.generate(prompts, params, seeds=[1, 2, 3]).outputs == again or dtype != torch.float32
+    third = engine.generate(prompts, params, seeds=[1, 2, 3]).outputs
+    if dtype == torch.float32:
+        assert third == again
     assert step.replays > replays

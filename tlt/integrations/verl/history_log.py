@@ -37,8 +37,8 @@ class HistoryLog:
 
     def add(self, step: int, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
         self.mirror.add(step, pairs)
-        kept = self.mirror.pairs()
-        if self.lines + len(pairs) > 2 * len(kept):
+        if self.lines + len(pairs) > 2 * self.mirror.stats()["responses"]:
+            kept = self.mirror.pairs()
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(_line(s, p, r) for s, p, r in kept))
             tmp.replace(self.path)  # atomic: a restarting replica reads a whole file

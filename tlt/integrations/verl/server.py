@@ -26,10 +26,8 @@ its own (the worker's belongs to the FSDP actor), so a spot-training group can b
 from __future__ import annotations
 
 import asyncio
-import collections
 import gc
 import itertools
-import json
 import logging
 import os
 import threading
