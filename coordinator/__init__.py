@@ -6,17 +6,17 @@ else of ours (see DESIGN.md section 2).
     states     the worker state machine (allowed transitions)
     policy     promotion / session / stop rules as pure logic
     broker     Coordinator: the ROUTER poll loop (an embeddable thread)
-    cli        standalone options and entry point (``python -m coordinator``, ``tlt coordinator``)
+    cli        standalone options and entry point (``python -m tlt.coordinator``, ``tlt coordinator``)
     worker     WorkerClient: DEALER link with heartbeats and capped-backoff reconnect
     driver     DriverClient: ``step_begin`` / ``rollout_done`` for the RL step controller
 """
 
-from coordinator.broker import Coordinator, CoordinatorConfig
-from coordinator.cli import main
-from coordinator.driver import DriverClient, RolloutOutcome
-from coordinator.policy import Event, PolicyConfig
-from coordinator.protocol import ProtocolError, WorkerState
-from coordinator.worker import WorkerClient, WorkerConfig
+from tlt.coordinator.broker import Coordinator, CoordinatorConfig
+from tlt.coordinator.cli import main
+from tlt.coordinator.driver import DriverClient, RolloutOutcome
+from tlt.coordinator.policy import Event, PolicyConfig
+from tlt.coordinator.protocol import ProtocolError, WorkerState
+from tlt.coordinator.worker import WorkerClient, WorkerConfig
 
 __all__ = ["Coordinator", "CoordinatorConfig", "DriverClient", "Event", "PolicyConfig",
            "ProtocolError", "RolloutOutcome", "WorkerClient", "WorkerConfig", "WorkerState", "main"]

@@ -1,7 +1,7 @@
-"""``python -m coordinator --bind tcp://127.0.0.1:5555``: run the coordinator standalone."""
+"""``python -m tlt.coordinator --bind tcp://127.0.0.1:5555``: run the coordinator standalone."""
 
 import sys
 
-from coordinator.cli import main
+from tlt.coordinator.cli import main
 
 sys.exit(main())

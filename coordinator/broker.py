@@ -14,9 +14,9 @@ re-registers); an unexpected exception in a handler is logged the same way. Noth
 stop the loop. Frames above ``protocol.MAX_WIRE_BYTES`` and non-ZMTP bytes are cut by libzmq itself.
 
 Use embedded (``with Coordinator(cfg) as c: ...`` or ``start()``/``stop()``) or standalone
-(``python -m coordinator --bind tcp://0.0.0.0:5555``, ``main(argv)``). The driver API
+(``python -m tlt.coordinator --bind tcp://0.0.0.0:5555``, ``main(argv)``). The driver API
 (``step_begin``, ``rollout_done``) goes through the same socket over ``inproc``, or over the network
-with ``coordinator.driver.DriverClient``.
+with ``tlt.coordinator.driver.DriverClient``.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from coordinator.driver import DriverClient, RolloutOutcome
-from coordinator.policy import Decisions, Event, Policy, PolicyConfig
-from coordinator.protocol import (
+from tlt.coordinator.driver import DriverClient, RolloutOutcome
+from tlt.coordinator.policy import Decisions, Event, Policy, PolicyConfig
+from tlt.coordinator.protocol import (
     MAX_STR,
     MAX_WIRE_BYTES,
     Ack,
@@ -82,7 +82,7 @@ class CoordinatorConfig:
         if self.liveness < 2:
             raise ValueError(f"liveness={self.liveness}: use >= 2 (missed heartbeats before LOST)")
         if not isinstance(self.policy, PolicyConfig):
-            raise ValueError("policy: pass a coordinator.policy.PolicyConfig")
+            raise ValueError("policy: pass a tlt.coordinator.policy.PolicyConfig")
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Standalone coordinator: the command-line options, ``python -m coordinator`` and ``tlt coordinator``."""
+"""Standalone coordinator: the command-line options, ``python -m tlt.coordinator`` and ``tlt coordinator``."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import os
 
 import zmq
 
-from coordinator.broker import Coordinator, CoordinatorConfig
-from coordinator.policy import PolicyConfig
+from tlt.coordinator.broker import Coordinator, CoordinatorConfig
+from tlt.coordinator.policy import PolicyConfig
 
-log = logging.getLogger("coordinator")
+log = logging.getLogger("tlt.coordinator")
 
 
 DESCRIPTION = ("Run the TLT worker coordinator (ZeroMQ ROUTER): tracks rollout workers BUSY/IDLE/"
@@ -20,7 +20,7 @@ DESCRIPTION = ("Run the TLT worker coordinator (ZeroMQ ROUTER): tracks rollout w
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The standalone options (shared by ``python -m coordinator`` and ``tlt coordinator``)."""
+    """The standalone options (shared by ``python -m tlt.coordinator`` and ``tlt coordinator``)."""
     d, dp = CoordinatorConfig(), PolicyConfig()
     p.add_argument("--bind", default=d.bind, help=f"endpoint to bind (default {d.bind}; "
                    "tcp://0.0.0.0:PORT for all interfaces, port 0 = any free port)")
@@ -43,7 +43,7 @@ def serve_args(a: argparse.Namespace) -> None:
     """Serve until SIGINT/SIGTERM with the options of ``add_arguments``. Bad options or an address
     that cannot be bound raise ValueError (with the reason)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("coordinator").setLevel(a.log_level)
+    logging.getLogger("tlt.coordinator").setLevel(a.log_level)
     cfg = CoordinatorConfig(bind=a.bind, heartbeat_interval_s=a.heartbeat_ms / 1000, liveness=a.liveness,
                             policy=PolicyConfig(idle_threshold=a.idle_threshold,
                                                 stop_timeout_s=a.stop_timeout_s, max_workers=a.max_workers))
@@ -62,8 +62,8 @@ def serve_args(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point (``python -m coordinator``); returns the exit code."""
-    p = add_arguments(argparse.ArgumentParser(prog="python -m coordinator", description=DESCRIPTION))
+    """Standalone entry point (``python -m tlt.coordinator``); returns the exit code."""
+    p = add_arguments(argparse.ArgumentParser(prog="python -m tlt.coordinator", description=DESCRIPTION))
     a = p.parse_args(argv)
     try:
         serve_args(a)

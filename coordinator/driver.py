@@ -4,7 +4,7 @@ A small request-reply client (zguide "Lazy Pirate"): one DEALER socket, one requ
 bounded wait for the reply, and on timeout the socket is discarded so a late reply can never be
 taken for the next one. A lost coordinator costs the driver at most ``timeout_s`` per call and
 never an exception: rollout and the RL step go on (workers stop training on their own when the
-coordinator falls silent; see ``coordinator.worker``).
+coordinator falls silent; see ``tlt.coordinator.worker``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from coordinator.protocol import (
+from tlt.coordinator.protocol import (
     Ack,
     Disconnect,
     Message,
@@ -127,7 +127,7 @@ class DriverClient:
             except zmq.Again:
                 continue
             except ProtocolError as e:
-                log.warning("bad reply from coordinator %s: %s", self.address, e)
+                log.warning("bad reply from tlt.coordinator %s: %s", self.address, e)
                 break
             if isinstance(reply, Disconnect):
                 log.warning("coordinator %s refused the request: %s", self.address, reply.reason)

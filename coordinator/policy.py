@@ -35,7 +35,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.protocol import (
+from tlt.coordinator.protocol import (
     Message,
     Promote,
     ProtocolError,
@@ -47,7 +47,7 @@ from coordinator.protocol import (
     Stopped,
     WorkerState,
 )
-from coordinator.states import Cause, transition
+from tlt.coordinator.states import Cause, transition
 
 BUSY, IDLE, TRAINING, LOST = WorkerState.BUSY, WorkerState.IDLE, WorkerState.TRAINING, WorkerState.LOST
 

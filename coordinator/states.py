@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 
-from coordinator.protocol import ProtocolError, WorkerState
+from tlt.coordinator.protocol import ProtocolError, WorkerState
 
 BUSY, IDLE, TRAINING, LOST = WorkerState.BUSY, WorkerState.IDLE, WorkerState.TRAINING, WorkerState.LOST
 

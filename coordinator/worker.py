@@ -40,7 +40,7 @@ from typing import Union
 
 import zmq
 
-from coordinator.protocol import (
+from tlt.coordinator.protocol import (
     MAX_WIRE_BYTES,
     Disconnect,
     Heartbeat,

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 
 import torch
 
-from drafter.packing import FeatureSample
+from tlt.drafter.packing import FeatureSample
 
 log = logging.getLogger(__name__)
 

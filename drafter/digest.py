@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from drafter.checkpoint import step_dir
+from tlt.drafter.checkpoint import step_dir
 
 _PREFIX = "train.model."  # where a spot checkpoint keeps the drafter's weights (TrainState "model")
 

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from drafter.model_core import MLP, Attention, AttentionBackend, RMSNorm, RotaryEmbedding
-from drafter.model_config import ModelConfig
+from tlt.drafter.model_core import MLP, Attention, AttentionBackend, RMSNorm, RotaryEmbedding
+from tlt.drafter.model_config import ModelConfig
 
 METHODS = ("eagle", "eagle3")
 CONFIG_NAME = "tlt_drafter.json"

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafter.eagle import METHODS, WEIGHTS_NAME, DrafterConfig, read_config
-from drafter.model_config import ModelConfig
+from tlt.drafter.eagle import METHODS, WEIGHTS_NAME, DrafterConfig, read_config
+from tlt.drafter.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafter.model_config import ModelConfig
+from tlt.drafter.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -1,11 +1,11 @@
 """Offline drafter training over a fixed sample set: the spot trainer's loop as a one-rank session.
 
 The training stage of the warm-up pipeline (:mod:`tlt.warmup`, which also generates rollouts and
-captures features); resume state between spot sessions is :mod:`drafter.resume_state`. Owns the
+captures features); resume state between spot sessions is :mod:`tlt.drafter.resume_state`. Owns the
 training settings (:class:`TrainConfig`: step budget, cosine schedule, checkpoint
 interval), the seeded epoch order of its packed batches (:class:`EpochBatches`, replayed exactly on
 resume), evaluation (top-1/top-3 accuracy and the estimated accept length of a greedy chain) and the
-warm-up directory. The loop itself is :class:`drafter.spot.SpotTrainer`'s (world size 1), so the
+warm-up directory. The loop itself is :class:`tlt.drafter.spot.SpotTrainer`'s (world size 1), so the
 warm-up and spot training share one loop and one checkpoint format: the training state lives under
 ``trainer_state/`` as the spot trainer's DCP checkpoints (selective: weights and optimizer, never
 the target; committed by rename, the last one kept), which ``--resume`` continues, and the drafter
@@ -28,12 +28,12 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from drafter.checkpoint import load_weights
-from drafter.eagle import Drafter
-from drafter.packing import FeatureSample, pack, pack_by_budget
-from drafter.resume_state import STATE_NAME
-from drafter.spot import SessionSpec, SpotConfig, SpotTrainer
-from drafter.ttt import StepStats, TTTConfig, ttt_forward
+from tlt.drafter.checkpoint import load_weights
+from tlt.drafter.eagle import Drafter
+from tlt.drafter.packing import FeatureSample, pack, pack_by_budget
+from tlt.drafter.resume_state import STATE_NAME
+from tlt.drafter.spot import SessionSpec, SpotConfig, SpotTrainer
+from tlt.drafter.ttt import StepStats, TTTConfig, ttt_forward
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ an accelerator's memory goes back to rollout), the same snapshot read from a che
 session (:func:`prefetch`: a replica that loads a newer drafter to serve also readies it for its next
 session, so that session does not spend its short idle window reading the checkpoint), and its
 restoration into the next session's freshly sharded drafter, by parameter name (a one-rank state
-is cut into any session's FSDP2 shards). ``drafter.spot`` decides when a
+is cut into any session's FSDP2 shards). ``tlt.drafter.spot`` decides when a
 snapshot may be used (every rank agrees nothing changed); this module only copies.
 
 Also what a first session (no checkpoint yet) resumes from: a ``tlt warmup`` drafter directory
@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from drafter.checkpoint import TrainState, latest, load
-from drafter.eagle import CONFIG_NAME, Drafter, DrafterConfig
+from tlt.drafter.checkpoint import TrainState, latest, load
+from tlt.drafter.eagle import CONFIG_NAME, Drafter, DrafterConfig
 
 STATE_NAME = "trainer_state"  # a drafter directory's training state (a checkpoint root), beside its weights
 

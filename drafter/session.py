@@ -1,6 +1,6 @@
 """What one spot-training session is given and returns: the rank's place in it, the training
 config, the result, and the thread-safe preemption flag. The session itself is
-:mod:`drafter.spot`, which re-exports these names.
+:mod:`tlt.drafter.spot`, which re-exports these names.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from drafter.packing import FeatureSample
-from drafter.ttt import TTTConfig
+from tlt.drafter.packing import FeatureSample
+from tlt.drafter.ttt import TTTConfig
 
 STOP_REASONS = ("preempted", "max_steps", "no_data")
 NextBatch = Callable[[int], Sequence[FeatureSample]]

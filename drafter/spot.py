@@ -6,7 +6,7 @@ change from session to session), building the drafter on the target's frozen emb
 modules with FSDP2, resuming from the latest selective checkpoint (written by any world size),
 the packed TTT training loop, preemption between chunks of a micro-step, and the final checkpoint.
 It is the project's only drafter training loop: the offline warm-up is a one-rank session of it.
-What a session is given and returns (spec, config, result, preemption flag) is :mod:`drafter.session`.
+What a session is given and returns (spec, config, result, preemption flag) is :mod:`tlt.drafter.session`.
 
 Agreement: every micro-step starts with one tiny all-reduce (MAX) of ``[stop, no_data, chunks]``
 so all ranks stop at the same boundary even when the preemption request reaches them at different
@@ -34,17 +34,17 @@ seeded draw from the shared DataBuffer); rank ``r`` trains on a token-balanced s
 ``local_data`` each rank draws ``token_budget`` tokens from its own buffer instead (the verl
 integration: every replica holds the features of the sequences its worker computed). A list that
 leaves some rank without samples ends the session (``no_data``) on every rank. A deterministic
-stream (the warm-up's seeded epochs, :mod:`drafter.offline_train`) may have a ``seek(samples)`` method:
+stream (the warm-up's seeded epochs, :mod:`tlt.drafter.offline_train`) may have a ``seek(samples)`` method:
 it is called once after the resume with the number of samples the resumed state had consumed, so
 an interrupted and resumed run trains on exactly the batches an uninterrupted one would.
 
 Work lost to a kill: at most one checkpoint ``interval`` plus the steps of a save still in flight.
 
 First session: with no checkpoint yet, a session starts from ``init_from``; a warm-up directory's
-optimizer state comes with it (:mod:`drafter.resume_state`).
+optimizer state comes with it (:mod:`tlt.drafter.resume_state`).
 
 Warm resume: a session's end keeps this rank's shards (weights and optimizer state) in process
-memory (:mod:`drafter.resume_state`; a replica that loads a newer drafter prefetches it the same way). The
+memory (:mod:`tlt.drafter.resume_state`; a replica that loads a newer drafter prefetches it the same way). The
 next session resumes from them instead of reading the checkpoint when every rank agrees they are
 the newest complete checkpoint and fit (same world size and rank, or a one-rank state each rank cuts
 its shard from). That skips the DCP read, the largest fixed cost of a short session on a CPU. A
@@ -67,13 +67,13 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from drafter.checkpoint import AsyncCheckpointer, TrainState, latest, load
-from drafter.eagle import WEIGHTS_NAME, Drafter, DrafterConfig
-from drafter.packing import FeatureSample, empty_like, pack, shard_samples, split_chunks
-from drafter.rendezvous import RendezvousAborted, rendezvous
-from drafter.session import STOP_REASONS, NextBatch, PreemptFlag, SessionResult, SessionSpec, SpotConfig
-from drafter.ttt import TTTConfig, ttt_forward
-from drafter.resume_state import WARM, restore, snapshot, usable, warmup_state
+from tlt.drafter.checkpoint import AsyncCheckpointer, TrainState, latest, load
+from tlt.drafter.eagle import WEIGHTS_NAME, Drafter, DrafterConfig
+from tlt.drafter.packing import FeatureSample, empty_like, pack, shard_samples, split_chunks
+from tlt.drafter.rendezvous import RendezvousAborted, rendezvous
+from tlt.drafter.session import STOP_REASONS, NextBatch, PreemptFlag, SessionResult, SessionSpec, SpotConfig
+from tlt.drafter.ttt import TTTConfig, ttt_forward
+from tlt.drafter.resume_state import WARM, restore, snapshot, usable, warmup_state
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class SpotTrainer:
 
     def _resume(self, d: Drafter, opt: torch.optim.Optimizer, state: TrainState, pg) -> int:
         """Resume from the newest checkpoint; a first session continues the warm-up's optimizer
-        state behind ``init_from`` (:func:`~drafter.resume_state.warmup_state`), its schedule at 0."""
+        state behind ``init_from`` (:func:`~tlt.drafter.resume_state.warmup_state`), its schedule at 0."""
         step, self.warm = self._read(self.root, d, opt, state, pg)
         init = warmup_state(self.init_from) if isinstance(self.init_from, Path) else None
         if step is None and init is not None:

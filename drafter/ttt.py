@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from drafter.eagle import Drafter
-from drafter.packing import Batch
+from tlt.drafter.eagle import Drafter
+from tlt.drafter.packing import Batch
 
 LOSSES = ("feature+ce", "ce")
 

@@ -13,8 +13,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from rollout.sampling import RowSampling
-from rollout.strategy import Arm
+from tlt.rollout.sampling import RowSampling
+from tlt.rollout.strategy import Arm
 
 
 @dataclasses.dataclass
@@ -123,7 +123,7 @@ class Proposer(Protocol):
     ``feature_layers`` says which target features the proposer reads: ``None`` for none (model-free,
     ``ProposerInput.features`` is None), ``()`` for the post-norm last hidden state (EAGLE), or the
     target layers whose inputs are concatenated (EAGLE-3). Rows of a generation only ever leave
-    (finished requests, swap-removed by :func:`rollout.kv_cache.swap_remove`); a proposer with
+    (finished requests, swap-removed by :func:`tlt.rollout.kv_cache.swap_remove`); a proposer with
     per-row state maps its old rows to ``ProposerInput.rows`` by request id.
     """
 

@@ -5,7 +5,7 @@ and how far each request's (token, target feature) pairs went through it. Pairs 
 training convention: the feature that predicted token ``x`` is paired with ``x``; the pair at
 position ``t`` is ``(x_{t+1}, f_t)``. Nothing is fed while speculation is off: on each proposal
 the pairs committed since the last one are read from the engine's token lists and feature buffer
-(:class:`~rollout.draft_tree.ProposerInput`) and run through the drafter in one batched pass --
+(:class:`~tlt.rollout.draft_tree.ProposerInput`) and run through the drafter in one batched pass --
 at most the last ``catch_up_window`` pairs per request: older ones are skipped and masked out of
 the drafter's attention (a shorter draft context, still lossless), so switching on after a long
 stretch of plain decoding, or a tuner's exploration step, costs a bounded drafter pass.
@@ -14,7 +14,7 @@ Proposal: from the last pair's output, expand the ``topk`` best tokens, then at 
 expand the ``topk`` best candidates by cumulative draft log-prob; keep the ``tokens_to_verify``
 best of all candidates (EAGLE-2). ``topk == 1`` is a plain chain.
 
-Shared noise (coupled sampling, :mod:`rollout.sampling`): for a sampled request the draft scores
+Shared noise (coupled sampling, :mod:`tlt.rollout.sampling`): for a sampled request the draft scores
 at the position a candidate would occupy are ``log_softmax(log q_T + G)``, with ``G`` the target's
 own Gumbel noise for that request and position, so the first path is the drafter's guess of the
 target's *sample* and the other candidates are the next-best under the same noise. Still exact:
@@ -28,10 +28,10 @@ import time
 
 import torch
 
-from drafter.eagle import Drafter
-from rollout.draft_tree import DraftTree, ProposerInput, right_pad
-from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
-from rollout.sampling import gumbel, token_hash
+from tlt.drafter.eagle import Drafter
+from tlt.rollout.draft_tree import DraftTree, ProposerInput, right_pad
+from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
+from tlt.rollout.sampling import gumbel, token_hash
 
 
 class EagleProposer:

@@ -9,14 +9,14 @@ the strategy per step, its "off" arm included at every batch size (so where spec
 paying is learned), optionally capped by ``elastic_threshold``; or a fixed arm. Nothing is handed
 to the proposer while speculation is off: the engine keeps each request's tokens and writes the
 target features into a buffer laid out like the KV cache (rows, positions), and a proposer reads
-what it missed from there (:class:`~rollout.draft_tree.ProposerInput`) when it is next asked.
+what it missed from there (:class:`~tlt.rollout.draft_tree.ProposerInput`) when it is next asked.
 
 Proposers are arms: the engine holds named proposers (``""``: the main one, e.g. EAGLE; e.g.
 ``"suffix"``: the model-free drafter) and the arm chosen for a step names the one that drafts.
 Every arm the engine may run (the fixed one, or every arm of the tuner's buckets) is checked at
 construction against ``max_draft_tokens`` and the proposers it names.
 
-Sampling is coupled (:mod:`rollout.sampling`): a request's token at a position is a function of its
+Sampling is coupled (:mod:`tlt.rollout.sampling`): a request's token at a position is a function of its
 seed, the position and the target's logits, so speculative and plain decoding sample the same
 tokens. A :class:`FeatureSink` receives every finished request's tokens and the target features
 its own rollout computed (last hidden state, and EAGLE-3 layers), whatever proposer is active:
@@ -32,15 +32,15 @@ from typing import Protocol, Sequence
 
 import torch
 
-from rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
-from rollout.generate import SamplingParams
-from rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, GraphPlanConfig
-from rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, swap_remove, to_additive, tree_mask
-from rollout.sampling import RowSampling, sample
-from rollout.static_step import StaticTargetStep
-from rollout.strategy import Arm
-from rollout.target import TargetModel
-from rollout.verify import verify
+from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
+from tlt.rollout.generate import SamplingParams
+from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, GraphPlanConfig
+from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, swap_remove, to_additive, tree_mask
+from tlt.rollout.sampling import RowSampling, sample
+from tlt.rollout.static_step import StaticTargetStep
+from tlt.rollout.strategy import Arm
+from tlt.rollout.target import TargetModel
+from tlt.rollout.verify import verify
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Owns the reference decoding loop (right-padded prefill, one token per step, per-request stop) and
 the sampling settings (:class:`SamplingParams`); each token is drawn by the coupled-sampling rule
-of :mod:`rollout.sampling`, which the speculative engine reproduces token for token.
+of :mod:`tlt.rollout.sampling`, which the speculative engine reproduces token for token.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import dataclasses
 
 import torch
 
-from rollout.draft_tree import right_pad
-from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
-from rollout.sampling import RowSampling, sample
-from rollout.target import TargetModel
+from tlt.rollout.draft_tree import right_pad
+from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
+from tlt.rollout.sampling import RowSampling, sample
+from tlt.rollout.target import TargetModel
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,7 +39,7 @@ class SamplingParams:
 def generate(model: TargetModel, prompts: list[list[int]], params: SamplingParams,
              *, seeds: list[int] | None = None) -> list[list[int]]:
     """Response token ids per prompt (stop token included when hit); ``seeds``: one sampling seed
-    per prompt (default 0, 1, ...), the key of :mod:`rollout.sampling`."""
+    per prompt (default 0, 1, ...), the key of :mod:`tlt.rollout.sampling`."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and no empty prompt")
     if seeds is not None and len(seeds) != len(prompts):

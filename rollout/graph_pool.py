@@ -3,7 +3,7 @@
 Owns :class:`CudaGraphPool`: warm-up on a side stream, capture into one shared graph-memory pool
 per policy, replay with inputs copied into the static buffers, and the measured memory of each
 graph. It is model-agnostic: the engine hands it a factory ``make_step(key) -> (static_inputs, fn)``
-for the keys :func:`rollout.graphs.plan_graphs` lists.
+for the keys :func:`tlt.rollout.graphs.plan_graphs` lists.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from rollout.graphs import POLICIES, GraphKey
+from tlt.rollout.graphs import POLICIES, GraphKey
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Owns which graphs the SD engine captures (:func:`plan_graphs`); what they are estimated to cost is
 the benches' memory model (:mod:`tlt.bench.graph_memory`). Capturing and replaying them on a GPU
-is :mod:`rollout.graph_pool`. Nothing here decides strategies; the BEG-MAB tuner does, from the
+is :mod:`tlt.rollout.graph_pool`. Nothing here decides strategies; the BEG-MAB tuner does, from the
 same buckets.
 
 Graph keys (both frozen, so identical shapes from different arms merge into one graph):
@@ -32,8 +32,8 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 
-from rollout.strategy import Arm
-from rollout.tuner import TunerConfig
+from tlt.rollout.strategy import Arm
+from tlt.rollout.tuner import TunerConfig
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ epoch would never hold a returning prompt's responses; the newest visits are kep
 moves. Beside them, a bounded pool of the most recent responses across prompts. Each is one corpus
 (:func:`corpus`: each response preceded by the last ``max_n`` tokens of its prompt, so a request that
 has generated nothing yet matches its prompt's end and drafts the response's start; joined by
-:data:`rollout.ngram.SEP`), which :class:`rollout.ngram.NgramProposer` matches like a sibling's
+:data:`tlt.rollout.ngram.SEP`), which :class:`tlt.rollout.ngram.NgramProposer` matches like a sibling's
 output. Corpora are kept as tokens only (built when a request of the prompt first asks, dropped
 when the prompt's history changes); the proposer indexes the ones its requests use and keeps
-the recently used tables (:attr:`rollout.ngram.NgramProposer.TABLE_TOKENS`). Memory is bounded by
+the recently used tables (:attr:`tlt.rollout.ngram.NgramProposer.TABLE_TOKENS`). Memory is bounded by
 ``max_prompts`` (the least recently visited prompt goes first) x ``per_prompt`` responses and by
 ``global_tokens``; :meth:`ResponseHistory.stats` reports it.
 
@@ -26,7 +26,7 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from rollout.ngram import SEP, IndexedSeq, NgramConfig, NgramIndex
+from tlt.rollout.ngram import SEP, IndexedSeq, NgramConfig, NgramIndex
 
 _HISTORY_STAMP = -(1 << 40)  # history stamps count up from here: older than every prompt token
 

@@ -1,11 +1,11 @@
 """Model-free n-gram drafter: drafts from the request's prompt, its own output and its GRPO siblings.
 
-Owns :class:`NgramConfig` and :class:`NgramProposer`, a :class:`~rollout.draft_tree.Proposer` used
+Owns :class:`NgramConfig` and :class:`NgramProposer`, a :class:`~tlt.rollout.draft_tree.Proposer` used
 beside the EAGLE drafter (an arm of its own). Matching is plain Python over incremental dict
 indexes: every token is indexed once, when it arrives, into one table per GRPO group (its members'
 outputs, in arrival order) and one per distinct prompt, so a proposal costs one lookup per match
 length and source kind, whatever the group's size; torch is touched only to pack the final
-:class:`~rollout.draft_tree.DraftTree`. Proposers only propose: verification stays lossless whatever
+:class:`~tlt.rollout.draft_tree.DraftTree`. Proposers only propose: verification stays lossless whatever
 is drafted here.
 
 Matching rules
@@ -25,7 +25,7 @@ Sources
       the same GRPO group, running or finished. Only continuations starting in a sibling's output
       count (the matched n-gram itself may lie in its prompt): the shared prompt is covered by the
       request's own prompt and is not counted once per sibling. Other groups are never used.
-    * history (a :class:`HistorySource` given to the proposer, :mod:`rollout.history`): the same
+    * history (a :class:`HistorySource` given to the proposer, :mod:`tlt.rollout.history`): the same
       prompt's responses from earlier RL steps and a bounded pool of recent responses across
       prompts, each a corpus (responses joined by a separator no continuation crosses), indexed
       by the proposer on first use (kept while recently used). Its stamps are older than every prompt token;
@@ -52,16 +52,16 @@ Tree
     (distinct continuations, so ``topk == 1`` gives a chain), at most ``arm.depth`` deep, at most
     ``arm.tokens_to_verify`` nodes in all (the last path is cut). Nodes are emitted in the order
     taken, so a parent always precedes its children. ``Arm.off()`` gives an empty tree. A chain
-    takes the same greedy path without building the trie (:mod:`rollout.ngram_tree`).
+    takes the same greedy path without building the trie (:mod:`tlt.rollout.ngram_tree`).
 
 Lifetime
 --------
 Inside the engine, :meth:`NgramProposer.propose` gets a
-:class:`~rollout.draft_tree.ProposerInput` and brings the index up to date from it first: a new
+:class:`~tlt.rollout.draft_tree.ProposerInput` and brings the index up to date from it first: a new
 generation starts over, new requests are started, tokens committed since the last proposal are
 accepted (so nothing is indexed while speculation is off, and siblings' tokens are stamped per
 proposal rather than per step), and requests that left the running rows are finished. The index
-API below is public for replays (:mod:`rollout.ngram_eval`): ``start`` indexes the prompt
+API below is public for replays (:mod:`tlt.rollout.ngram_eval`): ``start`` indexes the prompt
 (siblings with equal prompts share one prompt index); ``accept``
 indexes each committed token (``max_n - min_n + 1`` dict appends per token); ``finish`` freezes
 a request, whose sequence stays a source for its siblings. When the last running request of a
@@ -81,9 +81,9 @@ from typing import Protocol
 
 import torch
 
-from rollout.draft_tree import DraftTree, ProposerInput
-from rollout.ngram_tree import SEP, chain, trie_paths
-from rollout.strategy import Arm
+from tlt.rollout.draft_tree import DraftTree, ProposerInput
+from tlt.rollout.ngram_tree import SEP, chain, trie_paths
+from tlt.rollout.strategy import Arm
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class IndexedSeq:
 
 class HistorySource(Protocol):
     """Earlier responses to draft from: indexed, finished sequences for a prompt (its own history, a
-    global pool); :class:`rollout.history.ResponseHistory` is the implementation."""
+    global pool); :class:`tlt.rollout.history.ResponseHistory` is the implementation."""
 
     def sources(self, prompt: tuple[int, ...]) -> list[IndexedSeq]: ...
 

@@ -2,7 +2,7 @@
 
 Owns :func:`measure_accept_length` and :class:`AcceptStats`. Given, per GRPO group, the prompt and
 the sibling responses the target produced (greedy or sampled), it replays decoding with an
-:class:`~rollout.ngram.NgramProposer` in the loop and counts the tokens each verify step commits.
+:class:`~tlt.rollout.ngram.NgramProposer` in the loop and counts the tokens each verify step commits.
 
 Acceptance is greedy against the known response: walk the draft tree from the root, following the
 child whose token equals the response's next token; the matched nodes are *accepted*, and the
@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from rollout.ngram import NgramConfig, NgramProposer
-from rollout.strategy import Arm
+from tlt.rollout.ngram import NgramConfig, NgramProposer
+from tlt.rollout.strategy import Arm
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tens
                   target: Sequence[int]) -> int:
     """Longest root path of one request's tree matching ``target``'s prefix; returns its length.
 
-    tokens, parents, valid: [N] one row of a :class:`~rollout.draft_tree.DraftTree`.
+    tokens, parents, valid: [N] one row of a :class:`~tlt.rollout.draft_tree.DraftTree`.
     """
     children: dict[int, dict[int, int]] = {}
     for j, (t, p, v) in enumerate(zip(tokens.tolist(), parents.tolist(), valid.tolist())):

@@ -3,7 +3,7 @@
 Owns :func:`trie_paths` and :func:`chain` and :data:`SEP`. An occurrence is ``(n, stamp, source,
 p)``: a match of length ``n`` whose continuation is ``source.tokens[p:]`` (cut at :data:`SEP`),
 stamped by when its first token came. Occurrences arrive sorted by ``(n, stamp)`` descending
-(:meth:`rollout.ngram.NgramProposer._occurrences`); the ranking rules are in :mod:`rollout.ngram`'s
+(:meth:`tlt.rollout.ngram.NgramProposer._occurrences`); the ranking rules are in :mod:`tlt.rollout.ngram`'s
 docstring. Both functions return ``(token, parent)`` pairs in topological order.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 
-from rollout.strategy import Arm
+from tlt.rollout.strategy import Arm
 
 __all__ = ["SEP", "chain", "trie_paths"]
 SEP = -1  # separates the responses of a history corpus: never a token, so no n-gram matches across it

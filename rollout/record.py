@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from rollout.engine import RolloutResult
+from tlt.rollout.engine import RolloutResult
 
 
 def rollout_record(result: RolloutResult, *, tuner_stats: dict | None = None,

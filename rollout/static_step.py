@@ -1,11 +1,11 @@
 """The target forward of one engine step at static shapes, replayed from CUDA graphs on CUDA.
 
 Owns :class:`StaticTargetStep`. A step is padded to a captured shape: the batch up to the planned
-captured size (:meth:`rollout.graphs.GraphPlanConfig.padded_batch`), the query to the arm's
+captured size (:meth:`tlt.rollout.graphs.GraphPlanConfig.padded_batch`), the query to the arm's
 ``tokens_to_verify + 1`` (the engine pads the draft tree with invalid nodes), and the attention
 span to the whole cache (no data-dependent span, as in gpt-fast). It then runs from a graph of a
-:class:`~rollout.graph_pool.CudaGraphPool`, captured on first use of its
-:class:`~rollout.graphs.TargetGraphKey` -- so only the (batch size, arm) shapes the tuner really
+:class:`~tlt.rollout.graph_pool.CudaGraphPool`, captured on first use of its
+:class:`~tlt.rollout.graphs.TargetGraphKey` -- so only the (batch size, arm) shapes the tuner really
 picks are ever captured, a subset of the bucketed plan -- or eagerly (CPU, or a batch above the
 largest captured size). Padding rows (cache rows no running request holds) and the warm-up and
 capture runs write only the last ``Q`` slots of the cache, which never hold a committed token
@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import torch
 
-from rollout.graphs import GraphPlanConfig, TargetGraphKey
-from rollout.kv_cache import CachedBackend, StaticKVCache
-from rollout.target import TargetModel, TargetOutput
+from tlt.rollout.graphs import GraphPlanConfig, TargetGraphKey
+from tlt.rollout.kv_cache import CachedBackend, StaticKVCache
+from tlt.rollout.target import TargetModel, TargetOutput
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class StaticTargetStep:
         if cuda_graphs and target.config.rope_parameters.get("rope_type") == "dynamic":
             log.warning("dynamic-NTK RoPE reads the largest position on the host: no CUDA graphs")
         elif cuda_graphs and cache.k.device.type == "cuda":
-            from rollout.graph_pool import CudaGraphPool
+            from tlt.rollout.graph_pool import CudaGraphPool
 
             self.pool = CudaGraphPool(self._make_step, device=cache.k.device)
         self.replays = 0  # graph replays (a test and the bench read it)

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from drafter.model_core import AttentionBackend, CausalBackend, DecoderLayer, RMSNorm, RotaryEmbedding
-from drafter.model_config import ModelConfig
+from tlt.drafter.model_core import AttentionBackend, CausalBackend, DecoderLayer, RMSNorm, RotaryEmbedding
+from tlt.drafter.model_config import ModelConfig
 
 
 @dataclasses.dataclass

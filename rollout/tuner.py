@@ -1,7 +1,7 @@
 """BEG-MAB: the bucketed epsilon-greedy bandit that picks the speculation strategy (arm) per step.
 
 Owns the strategy *policy* of the rollout engine: given the running batch size it returns an
-:class:`~rollout.strategy.Arm` (possibly ``Arm.off()`` = plain autoregressive decoding), and after
+:class:`~tlt.rollout.strategy.Arm` (possibly ``Arm.off()`` = plain autoregressive decoding), and after
 each verify step it is fed the step's host-side numbers (accepted draft tokens, step wall time) to
 learn which arm commits tokens fastest. It owns no tensors, no device and no clock: the engine
 measures, the tuner decides. Pure Python (no torch / numpy) so the SGLang plugin can import it as is.
@@ -58,7 +58,7 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-from rollout.strategy import Arm
+from tlt.rollout.strategy import Arm
 
 log = logging.getLogger(__name__)
 

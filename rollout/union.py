@@ -1,6 +1,6 @@
 """One verify pass over the union of two proposers' trees (EAGLE's and the suffix drafter's).
 
-Owns :class:`UnionProposer`, a :class:`~rollout.draft_tree.Proposer`. For an arm of ``topk`` paths
+Owns :class:`UnionProposer`, a :class:`~tlt.rollout.draft_tree.Proposer`. For an arm of ``topk`` paths
 and ``tokens_to_verify`` nodes, each of the two proposers drafts with half of both (same depth); the
 two trees are merged per row into one trie (a node the first tree already has, same parent and
 token, is not added twice), so one verify pass checks both sources. Measured by ``tlt bench
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from rollout.draft_tree import DraftTree, Proposer, ProposerInput
-from rollout.strategy import Arm
+from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput
+from tlt.rollout.strategy import Arm
 
 
 class UnionProposer:

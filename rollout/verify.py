@@ -2,7 +2,7 @@
 
 Owns the acceptance rule. For each request the verifier walks down from the root (the last
 committed token): it takes the target's own draw ``y`` at the current node -- the coupled sample of
-:mod:`rollout.sampling` (the argmax when greedy), computed for every node at once on the device --
+:mod:`tlt.rollout.sampling` (the argmax when greedy), computed for every node at once on the device --
 descends into the child whose draft token equals ``y`` if there is one, and otherwise stops with
 ``y`` as the bonus token. Every committed token is therefore the draw plain decoding makes at that
 position for that seed, given the tokens before it: the drafts only decide how many of those draws
@@ -19,8 +19,8 @@ import dataclasses
 
 import torch
 
-from rollout.draft_tree import DraftTree
-from rollout.sampling import RowSampling, sample
+from tlt.rollout.draft_tree import DraftTree
+from tlt.rollout.sampling import RowSampling, sample
 
 
 @dataclasses.dataclass

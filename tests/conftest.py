@@ -53,7 +53,7 @@ def family(request):
 
 
 def _warm_drafter(target, prompts_file, out, method):
-    from drafter.offline_train import TrainConfig
+    from tlt.drafter.offline_train import TrainConfig
     from tlt.warmup import WarmupConfig, run_warmup
 
     extra = {"draft_vocab_size": 200} if method == "eagle3" else {}

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from drafter.checkpoint import TrainState, latest, load
-from drafter.eagle import Drafter
+from tlt.drafter.checkpoint import TrainState, latest, load
+from tlt.drafter.eagle import Drafter
 from tlt.demo.simloop import SimConfig, SimLoop, target
 
 

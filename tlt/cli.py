@@ -29,8 +29,8 @@ def _cmd_make_target(a: argparse.Namespace) -> None:
 
 
 def _cmd_warmup(a: argparse.Namespace) -> None:
-    from drafter.offline_train import TrainConfig
-    from drafter.ttt import TTTConfig
+    from tlt.drafter.offline_train import TrainConfig
+    from tlt.drafter.ttt import TTTConfig
     from tlt.warmup import WarmupConfig, run_warmup
 
     train = TrainConfig(max_steps=a.max_steps, lr=a.lr, token_budget=a.token_budget,
@@ -50,7 +50,7 @@ def _cmd_warmup(a: argparse.Namespace) -> None:
 
 
 def _cmd_export(a: argparse.Namespace) -> None:
-    from drafter.export import export_drafter
+    from tlt.drafter.export import export_drafter
 
     r = export_drafter(Path(a.drafter), Path(a.target), a.format, Path(a.out), dtype=a.dtype,
                        overwrite=a.overwrite)
@@ -58,7 +58,7 @@ def _cmd_export(a: argparse.Namespace) -> None:
 
 
 def _parse_arm(text: str | None):
-    from rollout.strategy import Arm
+    from tlt.rollout.strategy import Arm
 
     if text is None:
         return None
@@ -102,7 +102,7 @@ def _cmd_report(a: argparse.Namespace) -> None:
 
 
 def _cmd_coordinator(a: argparse.Namespace) -> None:
-    from coordinator.cli import serve_args
+    from tlt.coordinator.cli import serve_args
 
     serve_args(a)
 
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="rollout.png")
     s.set_defaults(fn=_cmd_report)
 
-    from coordinator.cli import DESCRIPTION, add_arguments
+    from tlt.coordinator.cli import DESCRIPTION, add_arguments
 
     s = sub.add_parser("coordinator", help="run the ZeroMQ worker coordinator standalone",
                        description=DESCRIPTION)

@@ -5,8 +5,8 @@ The failure it catches is the one online-drafter systems report most: a push tha
 nothing, lands in the wrong model, or is lost later, after which acceptance collapses to ~1.
 
 * **Hard check**, right after a push: every replica's digest of the draft weights it serves
-  (:func:`drafter.digest.module_digest`, read from the engine's proposer) must equal the digest of
-  the checkpoint step the driver pushed (:func:`drafter.digest.checkpoint_digest`, read from the
+  (:func:`tlt.drafter.digest.module_digest`, read from the engine's proposer) must equal the digest of
+  the checkpoint step the driver pushed (:func:`tlt.drafter.digest.checkpoint_digest`, read from the
   checkpoint by the driver itself).
 * **Soft check**, at the next step boundary: the accept length of the verifies the EAGLE
   drafter drafted during the rollout after the push, against the drafter's held-out accept length

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import torch
 
-from drafter.eagle import Drafter, read_config
-from rollout.eagle_proposer import EagleProposer
-from rollout.engine import EngineConfig, RolloutEngine
-from rollout.generate import SamplingParams
-from rollout.ngram import NgramProposer
-from rollout.record import rollout_record
-from rollout.strategy import Arm
-from rollout.target import TargetModel
-from rollout.tuner import BegMab, TunerConfig
+from tlt.drafter.eagle import Drafter, read_config
+from tlt.rollout.eagle_proposer import EagleProposer
+from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.generate import SamplingParams
+from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.record import rollout_record
+from tlt.rollout.strategy import Arm
+from tlt.rollout.target import TargetModel
+from tlt.rollout.tuner import BegMab, TunerConfig
 from tlt.data import load_prompts
 from tlt.tokenizer import TextTokenizer
 

@@ -42,9 +42,9 @@ import sys
 import threading
 from collections.abc import Callable
 
-from coordinator import WorkerClient, WorkerConfig
-from coordinator.protocol import Promote, Session, Stop
-from drafter.spot import NextBatch, PreemptFlag, SessionResult, SessionSpec, SpotTrainer
+from tlt.coordinator import WorkerClient, WorkerConfig
+from tlt.coordinator.protocol import Promote, Session, Stop
+from tlt.drafter.spot import NextBatch, PreemptFlag, SessionResult, SessionSpec, SpotTrainer
 
 log = logging.getLogger(__name__)
 

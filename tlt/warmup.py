@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from drafter.eagle import Drafter, DrafterConfig, METHODS, read_config
-from drafter.packing import FeatureSample
-from drafter.checkpoint import latest
-from drafter.offline_train import STATE_NAME, TrainConfig, evaluate, train
-from rollout.generate import SamplingParams, generate
-from rollout.target import TargetModel
+from tlt.drafter.eagle import Drafter, DrafterConfig, METHODS, read_config
+from tlt.drafter.packing import FeatureSample
+from tlt.drafter.checkpoint import latest
+from tlt.drafter.offline_train import STATE_NAME, TrainConfig, evaluate, train
+from tlt.rollout.generate import SamplingParams, generate
+from tlt.rollout.target import TargetModel
 from tlt.data import PromptRecord, load_prompts
 from tlt.tokenizer import TextTokenizer
 

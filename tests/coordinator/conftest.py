@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import Coordinator, CoordinatorConfig, Event, PolicyConfig, WorkerClient, WorkerConfig
+from tlt.coordinator import Coordinator, CoordinatorConfig, Event, PolicyConfig, WorkerClient, WorkerConfig
 
 HB = 0.05                      # heartbeat interval used by every test (seconds)
 REPO = Path(__file__).resolve().parents[2]

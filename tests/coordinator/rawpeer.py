@@ -6,7 +6,7 @@ import time
 
 import zmq
 
-from coordinator import protocol as P
+from tlt.coordinator import protocol as P
 
 
 class RawPeer:

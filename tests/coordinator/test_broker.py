@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from coordinator import CoordinatorConfig, DriverClient, WorkerConfig, WorkerState
-from coordinator import protocol as P
-from coordinator.protocol import Promote, Stop
+from tlt.coordinator import CoordinatorConfig, DriverClient, WorkerConfig, WorkerState
+from tlt.coordinator import protocol as P
+from tlt.coordinator.protocol import Promote, Stop
 
 from .conftest import HB, free_port
 from .rawpeer import RawPeer
@@ -211,7 +211,7 @@ def test_driver_over_tcp_and_unreachable(make_coordinator):
 
 def test_standalone_process_serves_and_exits_on_sigterm(procs, make_worker):
     port = free_port()
-    pr = procs("import sys; from coordinator.cli import main; sys.exit(main(sys.argv[1:]))",
+    pr = procs("import sys; from tlt.coordinator.cli import main; sys.exit(main(sys.argv[1:]))",
                "--bind", f"tcp://127.0.0.1:{port}", "--heartbeat-ms", str(int(HB * 1000)),
                "--log-level", "WARNING")
     w = make_worker(f"tcp://127.0.0.1:{port}", "w0", connect=False)

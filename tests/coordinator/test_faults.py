@@ -14,9 +14,9 @@ import sys
 import threading
 import time
 
-from coordinator import WorkerState
-from coordinator import protocol as P
-from coordinator.protocol import Promote, Stop
+from tlt.coordinator import WorkerState
+from tlt.coordinator import protocol as P
+from tlt.coordinator.protocol import Promote, Stop
 
 from .conftest import HB, REPO, free_port
 from .rawpeer import RawPeer
@@ -26,7 +26,7 @@ B, I, T = WorkerState.BUSY, WorkerState.IDLE, WorkerState.TRAINING
 # A worker process: registers, reports IDLE, prints every command it gets, never acks a STOP.
 WORKER = r"""
 import queue, sys, time
-from coordinator import WorkerClient, WorkerConfig
+from tlt.coordinator import WorkerClient, WorkerConfig
 addr, wid, hb = sys.argv[1], sys.argv[2], float(sys.argv[3])
 w = WorkerClient(WorkerConfig(address=addr, worker_id=wid, heartbeat_interval_s=hb,
                               reconnect_initial_s=hb, reconnect_max_s=4 * hb)).start()
@@ -42,7 +42,7 @@ while time.monotonic() < end:
         continue
     print(type(cmd).__name__, flush=True)
 """
-COORDINATOR = "import sys; from coordinator.cli import main; sys.exit(main(sys.argv[1:]))"
+COORDINATOR = "import sys; from tlt.coordinator.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def next_of(w, kind: type, timeout_s: float = 3.0):
@@ -125,7 +125,7 @@ def test_kill_of_the_coordinator_then_restart(procs, make_coordinator, make_work
     for n in range(200):
         ws["c"].report(I if n % 2 else B, 0)
     assert time.monotonic() - t < 0.2
-    from coordinator import DriverClient
+    from tlt.coordinator import DriverClient
     with DriverClient(addr, timeout_s=0.3) as d:
         t = time.monotonic()
         assert not d.rollout_done(0).reachable
@@ -214,10 +214,10 @@ def test_out_of_order_messages_drop_the_peer(make_coordinator, make_worker, even
 
 
 def test_import_coordinator_pulls_no_torch_and_nothing_of_ours():
-    code = ("import sys, coordinator, coordinator.broker, coordinator.worker, coordinator.driver, "
-            "coordinator.policy, coordinator.states, coordinator.protocol\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'tlt', 'drafter', 'rollout', 'numpy'))\n"
+    code = ("import sys, tlt.coordinator, tlt.coordinator.broker, tlt.coordinator.worker, tlt.coordinator.driver, "
+            "tlt.coordinator.policy, tlt.coordinator.states, tlt.coordinator.protocol\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy') "
+            "or (m.startswith('tlt.') and not m.startswith('tlt.coordinator')))\n"
             "print(bad)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, PYTHONPATH=str(REPO)))
@@ -230,7 +230,7 @@ def test_standalone_coordinator_exits_with_its_parent():
     orphaned coordinator behind."""
     parent = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
-        "c = subprocess.Popen([sys.executable, '-m', 'coordinator', '--bind', 'tcp://127.0.0.1:0',"
+        "c = subprocess.Popen([sys.executable, '-m', 'tlt.coordinator', '--bind', 'tcp://127.0.0.1:0',"
         " '--exit-with-parent'])\n"
         "print(c.pid, flush=True)\n"
         "time.sleep(600)\n")], cwd=REPO, stdout=subprocess.PIPE, text=True)

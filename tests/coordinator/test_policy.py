@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.policy import Policy, PolicyConfig
-from coordinator.protocol import Promote, ProtocolError, Register, Role, Session, State, Stop, Stopped, WorkerState
+from tlt.coordinator.policy import Policy, PolicyConfig
+from tlt.coordinator.protocol import Promote, ProtocolError, Register, Role, Session, State, Stop, Stopped, WorkerState
 
 B, I, T = WorkerState.BUSY, WorkerState.IDLE, WorkerState.TRAINING
 

@@ -7,8 +7,8 @@ import random
 import msgpack
 import pytest
 
-from coordinator import protocol as P
-from coordinator.protocol import ProtocolError, WorkerState
+from tlt.coordinator import protocol as P
+from tlt.coordinator.protocol import ProtocolError, WorkerState
 
 SAMPLES = [
     P.Register(worker_id="w0", dp_group=1, rank=2, state=WorkerState.IDLE, step=3, seq=4, address="tcp://h:1"),

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from coordinator.protocol import ProtocolError, WorkerState
-from coordinator.states import Cause, IllegalTransition, transition
+from tlt.coordinator.protocol import ProtocolError, WorkerState
+from tlt.coordinator.states import Cause, IllegalTransition, transition
 
 B, I, T, L = WorkerState.BUSY, WorkerState.IDLE, WorkerState.TRAINING, WorkerState.LOST
 

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from drafter.buffer import BufferConfig, DataBuffer
-from drafter.packing import FeatureSample, pack
+from tlt.drafter.buffer import BufferConfig, DataBuffer
+from tlt.drafter.packing import FeatureSample, pack
 
 H = 4
 TOKEN_BYTES_FP32 = 8 + 1 + 4 * H  # ids (long) + mask (bool) + hidden (fp32)
@@ -98,7 +98,7 @@ def test_eviction_order_old_steps_then_short_previous_then_current():
 
 def test_oversized_sample_rejected_with_warning(caplog):
     buf = DataBuffer(cfg(max_bytes=10 * TOKEN_BYTES_FP32))
-    with caplog.at_level(logging.WARNING, logger="drafter.buffer"):
+    with caplog.at_level(logging.WARNING, logger="tlt.drafter.buffer"):
         assert buf.add(sample(11), step=0) is False
     assert "rejected" in caplog.text
     assert len(buf) == 0 and buf.stats()["rejected"] == 1

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-import drafter.checkpoint as ck
-from drafter.checkpoint import (
+import tlt.drafter.checkpoint as ck
+from tlt.drafter.checkpoint import (
     AsyncCheckpointer,
     SaveState,
     TrainState,
@@ -26,8 +26,8 @@ from drafter.checkpoint import (
     save_sync,
     step_dir,
 )
-from drafter.packing import pack
-from drafter.ttt import TTTConfig, ttt_forward
+from tlt.drafter.packing import pack
+from tlt.drafter.ttt import TTTConfig, ttt_forward
 from tests.drafter.test_packing import make_drafter, make_samples
 
 

@@ -1,7 +1,7 @@
 """Drafter export matches what the SGLang / vLLM loaders read (docs/export_formats.md).
 
 The expected tensor tables are written here by hand from the loader facts, independently of
-``drafter.export.expected_tensors``, so the test checks the spec as well as the writer.
+``tlt.drafter.export.expected_tensors``, so the test checks the spec as well as the writer.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafter import export as export_mod
-from drafter.eagle import Drafter, DrafterConfig
-from drafter.export import expected_tensors, export_drafter
+from tlt.drafter import export as export_mod
+from tlt.drafter.eagle import Drafter, DrafterConfig
+from tlt.drafter.export import expected_tensors, export_drafter
 from tests.drafter.test_packing import tiny_target_cfg
 
 V, H, I, NH, NKV, HD = 61, 32, 64, 4, 2, 16  # head_dim * heads != H on purpose

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter.eagle import Drafter
-from drafter.checkpoint import AsyncCheckpointer, complete_steps, latest
-from drafter.spot import SpotTrainer
-from drafter.offline_train import STATE_NAME, TrainConfig, evaluate, train
-from drafter.ttt import TTTConfig
+from tlt.drafter.eagle import Drafter
+from tlt.drafter.checkpoint import AsyncCheckpointer, complete_steps, latest
+from tlt.drafter.spot import SpotTrainer
+from tlt.drafter.offline_train import STATE_NAME, TrainConfig, evaluate, train
+from tlt.drafter.ttt import TTTConfig
 from tests.drafter.test_packing import make_drafter, make_samples
 
 
@@ -84,7 +84,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     train(d, samples, _cfg(max_steps=3), tmp_path, progress=False)
     before = (tmp_path / "model.safetensors").read_bytes()
 
-    import drafter.checkpoint as ckpt_mod
+    import tlt.drafter.checkpoint as ckpt_mod
 
     def boom(*a, **k):
         raise OSError("disk full")
@@ -121,9 +121,9 @@ def _first_spot_session(warm_dir, root, samples, drafter):
     import dataclasses
     import socket
 
-    from drafter.checkpoint import TrainState, load
-    from drafter.offline_train import EpochBatches
-    from drafter.spot import SessionSpec
+    from tlt.drafter.checkpoint import TrainState, load
+    from tlt.drafter.offline_train import EpochBatches
+    from tlt.drafter.spot import SessionSpec
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,8 +148,8 @@ def test_a_first_spot_session_continues_the_warmups_optimizer(tmp_path, monkeypa
     recorded step differs) gives the weights only."""
     import json
 
-    import drafter.spot as spot
-    from drafter.resume_state import WARM, prefetch, warmup_state
+    import tlt.drafter.spot as spot
+    from tlt.drafter.resume_state import WARM, prefetch, warmup_state
 
     samples = make_samples(8)
     warm = make_drafter("eagle")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.eagle import Drafter, DrafterConfig
-from drafter.model_config import ModelConfig
-from drafter.packing import FeatureSample, pack, pack_by_budget, pad
-from drafter.ttt import TTTConfig, ttt_forward
+from tlt.drafter.eagle import Drafter, DrafterConfig
+from tlt.drafter.model_config import ModelConfig
+from tlt.drafter.packing import FeatureSample, pack, pack_by_budget, pad
+from tlt.drafter.ttt import TTTConfig, ttt_forward
 
 
 def tiny_target_cfg(**over) -> ModelConfig:
@@ -121,7 +121,7 @@ def test_positions_restart_per_sample():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_flash_varlen_ttt_attention_matches_per_document_sdpa():
     pytest.importorskip("flash_attn", reason="flash-attn is not installed")
-    from drafter.packing import PackedTTTBackend, varlen_ttt_attention
+    from tlt.drafter.packing import PackedTTTBackend, varlen_ttt_attention
 
     torch.manual_seed(0)
     cu = torch.tensor([0, 7, 19, 20, 33])

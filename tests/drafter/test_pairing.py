@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from drafter.eagle import DrafterConfig, EagleDrafter
-from drafter.packing import FeatureSample, pack, pad
-from drafter.ttt import TTTConfig, ttt_forward
+from tlt.drafter.eagle import DrafterConfig, EagleDrafter
+from tlt.drafter.packing import FeatureSample, pack, pad
+from tlt.drafter.ttt import TTTConfig, ttt_forward
 from tests.drafter.test_packing import tiny_target_cfg
 
 V, H = 20, 32

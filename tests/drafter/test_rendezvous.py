@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from drafter.rendezvous import RendezvousAborted, rendezvous
+from tlt.drafter.rendezvous import RendezvousAborted, rendezvous
 
 
 def _port() -> int:
@@ -88,7 +88,7 @@ def test_stale_store_of_another_session_is_never_a_go():
 def test_spot_trainer_stopped_before_its_peers_arrive_returns_at_once(tmp_path):
     """A spot session whose other rank never comes: a preemption during the rendezvous ends it with
     no steps and nothing written, within a second, instead of after the rendezvous timeout."""
-    from drafter.spot import PreemptFlag, SessionSpec, SpotConfig, SpotTrainer
+    from tlt.drafter.spot import PreemptFlag, SessionSpec, SpotConfig, SpotTrainer
 
     from .test_spot import _target
 

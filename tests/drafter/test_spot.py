@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter.checkpoint import TrainState, complete_steps, latest, load, step_dir
-from drafter.eagle import Drafter, DrafterConfig
-from drafter.packing import pack, shard_samples, split_chunks
-from drafter.spot import PreemptFlag, SessionResult, SessionSpec, SpotConfig, SpotTrainer, run_session
-from drafter.ttt import TTTConfig, ttt_forward
+from tlt.drafter.checkpoint import TrainState, complete_steps, latest, load, step_dir
+from tlt.drafter.eagle import Drafter, DrafterConfig
+from tlt.drafter.packing import pack, shard_samples, split_chunks
+from tlt.drafter.spot import PreemptFlag, SessionResult, SessionSpec, SpotConfig, SpotTrainer, run_session
+from tlt.drafter.ttt import TTTConfig, ttt_forward
 from tests.drafter.test_packing import make_samples, tiny_target_cfg
 
 TTT = TTTConfig(steps=2)
@@ -322,7 +322,7 @@ def test_a_stop_before_a_periodic_checkpoint_exits_before_it(tmp_path, monkeypat
     """The flag rises as step 1 ends, a checkpoint step (interval 1): the loop exits at the agreed
     check before that save, and the final save writes step 1; a stop does not wait for a periodic
     save (slowed to 0.5 s here)."""
-    from drafter import spot
+    from tlt.drafter import spot
 
     real = spot.AsyncCheckpointer.save
 
@@ -344,7 +344,7 @@ def test_a_stop_before_a_periodic_checkpoint_exits_before_it(tmp_path, monkeypat
 def test_a_stop_during_set_up_skips_the_rest_of_it(tmp_path, monkeypatch, stage):
     """A stop that lands once the group formed, or while the drafter is being built, returns at
     the next set-up check: no checkpoint read, no training, nothing written."""
-    from drafter import spot
+    from tlt.drafter import spot
 
     first = _session(0, 1, _free_port(), "a", tmp_path, _cfg(max_steps=2, interval=100), _Stream())
     assert first.checkpoint_step == 2
@@ -370,7 +370,7 @@ def test_warm_resume_equals_a_checkpoint_resume(tmp_path, method):
     reading the checkpoint (the cold run clears the process's warm state between sessions), and
     as a warm state prefetched from the checkpoint outside any session (a replica that loaded
     another replica's newer drafter to serve it)."""
-    from drafter import resume_state as warm
+    from tlt.drafter import resume_state as warm
 
     results = {}
     target = _target(method)
@@ -399,7 +399,7 @@ def _two_from_one(rank, ports, root, out, prefetched):
     """Rank ``rank`` of a 2-rank session resuming a 1-rank checkpoint (read, or prefetched here).
     Prefetched: then a 2-rank session that trains nothing keeps the newer one-rank warm state
     (the replica's step-end prefetch), which fits any next membership; its own shards would not."""
-    from drafter import resume_state as warm
+    from tlt.drafter import resume_state as warm
 
     torch.set_num_threads(1)
     target = _target()
@@ -434,7 +434,7 @@ def test_a_one_rank_warm_state_resumes_a_two_rank_session(tmp_path):
 def _two_twice(rank, ports, root, out, warm_start):
     """Two back-to-back 2-rank sessions in the same processes: the second resumes this rank's own
     shards from memory (``warm_start``) or, its warm state cleared, from the checkpoint."""
-    from drafter import resume_state as warm
+    from tlt.drafter import resume_state as warm
 
     torch.set_num_threads(1)
     target = _target()

@@ -161,7 +161,7 @@ def test_spot_trainer_then_coordinator_killed(tmp_path):
     - then kill -9 of the coordinator once step 4 is recorded: the next step that begins after the
       kill (step 5, or step 6 when step 5 reached the coordinator first: verl starts it right after
       writing step 4's record) runs without adaptation, with a warning, and the run finishes."""
-    from drafter.checkpoint import latest
+    from tlt.drafter.checkpoint import latest
 
     killed = {}
 

@@ -21,10 +21,10 @@ import torch
 pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
 ray = pytest.importorskip("ray")
 
-from drafter.checkpoint import TrainState, pinned, save_sync  # noqa: E402
-from drafter.digest import checkpoint_digest  # noqa: E402
-from drafter.eagle import Drafter, DrafterConfig  # noqa: E402
-from rollout.target import TargetModel  # noqa: E402
+from tlt.drafter.checkpoint import TrainState, pinned, save_sync  # noqa: E402
+from tlt.drafter.digest import checkpoint_digest  # noqa: E402
+from tlt.drafter.eagle import Drafter, DrafterConfig  # noqa: E402
+from tlt.rollout.target import TargetModel  # noqa: E402
 from tlt.demo import job as demo  # noqa: E402
 from tlt.integrations.verl.config import TLTConfig  # noqa: E402
 from tlt.integrations.verl.drafter_push import DrafterPusher  # noqa: E402

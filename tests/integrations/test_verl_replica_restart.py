@@ -56,7 +56,7 @@ def _kill_and_wait(server, rank: int, tmp_path) -> None:
 
 
 def test_restarted_replica_forwards_until_the_next_policy_push(cluster, tmp_path):
-    from rollout.target import TargetModel
+    from tlt.rollout.target import TargetModel
     from tlt.demo.target_factory import ensure_target
 
     model = str(ensure_target(demo.QUICK.target, progress=False))

@@ -8,18 +8,18 @@ import time
 
 import torch
 
-from drafter.model_config import ModelConfig
-from rollout.engine import EngineConfig, RolloutEngine
-from rollout.generate import SamplingParams
-from rollout.ngram import NgramProposer
-from rollout.target import TargetModel
-from rollout.tuner import BegMab, TunerConfig
+from tlt.drafter.model_config import ModelConfig
+from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.generate import SamplingParams
+from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.target import TargetModel
+from tlt.rollout.tuner import BegMab, TunerConfig
 
 CAPTURE_S = 0.25
 
 
 class _SlowCapturePool:
-    """Stands in for rollout.graph_pool.CudaGraphPool (needs a GPU): capture costs CAPTURE_S."""
+    """Stands in for tlt.rollout.graph_pool.CudaGraphPool (needs a GPU): capture costs CAPTURE_S."""
 
     def __init__(self, step) -> None:
         self.step, self.keys = step, set()

@@ -14,14 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.eagle import Drafter
-from rollout import sampling
-from rollout.eagle_proposer import EagleProposer
-from rollout.engine import EngineConfig, RolloutEngine
-from rollout.generate import SamplingParams, generate
-from rollout.ngram import NgramProposer
-from rollout.strategy import Arm
-from rollout.target import TargetModel
+from tlt.drafter.eagle import Drafter
+from tlt.rollout import sampling
+from tlt.rollout.eagle_proposer import EagleProposer
+from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.generate import SamplingParams, generate
+from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.strategy import Arm
+from tlt.rollout.target import TargetModel
 from tests.rollout.test_sampling_lossless import V, _target, chi2_critical, chi_square, probs_from_logits
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.tokenizer import TextTokenizer

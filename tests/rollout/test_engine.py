@@ -7,14 +7,14 @@ import random
 import pytest
 import torch
 
-from drafter.eagle import Drafter
-from rollout.draft_tree import DraftTree
-from rollout.eagle_proposer import EagleProposer
-from rollout.engine import EngineConfig, RolloutEngine
-from rollout.generate import SamplingParams, generate
-from rollout.ngram import NgramProposer
-from rollout.strategy import Arm
-from rollout.target import TargetModel
+from tlt.drafter.eagle import Drafter
+from tlt.rollout.draft_tree import DraftTree
+from tlt.rollout.eagle_proposer import EagleProposer
+from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.generate import SamplingParams, generate
+from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.strategy import Arm
+from tlt.rollout.target import TargetModel
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.tokenizer import TextTokenizer
 
@@ -166,14 +166,14 @@ def test_host_syncs_per_step_stay_within_budget():
     speculative step (catch-up and tree included), greedy or sampled; prefill reads are amortised."""
     import torch
 
-    from drafter.eagle import Drafter, DrafterConfig
-    from drafter.model_config import ModelConfig
-    from rollout.eagle_proposer import EagleProposer
-    from rollout.engine import EngineConfig, RolloutEngine
-    from rollout.generate import SamplingParams
-    from rollout.host_syncs import count_host_syncs
-    from rollout.strategy import Arm
-    from rollout.target import TargetModel
+    from tlt.drafter.eagle import Drafter, DrafterConfig
+    from tlt.drafter.model_config import ModelConfig
+    from tlt.rollout.eagle_proposer import EagleProposer
+    from tlt.rollout.engine import EngineConfig, RolloutEngine
+    from tlt.rollout.generate import SamplingParams
+    from tlt.rollout.host_syncs import count_host_syncs
+    from tlt.rollout.strategy import Arm
+    from tlt.rollout.target import TargetModel
 
     torch.manual_seed(0)
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -201,12 +201,12 @@ def test_eagle_trees_are_topological():
     rely on it; checked here rather than by a device read per step)."""
     import torch
 
-    from drafter.eagle import Drafter, DrafterConfig
-    from drafter.model_config import ModelConfig
-    from rollout.draft_tree import ProposerInput
-    from rollout.eagle_proposer import EagleProposer
-    from rollout.strategy import Arm
-    from rollout.target import TargetModel
+    from tlt.drafter.eagle import Drafter, DrafterConfig
+    from tlt.drafter.model_config import ModelConfig
+    from tlt.rollout.draft_tree import ProposerInput
+    from tlt.rollout.eagle_proposer import EagleProposer
+    from tlt.rollout.strategy import Arm
+    from tlt.rollout.target import TargetModel
 
     torch.manual_seed(1)
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -226,7 +226,7 @@ def test_eagle_trees_are_topological():
 def test_swap_remove_moves_only_rows_that_fill_holes():
     import torch
 
-    from rollout.kv_cache import StaticKVCache, swap_remove
+    from tlt.rollout.kv_cache import StaticKVCache, swap_remove
 
     assert swap_remove(6, {0, 2}) == [4, 1, 5, 3]  # survivors 4 and 5 fill holes 0 and 2
     assert swap_remove(5, {3, 4}) == [0, 1, 2]  # holes past the new end: nothing moves

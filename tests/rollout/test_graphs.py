@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from rollout.graph_pool import CudaGraphPool
-from rollout.graphs import DEFAULT_BUCKETS, DraftGraphKey, GraphPlanConfig, GraphSet, TargetGraphKey, plan_graphs
+from tlt.rollout.graph_pool import CudaGraphPool
+from tlt.rollout.graphs import DEFAULT_BUCKETS, DraftGraphKey, GraphPlanConfig, GraphSet, TargetGraphKey, plan_graphs
 from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_bytes, estimate_parts, memory_report
-from rollout.strategy import Arm
+from tlt.rollout.strategy import Arm
 
 T, D = (lambda b, q: TargetGraphKey(batch=b, query_tokens=q)), (lambda b, k: DraftGraphKey(batch=b, topk=k))
 A326, A224, A212 = Arm(3, 2, 6), Arm(2, 2, 4), Arm(2, 1, 2)
@@ -188,9 +188,9 @@ def test_pool_without_cuda_raises():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
 def test_pool_replay_matches_eager_and_bucketed_uses_less_memory():
-    from drafter.model_config import ModelConfig
-    from rollout.kv_cache import CachedBackend, StaticKVCache, to_additive
-    from rollout.target import TargetModel
+    from tlt.drafter.model_config import ModelConfig
+    from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, to_additive
+    from tlt.rollout.target import TargetModel
 
     torch.manual_seed(0)
     dev, span, prefix = torch.device("cuda"), 64, 20

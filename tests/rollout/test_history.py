@@ -1,6 +1,6 @@
 """History-aware model-free drafting and proposers as arms.
 
-- :class:`rollout.history.ResponseHistory`: each prompt's last visits, however long ago, bounded per
+- :class:`tlt.rollout.history.ResponseHistory`: each prompt's last visits, however long ago, bounded per
   prompt, in prompts and globally, rebuildable from its pairs (a restarted replica).
 - The suffix drafter drafts a prompt's earlier responses: with the seeds of an earlier epoch it
   drafts exactly what the target samples; sampled outputs stay token-identical to plain decoding.
@@ -13,15 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.eagle import Drafter
-from rollout.eagle_proposer import EagleProposer
-from rollout.engine import EngineConfig, RolloutEngine
-from rollout.generate import SamplingParams
-from rollout.history import HistoryConfig, ResponseHistory
-from rollout.ngram import NgramProposer
-from rollout.strategy import Arm
-from rollout.target import TargetModel
-from rollout.tuner import BegMab, TunerConfig
+from tlt.drafter.eagle import Drafter
+from tlt.rollout.eagle_proposer import EagleProposer
+from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.generate import SamplingParams
+from tlt.rollout.history import HistoryConfig, ResponseHistory
+from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.strategy import Arm
+from tlt.rollout.target import TargetModel
+from tlt.rollout.tuner import BegMab, TunerConfig
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.tokenizer import TextTokenizer
 
@@ -182,7 +182,7 @@ def test_history_corpora_are_indexed_once_across_generations_and_bounded(monkeyp
     """A replica runs many engine generations per RL step over the same corpora: each is indexed
     once (re-indexing the global pool per generation cost ~0.1 s each and slowed the demo's arm B
     by a third), and the kept tables stay under TABLE_TOKENS history tokens."""
-    from rollout.draft_tree import ProposerInput
+    from tlt.rollout.draft_tree import ProposerInput
 
     h = ResponseHistory(HistoryConfig(visits=1, global_tokens=80))  # the pool: the newest response
     prop = NgramProposer(history=h)

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from rollout.draft_tree import DraftTree, ProposerInput
-from rollout.ngram import NgramConfig, NgramProposer
-from rollout.ngram_eval import greedy_accept, measure_accept_length
-from rollout.strategy import Arm
+from tlt.rollout.draft_tree import DraftTree, ProposerInput
+from tlt.rollout.ngram import NgramConfig, NgramProposer
+from tlt.rollout.ngram_eval import greedy_accept, measure_accept_length
+from tlt.rollout.strategy import Arm
 
 CHAIN3 = Arm(3, 1, 3)
 P = [900, 901, 902]  # a prompt that matches nothing else
@@ -292,7 +292,7 @@ def test_chain_is_the_trees_first_path(seed):
     """A chain (built without a trie) is the greedy first path of the trie a tree arm builds, with
     history corpora among the sources; a broken vote (e.g. ranking by count before match length)
     fails it."""
-    from rollout.history import HistoryConfig, ResponseHistory
+    from tlt.rollout.history import HistoryConfig, ResponseHistory
 
     rng = random.Random(seed)
     cfg = NgramConfig(max_occurrences=rng.choice([2, 8, 32]))

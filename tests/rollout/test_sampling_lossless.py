@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 
-from drafter.model_config import ModelConfig
-from rollout.draft_tree import DraftTree
-from rollout.engine import EngineConfig, RolloutEngine
-from rollout.generate import SamplingParams
-from rollout.strategy import Arm
-from rollout.target import TargetModel
+from tlt.drafter.model_config import ModelConfig
+from tlt.rollout.draft_tree import DraftTree
+from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.generate import SamplingParams
+from tlt.rollout.strategy import Arm
+from tlt.rollout.target import TargetModel
 
 V, POSITIONS, BATCH, ROUNDS = 12, 3, 64, 40
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.eagle import Drafter
-from rollout.draft_tree import DraftTree
-from rollout.eagle_proposer import EagleProposer
-from rollout.engine import EngineConfig, RolloutEngine
-from rollout.ngram import NgramProposer
-from rollout.strategy import Arm
-from rollout.target import TargetModel
-from rollout.tuner import BegMab, TunerConfig
+from tlt.drafter.eagle import Drafter
+from tlt.rollout.draft_tree import DraftTree
+from tlt.rollout.eagle_proposer import EagleProposer
+from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.strategy import Arm
+from tlt.rollout.target import TargetModel
+from tlt.rollout.tuner import BegMab, TunerConfig
 from tests.rollout.test_engine import setup  # noqa: F401  (fixture)
 
 

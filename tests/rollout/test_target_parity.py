@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.draft_tree import tree_depths
-from rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive, tree_mask
-from rollout.target import TargetModel
+from tlt.rollout.draft_tree import tree_depths
+from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive, tree_mask
+from tlt.rollout.target import TargetModel
 from tests.hf import hf_model
 
 TOL = 1e-4

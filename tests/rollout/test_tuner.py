@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.strategy import Arm
-from rollout.tuner import BegMab, TunerConfig
+from tlt.rollout.strategy import Arm
+from tlt.rollout.tuner import BegMab, TunerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 A, B, C, OFF = Arm(8, 4, 32), Arm(6, 4, 16), Arm(5, 2, 8), Arm.off()
@@ -246,7 +246,7 @@ def test_record_rejects_bad_input():
 # -- purity, reproducibility, state -----------------------------------------------------------------
 
 def test_module_imports_neither_torch_nor_numpy():
-    code = ("import sys, rollout.tuner; bad = {'torch', 'numpy'} & set(sys.modules); "
+    code = ("import sys, tlt.rollout.tuner; bad = {'torch', 'numpy'} & set(sys.modules); "
             "assert not bad, bad")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=60)
@@ -298,7 +298,7 @@ def test_stats_report_counts_and_rewards_per_bucket_and_arm():
 
 
 def test_for_device_cpu_offers_only_chains_and_off():
-    from rollout.tuner import TunerConfig
+    from tlt.rollout.tuner import TunerConfig
 
     cfg = TunerConfig.for_device("cpu", seed=3)
     arms = {a for _, bucket in cfg.buckets for a in bucket}

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from drafter.eagle import Drafter
-from rollout.draft_tree import DraftTree
-from rollout.eagle_proposer import EagleProposer
-from rollout.engine import EngineConfig, RolloutEngine
-from rollout.generate import SamplingParams
-from rollout.history import ResponseHistory
-from rollout.ngram import NgramProposer
-from rollout.strategy import Arm
-from rollout.union import UnionProposer, merge
+from tlt.drafter.eagle import Drafter
+from tlt.rollout.draft_tree import DraftTree
+from tlt.rollout.eagle_proposer import EagleProposer
+from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.generate import SamplingParams
+from tlt.rollout.history import ResponseHistory
+from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.strategy import Arm
+from tlt.rollout.union import UnionProposer, merge
 from tests.rollout.test_history import setup  # noqa: F401  (fixture)
 
 

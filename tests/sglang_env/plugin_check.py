@@ -239,8 +239,8 @@ def _guard(version: str, model: str) -> dict:
 
 
 def _idle() -> dict:
-    from coordinator.broker import Coordinator, CoordinatorConfig
-    from coordinator.policy import PolicyConfig
+    from tlt.coordinator.broker import Coordinator, CoordinatorConfig
+    from tlt.coordinator.policy import PolicyConfig
     from tlt.integrations.sglang import sglang_hooks
 
     coord = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval_s=0.05,

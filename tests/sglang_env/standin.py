@@ -31,7 +31,7 @@ from tests.sglang_env.bodies import tensors as _tensors
 
 class StandIn:
     def __init__(self, model_path: str, max_len: int, out: Path, corrupt: int | None, slow_s: float) -> None:
-        from rollout.target import TargetModel
+        from tlt.rollout.target import TargetModel
         from tlt.integrations.verl.assembly import ReplicaEngine
         from tlt.integrations.verl.batcher import RequestBatcher
         from tlt.integrations.verl.config import TLTConfig

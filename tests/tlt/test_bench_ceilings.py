@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from rollout.engine import EngineConfig, RolloutEngine
-from rollout.generate import SamplingParams
-from rollout.strategy import Arm
-from rollout.target import TargetModel
+from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.generate import SamplingParams
+from tlt.rollout.strategy import Arm
+from tlt.rollout.target import TargetModel
 from tlt.bench.headroom import OracleProposer
 from tlt.cli import main
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from rollout.strategy import Arm
+from tlt.rollout.strategy import Arm
 from tlt.bench.tuner import Surface, run, simulate, static
 
 

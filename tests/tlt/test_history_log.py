@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from rollout.history import HistoryConfig, ResponseHistory
+from tlt.rollout.history import HistoryConfig, ResponseHistory
 from tlt.integrations.verl.history_log import HistoryLog, read_history
 
 CFG = HistoryConfig(visits=2, per_prompt=4, max_prompts=6, global_tokens=200)

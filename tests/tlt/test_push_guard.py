@@ -1,14 +1,14 @@
 """The drafter-push guard's decisions (:mod:`tlt.push_guard`) and the weight digests it compares
-(:mod:`drafter.digest`), on real spot checkpoints."""
+(:mod:`tlt.drafter.digest`), on real spot checkpoints."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from drafter.checkpoint import TrainState, save_sync
-from drafter.digest import checkpoint_digest, module_digest
-from drafter.eagle import Drafter
+from tlt.drafter.checkpoint import TrainState, save_sync
+from tlt.drafter.digest import checkpoint_digest, module_digest
+from tlt.drafter.eagle import Drafter
 from tests.drafter.test_spot import _target
 from tlt.push_guard import GuardConfig, PushGuard
 

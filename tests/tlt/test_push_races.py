@@ -9,10 +9,10 @@ import torch
 
 pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
 
-from drafter.checkpoint import TrainState, save_sync  # noqa: E402
-from drafter.eagle import Drafter, DrafterConfig  # noqa: E402
-from drafter.model_config import ModelConfig  # noqa: E402
-from rollout.target import TargetModel  # noqa: E402
+from tlt.drafter.checkpoint import TrainState, save_sync  # noqa: E402
+from tlt.drafter.eagle import Drafter, DrafterConfig  # noqa: E402
+from tlt.drafter.model_config import ModelConfig  # noqa: E402
+from tlt.rollout.target import TargetModel  # noqa: E402
 from tlt.integrations.verl.spot_wiring import session_weights  # noqa: E402
 from tlt.integrations.verl.weight_sync import load_spot_drafter  # noqa: E402
 

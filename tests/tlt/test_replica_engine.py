@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.eagle import Drafter, DrafterConfig
-from drafter.model_config import ModelConfig
-from rollout.generate import SamplingParams, generate
-from rollout.target import TargetModel
-from rollout.tuner import TunerConfig
+from tlt.drafter.eagle import Drafter, DrafterConfig
+from tlt.drafter.model_config import ModelConfig
+from tlt.rollout.generate import SamplingParams, generate
+from tlt.rollout.target import TargetModel
+from tlt.rollout.tuner import TunerConfig
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.integrations.verl.assembly import ReplicaEngine
 from tlt.integrations.verl.config import TLTConfig

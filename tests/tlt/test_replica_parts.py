@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from drafter.model_config import ModelConfig
-from rollout.generate import SamplingParams
-from rollout.target import TargetModel
+from tlt.drafter.model_config import ModelConfig
+from tlt.rollout.generate import SamplingParams
+from tlt.rollout.target import TargetModel
 from tlt.integrations.verl.batcher import RequestBatcher
 from tlt.integrations.verl.weight_sync import DriftProbe, copy_policy
 
@@ -81,8 +81,8 @@ def test_step_stats_count_eagle_verifies_apart_and_keep_heldout_figures():
     each spot session's held-out accept length with its checkpoint step."""
     import types
 
-    from drafter.session import SessionResult
-    from rollout.engine import StepRecord
+    from tlt.drafter.session import SessionResult
+    from tlt.rollout.engine import StepRecord
     from tlt.integrations.verl.step_stats import StepStats
 
     st = StepStats()

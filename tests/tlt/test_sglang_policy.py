@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from rollout.strategy import Arm
+from tlt.rollout.strategy import Arm
 from tlt.bench.sglang_policy import SGLANG_SPEC_GRAPH_BS, graph_memory
 from tlt.integrations.sglang import guard
 from tlt.integrations.sglang.idle import IdleSignal

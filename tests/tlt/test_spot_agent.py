@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from coordinator import Coordinator, CoordinatorConfig, PolicyConfig, WorkerConfig
-from coordinator.protocol import Promote, Role, Stop
-from drafter.checkpoint import latest
-from drafter.spot import SpotTrainer
+from tlt.coordinator import Coordinator, CoordinatorConfig, PolicyConfig, WorkerConfig
+from tlt.coordinator.protocol import Promote, Role, Stop
+from tlt.drafter.checkpoint import latest
+from tlt.drafter.spot import SpotTrainer
 from tlt.ports import free_port
 from tlt.demo.simloop import SimConfig, rollout_samples, target
 from tlt.spot_agent import AgentConfig, SpotAgent, rendezvous_endpoint

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from rollout.target import TargetModel
+from tlt.rollout.target import TargetModel
 from tlt.cli import main
 from tlt.demo.target_factory import TargetSpec, ensure_target
 from tlt.tokenizer import TextTokenizer

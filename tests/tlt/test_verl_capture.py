@@ -5,7 +5,7 @@ forward, split by ``micro_batch_samples``, gives for every sequence of the micro
 ids, a response-only loss mask, the post-norm hidden state and the EAGLE-3 aux layers equal to a
 forward of that sequence alone, in both layouts verl 0.9.1 uses (remove-padding: one packed row
 with restarting position ids; padded: right-padded rows with an attention mask), and that these
-equal ``rollout.target.TargetModel``'s own ``hidden`` / ``aux`` on the same weights. Also covers
+equal ``tlt.rollout.target.TargetModel``'s own ``hidden`` / ``aux`` on the same weights. Also covers
 the prompt-length fallbacks and the argument checks.
 """
 
@@ -19,7 +19,7 @@ pytest.importorskip("transformers", reason="the verl capture tests need transfor
 
 from tensordict import TensorDict  # noqa: E402
 
-from rollout.target import TargetModel  # noqa: E402
+from tlt.rollout.target import TargetModel  # noqa: E402
 from tests.hf import hf_model  # noqa: E402
 from tlt.integrations.verl.capture import (  # noqa: E402
     HiddenCapture,

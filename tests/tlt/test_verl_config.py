@@ -19,7 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 
 import tlt.configs
-from rollout.strategy import Arm
+from tlt.rollout.strategy import Arm
 from tlt.integrations.verl.config import TLTConfig, from_verl
 
 CONFIG_DIR = os.path.dirname(os.path.abspath(tlt.configs.__file__))

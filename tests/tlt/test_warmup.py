@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from drafter.checkpoint import latest
-from drafter.offline_train import STATE_NAME
+from tlt.drafter.checkpoint import latest
+from tlt.drafter.offline_train import STATE_NAME
 from tlt.cli import main
 
 SHARED_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "eurus2_rl_sample_prompts.json"

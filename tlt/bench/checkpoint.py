@@ -41,17 +41,17 @@ from pathlib import Path
 
 import torch
 
-from drafter.checkpoint import (
+from tlt.drafter.checkpoint import (
     AsyncCheckpointer,
     TrainState,
     save_sync,
     state_nbytes,
     step_dir,
 )
-from drafter.eagle import Drafter, DrafterConfig
-from drafter.model_config import ModelConfig
-from drafter.packing import FeatureSample, pack
-from drafter.ttt import TTTConfig, ttt_forward
+from tlt.drafter.eagle import Drafter, DrafterConfig
+from tlt.drafter.model_config import ModelConfig
+from tlt.drafter.packing import FeatureSample, pack
+from tlt.drafter.ttt import TTTConfig, ttt_forward
 
 log = logging.getLogger(__name__)
 

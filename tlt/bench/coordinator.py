@@ -35,7 +35,7 @@ import time
 
 import zmq
 
-from coordinator import (
+from tlt.coordinator import (
     Coordinator,
     CoordinatorConfig,
     DriverClient,
@@ -44,7 +44,7 @@ from coordinator import (
     WorkerClient,
     WorkerConfig,
 )
-from coordinator.protocol import Promote, Session, Stop
+from tlt.coordinator.protocol import Promote, Session, Stop
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 Owns :class:`ModelDims` (shapes the model needs; :data:`QWEN25_32B` for the paper's Table 3),
 :func:`estimate_parts` / :func:`estimate_bytes` per graph key and :func:`memory_report` for a
-:class:`~rollout.graphs.GraphPlan`. The engine never reads it: which graphs to capture is
-:mod:`rollout.graphs`; ``tlt bench graphs`` and ``tlt bench sglang-policy`` report these figures.
+:class:`~tlt.rollout.graphs.GraphPlan`. The engine never reads it: which graphs to capture is
+:mod:`tlt.rollout.graphs`; ``tlt bench graphs`` and ``tlt bench sglang-policy`` report these figures.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from drafter.model_config import ModelConfig
-from rollout.graphs import DraftGraphKey, GraphKey, GraphPlan, TargetGraphKey, graph_set
+from tlt.drafter.model_config import ModelConfig
+from tlt.rollout.graphs import DraftGraphKey, GraphKey, GraphPlan, TargetGraphKey, graph_set
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

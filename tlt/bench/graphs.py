@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from rollout.graph_pool import CudaGraphPool
-from rollout.graphs import GraphPlan, GraphPlanConfig, TargetGraphKey, plan_graphs
+from tlt.rollout.graph_pool import CudaGraphPool
+from tlt.rollout.graphs import GraphPlan, GraphPlanConfig, TargetGraphKey, plan_graphs
 from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_bytes, memory_report
 
 log = logging.getLogger(__name__)
@@ -31,9 +31,9 @@ def _counts(plan: GraphPlan) -> dict:
 
 def _measure_cuda(plan: GraphPlan, *, quick: bool, seed: int) -> dict:
     """Capture both policies for a small bf16 target; measured pool bytes vs the model's."""
-    from drafter.model_config import ModelConfig
-    from rollout.kv_cache import CachedBackend, StaticKVCache
-    from rollout.target import TargetModel
+    from tlt.drafter.model_config import ModelConfig
+    from tlt.rollout.kv_cache import CachedBackend, StaticKVCache
+    from tlt.rollout.target import TargetModel
 
     torch.manual_seed(seed)
     dev, dtype = torch.device("cuda"), torch.bfloat16

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import torch
 
-from drafter.eagle import Drafter
-from drafter.offline_train import TrainConfig
-from rollout.draft_tree import DraftTree, Proposer, ProposerInput
-from rollout.eagle_proposer import EagleProposer
-from rollout.engine import EngineConfig, RolloutEngine
-from rollout.generate import SamplingParams
-from rollout.strategy import Arm
-from rollout.target import TargetModel
+from tlt.drafter.eagle import Drafter
+from tlt.drafter.offline_train import TrainConfig
+from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput
+from tlt.rollout.eagle_proposer import EagleProposer
+from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.generate import SamplingParams
+from tlt.rollout.strategy import Arm
+from tlt.rollout.target import TargetModel
 from tlt.demo.corpus import make_corpus
 from tlt.demo.job import DEFAULT, QUICK
 from tlt.demo.target_factory import ensure_target

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from drafter.eagle import Drafter, DrafterConfig
-from drafter.model_config import ModelConfig
-from drafter.packing import FeatureSample, pack, pack_by_budget, pad
-from drafter.ttt import TTTConfig, ttt_forward
+from tlt.drafter.eagle import Drafter, DrafterConfig
+from tlt.drafter.model_config import ModelConfig
+from tlt.drafter.packing import FeatureSample, pack, pack_by_budget, pad
+from tlt.drafter.ttt import TTTConfig, ttt_forward
 
 log = logging.getLogger(__name__)
 

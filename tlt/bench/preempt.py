@@ -27,11 +27,11 @@ import time
 import numpy as np
 import torch
 
-from drafter.eagle import DrafterConfig
-from drafter.model_config import ModelConfig
-from drafter.packing import FeatureSample
-from drafter.spot import PreemptFlag, SessionSpec, SpotConfig, run_session
-from drafter.ttt import TTTConfig
+from tlt.drafter.eagle import DrafterConfig
+from tlt.drafter.model_config import ModelConfig
+from tlt.drafter.packing import FeatureSample
+from tlt.drafter.spot import PreemptFlag, SessionSpec, SpotConfig, run_session
+from tlt.drafter.ttt import TTTConfig
 from tlt.ports import free_port
 
 log = logging.getLogger(__name__)

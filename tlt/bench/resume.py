@@ -4,7 +4,7 @@ A session starts inside a rollout idle window, so its resume is time the drafter
 Two real ranks (spawned processes, gloo on 127.0.0.1, FSDP2 ``Shard(0)`` as the spot trainer
 shards) time, interleaved per round, for each warm state the trainer can hold:
 
-* ``cut``: :func:`drafter.resume_state.restore`, the trainer's code: every rank cuts its piece
+* ``cut``: :func:`tlt.drafter.resume_state.restore`, the trainer's code: every rank cuts its piece
   from the host copy by parameter name, no communication;
 * ``dcp``: the same state loaded with DCP's ``set_model_state_dict`` /
   ``set_optimizer_state_dict`` (a full state dict for the one-rank state, DTensors on the new mesh
@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from drafter.eagle import Drafter, DrafterConfig
-from drafter.model_config import ModelConfig
+from tlt.drafter.eagle import Drafter, DrafterConfig
+from tlt.drafter.model_config import ModelConfig
 from tlt.ports import free_port
 
 VARIANTS = ("cut", "dcp")
@@ -102,7 +102,7 @@ def _locals(d: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor
 
 
 def _rank(rank: int, port: int, scale: int, rounds: int, out: str) -> None:
-    from drafter import resume_state
+    from tlt.drafter import resume_state
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

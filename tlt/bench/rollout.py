@@ -4,7 +4,7 @@ The workload: 64 requests (16 arithmetic prompts x 4 GRPO samples) on the traine
 with lognormal response lengths (the long tail), greedy so every variant must reproduce the AR
 tokens exactly (checked: a mismatch fails the bench). A drafter is warmed up on the target's own
 rollouts first (cached). Also measures SD speedup vs AR at batch 1 / 8 / 32 with a fixed chain,
-and host syncs (device -> host reads, :mod:`rollout.host_syncs`) per plain and per speculative step.
+and host syncs (device -> host reads, :mod:`tlt.rollout.host_syncs`) per plain and per speculative step.
 Every variant runs between two AR rollouts, and its paired ratio is their mean time over its own
 (the machine's speed drifts by tens of percent within a minute); a second, identical AR engine runs
 as a control: its paired ratio is the run's noise floor.
@@ -31,16 +31,16 @@ from pathlib import Path
 
 import torch
 
-from drafter.eagle import Drafter
-from drafter.offline_train import TrainConfig
-from rollout.eagle_proposer import EagleProposer
-from rollout.engine import EngineConfig, RolloutEngine
-from rollout.generate import SamplingParams
-from rollout.host_syncs import count_host_syncs
-from rollout.ngram import NgramProposer
-from rollout.strategy import Arm
-from rollout.target import TargetModel
-from rollout.tuner import BegMab, TunerConfig
+from tlt.drafter.eagle import Drafter
+from tlt.drafter.offline_train import TrainConfig
+from tlt.rollout.eagle_proposer import EagleProposer
+from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.generate import SamplingParams
+from tlt.rollout.host_syncs import count_host_syncs
+from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.strategy import Arm
+from tlt.rollout.target import TargetModel
+from tlt.rollout.tuner import BegMab, TunerConfig
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.demo.job import DEFAULT, QUICK
 from tlt.demo.target_factory import default_cache_dir, ensure_target

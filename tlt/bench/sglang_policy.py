@@ -37,7 +37,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rollout.graphs import DraftGraphKey, TargetGraphKey
+from tlt.rollout.graphs import DraftGraphKey, TargetGraphKey
 from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_parts
 from tlt.integrations.sglang.policy import DEFAULT_SLOTS, AdaptivePolicy, SlotsConfig, describe
 
@@ -56,12 +56,12 @@ def record_trace(*, quick: bool, seed: int) -> dict:
     """Measure (seconds, accepted drafts per request) per step at each batch size and step count."""
     import torch
 
-    from drafter.eagle import Drafter
-    from rollout.eagle_proposer import EagleProposer
-    from rollout.engine import EngineConfig, RolloutEngine
-    from rollout.generate import SamplingParams
-    from rollout.strategy import Arm
-    from rollout.target import TargetModel
+    from tlt.drafter.eagle import Drafter
+    from tlt.rollout.eagle_proposer import EagleProposer
+    from tlt.rollout.engine import EngineConfig, RolloutEngine
+    from tlt.rollout.generate import SamplingParams
+    from tlt.rollout.strategy import Arm
+    from tlt.rollout.target import TargetModel
     from tlt.bench.rollout import _drafter_dir
     from tlt.demo.corpus import CorpusConfig, make_corpus
     from tlt.demo.job import DEFAULT, QUICK

@@ -21,10 +21,10 @@ import platform
 
 import torch
 
-from drafter.eagle import Drafter, DrafterConfig
-from drafter.model_config import ModelConfig
-from rollout.strategy import Arm
-from rollout.target import TargetModel
+from tlt.drafter.eagle import Drafter, DrafterConfig
+from tlt.drafter.model_config import ModelConfig
+from tlt.rollout.strategy import Arm
+from tlt.rollout.target import TargetModel
 from tlt.bench.rollout import fixed_batch
 
 log = logging.getLogger(__name__)

@@ -47,8 +47,8 @@ import math
 import random
 from collections.abc import Callable
 
-from rollout.strategy import Arm
-from rollout.tuner import BegMab, TunerConfig, describe
+from tlt.rollout.strategy import Arm
+from tlt.rollout.tuner import BegMab, TunerConfig, describe
 
 log = logging.getLogger(__name__)
 

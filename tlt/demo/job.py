@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from drafter.export import export_drafter
-from drafter.offline_train import TrainConfig
+from tlt.drafter.export import export_drafter
+from tlt.drafter.offline_train import TrainConfig
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.demo.grpo_task import careful_lines, write_parquet
 from tlt.demo.summary import ARM_LABELS, plot, summarize
@@ -237,12 +237,12 @@ def speedup_limit(target: Path, drafter: Path, prompts: list[list[int]], depth: 
     this machine, at the tail's batch sizes: the speedup ceiling is (tokens per verify) x ratio."""
     import torch
 
-    from drafter.eagle import Drafter
-    from rollout.eagle_proposer import EagleProposer
-    from rollout.engine import EngineConfig, RolloutEngine
-    from rollout.generate import SamplingParams
-    from rollout.strategy import Arm
-    from rollout.target import TargetModel
+    from tlt.drafter.eagle import Drafter
+    from tlt.rollout.eagle_proposer import EagleProposer
+    from tlt.rollout.engine import EngineConfig, RolloutEngine
+    from tlt.rollout.generate import SamplingParams
+    from tlt.rollout.strategy import Arm
+    from tlt.rollout.target import TargetModel
 
     model = TargetModel.from_pretrained(target)
     d = Drafter.load(drafter, model.embed_weight, model.lm_head.weight).eval()

@@ -3,7 +3,7 @@
 Owns the harness that ``tests/test_adaptive_loop.py`` and ``examples/adaptive_loop.py`` drive: a
 coordinator (a thread of this process, or its own process so it can be killed), and one spawned
 process per rollout worker. Each worker runs a :class:`~tlt.spot_agent.SpotAgent` with a
-:class:`~drafter.buffer.DataBuffer`; per RL step it "rolls out" for its configured duration (adding
+:class:`~tlt.drafter.buffer.DataBuffer`; per RL step it "rolls out" for its configured duration (adding
 that step's feature samples to its buffer), then reports IDLE, except the last worker, the long
 tail, whose end is the end of the rollout. Idle workers are promoted and train the drafter with
 FSDP2/gloo until the driver calls :meth:`SimLoop.rollout_done`.
@@ -30,20 +30,20 @@ from typing import Any
 
 import torch
 
-from coordinator import (
+from tlt.coordinator import (
     Coordinator,
     CoordinatorConfig,
     DriverClient,
     PolicyConfig,
     WorkerConfig,
 )
-from coordinator.driver import RolloutOutcome
-from drafter.buffer import BufferConfig, DataBuffer
-from drafter.eagle import DrafterConfig
-from drafter.model_config import ModelConfig
-from drafter.packing import FeatureSample
-from drafter.spot import SpotConfig, SpotTrainer
-from drafter.ttt import TTTConfig
+from tlt.coordinator.driver import RolloutOutcome
+from tlt.drafter.buffer import BufferConfig, DataBuffer
+from tlt.drafter.eagle import DrafterConfig
+from tlt.drafter.model_config import ModelConfig
+from tlt.drafter.packing import FeatureSample
+from tlt.drafter.spot import SpotConfig, SpotTrainer
+from tlt.drafter.ttt import TTTConfig
 from tlt.ports import free_port
 from tlt.spot_agent import AgentConfig, FormationRecord, SpotAgent
 
@@ -64,7 +64,7 @@ class SimConfig:
     spot: SpotConfig = SpotConfig(lr=1e-2, token_budget=192, interval=10_000, ttt=TTTConfig(steps=2),
                                   seed=3, timeout_s=30.0)
     agent: AgentConfig = AgentConfig()
-    coordinator_process: bool = False  # True: `python -m coordinator` in its own (killable) process
+    coordinator_process: bool = False  # True: `python -m tlt.coordinator` in its own (killable) process
 
     def __post_init__(self) -> None:
         if len(self.durations) < 2 or len({len(d) for d in self.durations}) != 1 or not self.durations[0]:
@@ -184,7 +184,7 @@ class SimLoop:
         c = self.cfg
         if c.coordinator_process:
             self._coord_proc = subprocess.Popen(
-                [sys.executable, "-m", "coordinator", "--bind", self.address,
+                [sys.executable, "-m", "tlt.coordinator", "--bind", self.address,
                  "--heartbeat-ms", str(int(c.heartbeat_s * 1000)), "--liveness", str(c.liveness),
                  "--idle-threshold", str(c.idle_threshold), "--stop-timeout-s", str(c.stop_timeout_s),
                  "--log-level", "ERROR"])

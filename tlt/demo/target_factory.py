@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from drafter.model_config import ModelConfig
-from rollout.target import TargetModel
+from tlt.drafter.model_config import ModelConfig
+from tlt.rollout.target import TargetModel
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.tokenizer import TextTokenizer, train_tokenizer
 

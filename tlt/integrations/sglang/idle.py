@@ -60,7 +60,7 @@ def from_env(environ: Mapping[str, str] = os.environ, *, tp_rank: int = 0) -> Id
     address = environ.get("TLT_COORDINATOR", "").strip()
     if not address or tp_rank != 0:
         return _Null()
-    from coordinator.worker import WorkerClient, WorkerConfig
+    from tlt.coordinator.worker import WorkerClient, WorkerConfig
 
     try:
         group = int(environ.get("TLT_DP_GROUP", "0"))

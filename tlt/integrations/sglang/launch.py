@@ -129,9 +129,9 @@ def frozen_tensors(model_path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 def start_drafter(tlt, model_path: str | Path, out_dir: str | Path, *, seed: int = 0) -> Path:
     """The SGLang-format drafter the servers start with, written under ``out_dir``: the warm-up
     drafter exported, or (``eagle-fresh``) a freshly initialised one. Returns its directory."""
-    from drafter.eagle import Drafter, DrafterConfig
-    from drafter.export import export_drafter
-    from drafter.model_config import ModelConfig
+    from tlt.drafter.eagle import Drafter, DrafterConfig
+    from tlt.drafter.export import export_drafter
+    from tlt.drafter.model_config import ModelConfig
 
     out_dir = Path(out_dir)
     src = tlt.drafter.init_path

@@ -1,7 +1,7 @@
 """BEG-MAB as SGLang's adaptive speculative policy: step counts chosen per batch-size slot.
 
 Owns the translation between SGLang's adaptive-speculation protocol and TLT's tuner
-(:class:`rollout.tuner.BegMab`). SGLang's EAGLE worker only switches the draft *step count* at run
+(:class:`tlt.rollout.tuner.BegMab`). SGLang's EAGLE worker only switches the draft *step count* at run
 time (topk 1, ``num_draft_tokens = steps + 1``), so an arm here is a chain ``Arm(s, 1, s)``, and
 ``steps = 0`` (0.5.23 only) is ``Arm.off()``: plain decoding on the same KV cache, no re-prefill —
 the elastic switch. Pure Python: SGLang is not imported here (the hooks module installs it).
@@ -43,8 +43,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rollout.strategy import Arm
-from rollout.tuner import BegMab, TunerConfig
+from tlt.rollout.strategy import Arm
+from tlt.rollout.tuner import BegMab, TunerConfig
 
 # Every slot offers 0 (off): speculating is a learned decision at every batch size. Deep chains
 # only while few requests run; at larger batches verified tokens cost compute, so only short chains

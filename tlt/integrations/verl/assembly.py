@@ -3,7 +3,7 @@
 Owns :class:`ReplicaEngine`, which the replica's Ray actor wraps. Proposers are arms, not
 fallbacks: the model-free suffix drafter (the prompt, the live GRPO group, the same prompt's
 responses from its last ``tlt.speculation.history_visits`` rollouts and a global pool of recent
-responses; :mod:`rollout.history`) is an arm from the first step, and the EAGLE drafter joins it
+responses; :mod:`tlt.rollout.history`) is an arm from the first step, and the EAGLE drafter joins it
 once one exists; BEG-MAB learns per batch-size bucket which one (or neither: ``off``) pays.
 
 Drafter swaps touch only the drafter: the EAGLE proposer is replaced in the running engine (its
@@ -17,14 +17,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from drafter.digest import module_digest
-from drafter.eagle import Drafter
-from rollout.eagle_proposer import EagleProposer
-from rollout.engine import EngineConfig, FeatureSink, RolloutEngine
-from rollout.history import ResponseHistory
-from rollout.ngram import NgramProposer
-from rollout.target import TargetModel
-from rollout.tuner import BegMab, TunerConfig
+from tlt.drafter.digest import module_digest
+from tlt.drafter.eagle import Drafter
+from tlt.rollout.eagle_proposer import EagleProposer
+from tlt.rollout.engine import EngineConfig, FeatureSink, RolloutEngine
+from tlt.rollout.history import ResponseHistory
+from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.target import TargetModel
+from tlt.rollout.tuner import BegMab, TunerConfig
 from tlt.integrations.verl.config import TLTConfig
 
 log = logging.getLogger(__name__)

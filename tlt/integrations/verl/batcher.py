@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from rollout.generate import SamplingParams
+from tlt.rollout.generate import SamplingParams
 
 log = logging.getLogger(__name__)
 

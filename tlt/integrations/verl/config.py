@@ -13,8 +13,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from rollout.history import HistoryConfig
-from rollout.strategy import Arm
+from tlt.rollout.history import HistoryConfig
+from tlt.rollout.strategy import Arm
 
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:

@@ -18,8 +18,8 @@ from pathlib import Path
 import ray
 import torch
 
-from drafter.checkpoint import latest, pin
-from drafter.digest import checkpoint_digest
+from tlt.drafter.checkpoint import latest, pin
+from tlt.drafter.digest import checkpoint_digest
 from tlt.push_guard import GuardConfig, PushGuard, Verdict
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Owns :class:`HistoryLog`. The trainer is its only writer: after each RL step it appends the step's
 (prompt, response) pairs, one JSON line each, and mirrors them into a
-:class:`rollout.history.ResponseHistory` with the replicas' bounds. Once the file holds more than
+:class:`tlt.rollout.history.ResponseHistory` with the replicas' bounds. Once the file holds more than
 twice what the history keeps, it is rewritten from the mirror (to a temporary file, then renamed),
 so it stays bounded by the history's own bounds. A restarted replica reads it back
 (:func:`read_history`) and adds the steps in order, which replays the same trimming rules: it gets
@@ -18,7 +18,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollout.history import HistoryConfig, ResponseHistory
+from tlt.rollout.history import HistoryConfig, ResponseHistory
 
 log = logging.getLogger(__name__)
 

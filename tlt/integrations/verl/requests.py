@@ -1,7 +1,7 @@
 """What one verl rollout request asks of a replica: its sampling settings and its seed.
 
 Owns the translation of verl's ``sampling_params`` into the engine's
-:class:`~rollout.generate.SamplingParams` (keys the engine honours, keys whose neutral value is the
+:class:`~tlt.rollout.generate.SamplingParams` (keys the engine honours, keys whose neutral value is the
 only lossless one, anything else refused rather than dropped), and the request seed of coupled
 sampling. verl 0.9.1 sends no seed and no stable request identity (``request_id`` is a uuid4), so
 the seed is derived from what identifies a request in an RL run: the data seed, the global step,
@@ -17,7 +17,7 @@ import json
 import logging
 from typing import Any
 
-from rollout.generate import SamplingParams
+from tlt.rollout.generate import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from drafter.buffer import BufferConfig, DataBuffer
-from drafter.eagle import Drafter, DrafterConfig
-from drafter.resume_state import prefetch, warmup_state
-from rollout.target import TargetModel
+from tlt.drafter.buffer import BufferConfig, DataBuffer
+from tlt.drafter.eagle import Drafter, DrafterConfig
+from tlt.drafter.resume_state import prefetch, warmup_state
+from tlt.rollout.target import TargetModel
 from tlt.integrations.verl.assembly import ReplicaEngine
 from tlt.integrations.verl.batcher import Request, RequestBatcher
 from tlt.integrations.verl.config import TLTConfig
@@ -332,7 +332,7 @@ class TLTServer:
 
     def add_samples(self, step: int, samples: list[tuple]) -> int:
         """Features captured by this replica's actor worker (``tlt.buffer.capture=old_log_prob``)."""
-        from drafter.packing import FeatureSample
+        from tlt.drafter.packing import FeatureSample
 
         for ids, mask, hidden, aux in samples:
             self.buffer.add(FeatureSample(ids, mask, hidden, aux), step)

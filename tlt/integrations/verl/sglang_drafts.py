@@ -2,7 +2,7 @@
 
 Owns the sources of a push (a spot checkpoint step, or an exported SGLang-format drafter such as
 the one the servers started with), their conversion to SGLang's draft-model tensors
-(:func:`drafter.export.format_tensors`, the names an export writes), and the hard check's canary:
+(:func:`tlt.drafter.export.format_tensors`, the names an export writes), and the hard check's canary:
 the draft ``fc`` weight (unfused in SGLang's EAGLE and EAGLE-3 draft models, replicated across TP
 ranks, and trained), read back by name through TLT's SGLang plugin.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from drafter.digest import canary_digest, checkpoint_weights
-from drafter.eagle import WEIGHTS_NAME, DrafterConfig, read_config
+from tlt.drafter.digest import canary_digest, checkpoint_weights
+from tlt.drafter.eagle import WEIGHTS_NAME, DrafterConfig, read_config
 
 # the canary tensor: its name in a drafter / checkpoint / export, and in SGLang's draft model
 CANARY = {"pushed": "fc.weight", "served": "model.fc.weight"}
@@ -22,7 +22,7 @@ CANARY = {"pushed": "fc.weight", "served": "model.fc.weight"}
 
 def drafter_config(cfg, model_path: str | Path) -> DrafterConfig:
     """The run's drafter shape: the warm-up drafter's, else the method's default for the target."""
-    from drafter.model_config import ModelConfig
+    from tlt.drafter.model_config import ModelConfig
 
     if cfg.drafter.init_path:
         return read_config(cfg.drafter.init_path)
@@ -34,7 +34,7 @@ def source_tensors(source: dict, dcfg: DrafterConfig, dtype: torch.dtype) -> dic
     ``{"kind": "export", "path"}`` (an SGLang-format drafter directory)."""
     from safetensors.torch import load_file
 
-    from drafter.export import format_tensors
+    from tlt.drafter.export import format_tensors
 
     if source["kind"] == "spot":
         return format_tensors(dcfg, "sglang", checkpoint_weights(source["root"], int(source["step"])), dtype)

@@ -53,8 +53,8 @@ import torch
 from verl.workers.rollout.replica import TokenOutput
 from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer, SGLangReplica
 
-from drafter.buffer import BufferConfig, DataBuffer
-from drafter.digest import weights_digest
+from tlt.drafter.buffer import BufferConfig, DataBuffer
+from tlt.drafter.digest import weights_digest
 from tlt.integrations.sglang import launch
 from tlt.integrations.verl.config import TLTConfig
 from tlt.integrations.verl.sglang_drafts import CANARY, drafter_config
@@ -271,7 +271,7 @@ class TLTSGLangServer(SGLangHttpServer):
         return getattr(torch, str(self.config.dtype).removeprefix("torch."), torch.bfloat16)
 
     def add_samples(self, step: int, samples: list[tuple]) -> int:
-        from drafter.packing import FeatureSample
+        from tlt.drafter.packing import FeatureSample
 
         for ids, mask, hidden, aux in samples:
             self.buffer.add(FeatureSample(ids, mask, hidden, aux), step)

@@ -4,7 +4,7 @@ Owns :class:`BufferFeed` (the engine's feature sink: each finished request becom
 sample of the RL step being rolled out), :func:`session_weights` (the frozen tensors a session
 trains against: its own copies) and :func:`start_spot_agent` (the coordinator worker whose
 PROMOTE starts an FSDP2 spot session in this process). The replica decides when it is idle or
-busy; the agent and trainer decide the rest (:mod:`tlt.spot_agent`, :mod:`drafter.spot`).
+busy; the agent and trainer decide the rest (:mod:`tlt.spot_agent`, :mod:`tlt.drafter.spot`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import torch
 
-from drafter.buffer import DataBuffer
-from drafter.eagle import DrafterConfig
-from drafter.packing import FeatureSample
-from drafter.spot import SpotConfig, SpotTrainer
-from drafter.ttt import TTTConfig
-from rollout.target import TargetModel
+from tlt.drafter.buffer import DataBuffer
+from tlt.drafter.eagle import DrafterConfig
+from tlt.drafter.packing import FeatureSample
+from tlt.drafter.spot import SpotConfig, SpotTrainer
+from tlt.drafter.ttt import TTTConfig
+from tlt.rollout.target import TargetModel
 from tlt.integrations.verl.config import TLTConfig
 
 PORT_SPAN = 256  # rendezvous ports per replica above tlt's spot base port
@@ -59,7 +59,7 @@ def start_spot_agent(*, cfg: TLTConfig, rank: int, seed: int, model: TargetModel
                      on_record: Callable, spot_rate: Callable[[], float | None], device: torch.device | None = None):
     """This replica's spot agent, connected to the coordinator and idle until told otherwise;
     sessions train on ``device`` (default: the model's)."""
-    from coordinator import WorkerConfig
+    from tlt.coordinator import WorkerConfig
     from tlt.spot_agent import AgentConfig, SpotAgent
 
     spot = spot_config(cfg, seed)

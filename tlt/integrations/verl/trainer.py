@@ -90,7 +90,7 @@ def trainer_class():
 
         # -------------------------------------------------------------- set-up
         def _setup_runtime(self, config) -> None:
-            from coordinator import DriverClient
+            from tlt.coordinator import DriverClient
 
             out = Path(config.trainer.default_local_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -107,7 +107,7 @@ def trainer_class():
                 cc = self.tlt.coordinator
                 with open(out / "tlt_coordinator.log", "ab") as log_file:
                     self._coord_proc = subprocess.Popen(
-                        [sys.executable, "-m", "coordinator", "--bind", address,
+                        [sys.executable, "-m", "tlt.coordinator", "--bind", address,
                          "--heartbeat-ms", str(int(cc.heartbeat_s * 1000)), "--liveness", str(cc.liveness),
                          "--idle-threshold", str(self.tlt.spot.min_idle),
                          "--stop-timeout-s", str(cc.done_timeout_s), "--exit-with-parent"],
@@ -401,8 +401,8 @@ def _stop_process(proc: subprocess.Popen) -> None:
 def _feature_layers(tlt: TLTConfig, model_path: str) -> list[int]:
     """The target layers the drafter reads besides the last hidden state (EAGLE-3's aux layers,
     none for EAGLE): the warm-up drafter's, else the method's defaults for this target."""
-    from drafter.eagle import DrafterConfig, read_config
-    from drafter.model_config import ModelConfig
+    from tlt.drafter.eagle import DrafterConfig, read_config
+    from tlt.drafter.model_config import ModelConfig
 
     if tlt.drafter.init_path:
         return list(read_config(tlt.drafter.init_path).aux_layers)

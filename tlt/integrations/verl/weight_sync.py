@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from drafter.checkpoint import load_weights
-from drafter.eagle import Drafter, DrafterConfig
-from rollout.target import TargetModel
+from tlt.drafter.checkpoint import load_weights
+from tlt.drafter.eagle import Drafter, DrafterConfig
+from tlt.rollout.target import TargetModel
 
 log = logging.getLogger(__name__)
 
