@@ -13,6 +13,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from tlt.rollout.row_state import RowState
 from tlt.rollout.sampling import RowSampling
 from tlt.rollout.strategy import Arm
 
@@ -58,7 +59,8 @@ class DraftTree:
 
     @classmethod
     def from_nodes(cls, rows: Sequence[Sequence[tuple[int, int]]], device: torch.device | str = "cpu") -> "DraftTree":
-        """Per request, its nodes as (token, parent) in topological order; one host->tensor copy."""
+        """Per request, its nodes as (token, parent) in topological order; one host -> device copy
+        (from pinned memory, not blocking the host, on CUDA)."""
         width = max(map(len, rows), default=0)
         flat: list[int] = []  # all tokens, then all parents (padding hangs off the root), then valid flags
         for r in rows:
@@ -67,7 +69,10 @@ class DraftTree:
             flat += [p for _, p in r] + [-1] * (width - len(r))
         for r in rows:
             flat += [1] * len(r) + [0] * (width - len(r))
-        packed = torch.tensor(flat, dtype=torch.long).view(3, len(rows), width).to(device)  # [3, B, N]
+        packed = torch.tensor(flat, dtype=torch.long).view(3, len(rows), width)  # [3, B, N]
+        if torch.device(device).type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(device, non_blocking=True)
         return cls(packed[0], packed[1], packed[2].bool())
 
     def depths(self) -> torch.Tensor:
@@ -85,12 +90,18 @@ def right_pad(rows: Sequence[Sequence[int]], *, fill: int = 0, width: int | None
 
 
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:
-    """Depth (0 for children of the prefix) of each node; parents: [B, T] -> [B, T]."""
-    depth = torch.zeros_like(parents)
-    for j in range(parents.shape[1]):
-        p = parents[:, j]
-        depth[:, j] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None]).squeeze(1) + 1, 0)
-    return depth
+    """Depth (0 for children of the prefix) of each node; parents: [B, T] -> [B, T].
+
+    Pointer jumping: each round adds the distance already known at a node's current jump target and
+    doubles the jump, so ceil(log2(T)) + 1 rounds of batched device ops, no per-node loop."""
+    dist = torch.ones_like(parents)  # [B, T] edges from a node to its jump target
+    jump = parents.clone()  # [B, T] jump target, -1 = the prefix
+    for _ in range(max(parents.shape[1] - 1, 0).bit_length() + 1):
+        has = jump >= 0
+        at = jump.clamp(min=0)
+        dist = dist + torch.where(has, dist.gather(1, at), 0)
+        jump = torch.where(has, jump.gather(1, at), -1)
+    return dist - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +126,14 @@ class ProposerInput:
     # per request id: seed keys and temperatures of coupled sampling (rollout.sampling); a proposer
     # may draft argmax(log q + G) with the target's own noise. None: draft deterministically.
     sampling: RowSampling | None = None
+    # the running rows' state on the device, in row order (lengths, committed tokens, sampling):
+    # what a proposer indexes with, instead of uploading host lists. None: outside an engine.
+    state: RowState | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the proposer's tree goes: the engine's device (the CPU outside an engine)."""
+        return self.state.device if self.state is not None else torch.device("cpu")
 
 
 class Proposer(Protocol):

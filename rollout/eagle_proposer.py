@@ -1,7 +1,10 @@
 """EAGLE / EAGLE-3 drafting inside the rollout engine: lazy catch-up and EAGLE-2 dynamic trees.
 
 Owns the drafter's own static KV cache (one row per running request, in the engine's row order)
-and how far each request's (token, target feature) pairs went through it. Pairs follow the
+and how far each request's (token, target feature) pairs went through it: on the device
+(``_seen``, ``_floor``: what the drafter indexes with) and on the host (``seen``, ``floor``: what
+sizes its shapes), kept equal by applying one rule to both. Inside an engine the committed tokens
+come from its device :class:`~tlt.rollout.row_state.RowState`, so a proposal uploads nothing. Pairs follow the
 training convention: the feature that predicted token ``x`` is paired with ``x``; the pair at
 position ``t`` is ``(x_{t+1}, f_t)``. Nothing is fed while speculation is off: on each proposal
 the pairs committed since the last one are read from the engine's token lists and feature buffer
@@ -30,7 +33,7 @@ import torch
 
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.draft_tree import DraftTree, ProposerInput, right_pad
-from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
+from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, to_additive
 from tlt.rollout.sampling import gumbel, token_hash
 
 
@@ -52,6 +55,9 @@ class EagleProposer:
         self.rows: list[int] = []  # request id per drafter cache row
         self.seen: dict[int, int] = {}  # pairs up to this position went through the drafter cache
         self.floor: dict[int, int] = {}  # positions below were skipped (never visible to the drafter)
+        # [2, rows] the same by row: seen, floor (rows along dim 1, as in the cache: one compaction)
+        self._pos = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)
+        self._seen, self._floor = self._pos[0], self._pos[1]  # views
         self.catch_up_window = catch_up_window
         self.pairs_processed = 0  # total catch-up work, for tests and metrics
         self.catch_up_s = 0.0  # seconds the last proposal spent catching up (host-timed)
@@ -67,10 +73,8 @@ class EagleProposer:
         t0 = time.perf_counter()
         root = self._catch_up(inp)  # [B, H] output of each request's last pair
         self.catch_up_s = time.perf_counter() - t0
-        base_host = [self.seen[r] for r in self.rows]
-        base, base_max = torch.tensor(base_host, device=self.device), max(base_host)  # [B]
-        floor = torch.tensor([self.floor[r] for r in self.rows], device=self.device)
-        above = self._above_floor(floor, base_max + arm.depth * arm.topk)  # [B, largest span]
+        base, base_max = self._seen[:b], max(self.seen[r] for r in self.rows)  # [B]: the last pair's position
+        above = self._above_floor(self._floor[:b], base_max + arm.depth * arm.topk)  # [B, largest span]
         k = arm.topk
         d = self.drafter
         scores_at = self._scorer(inp, base, arm.depth)
@@ -92,8 +96,7 @@ class EagleProposer:
             exp_feat = feat_in.gather(1, top[..., None].expand(-1, -1, feat_in.shape[-1]))
             exp_anc = anc.gather(1, top[..., None].expand(-1, -1, anc.shape[-1]))  # [B, k, E]
             e = anc.shape[-1]
-            own = torch.zeros(b, k, k, dtype=torch.bool, device=self.device)
-            own[:, torch.arange(k), torch.arange(k)] = True
+            own = torch.eye(k, dtype=torch.bool, device=self.device).expand(b, k, k)
             exp_anc = torch.cat([exp_anc, own], -1)  # [B, k, E + k]
             slots = base[:, None] + e + torch.arange(k, device=self.device)
             span = base_max + e + k  # the largest slot + 1, known on the host
@@ -133,8 +136,11 @@ class EagleProposer:
         s = inp.sampling if self.shared_noise else None
         if s is None or not s.sampled:
             return lambda logits, level: logits.float().log_softmax(-1)
-        rows = torch.tensor(self.rows, device=self.device)
-        keys, temp = s.keys[rows], s.temperature[rows]  # [B]
+        if inp.state is not None:  # the engine's rows, in this order
+            keys, temp = inp.state.sampling.keys, inp.state.sampling.temperature  # [B]
+        else:
+            rows = torch.tensor(self.rows, device=self.device)
+            keys, temp = s.keys[rows], s.temperature[rows]
         sampled = (temp > 0)[:, None, None]
         t = torch.where(temp > 0, temp, torch.ones_like(temp))[:, None, None]
         # The noise depends on (key, position, token) only: every level's in one call.
@@ -153,38 +159,53 @@ class EagleProposer:
         if inp.generation != self.generation:
             self.generation, self.rows = inp.generation, list(inp.rows)
             self.seen, self.floor = dict.fromkeys(inp.rows, 0), dict.fromkeys(inp.rows, 0)
+            self._pos.zero_()
             return
         if list(inp.rows) == self.rows:
             return
         where = {r: i for i, r in enumerate(self.rows)}
         keep = [where[r] for r in inp.rows]  # KeyError = a request that was never started
-        self.cache.compact_rows(keep)
+        compact_rows((self.cache.k, self.cache.v, self._pos), keep, dim=1)  # one index upload
         self.rows = list(inp.rows)
         self.seen = {r: self.seen[r] for r in self.rows}
         self.floor = {r: self.floor[r] for r in self.rows}
 
     def _catch_up(self, inp: ProposerInput) -> torch.Tensor:
         """Run every pair not yet seen through the drafter; returns the last pair's output [B, H]."""
-        b = len(self.rows)
+        b, w = len(self.rows), self.catch_up_window
         ends = [len(inp.tokens[r]) - 1 for r in self.rows]  # pairs available: positions < end
         for r, e in zip(self.rows, ends):  # a backlog beyond the window is skipped, not computed
-            if e - self.seen[r] > self.catch_up_window:
-                self.seen[r] = self.floor[r] = e - self.catch_up_window
+            if e - self.seen[r] > w:
+                self.seen[r] = self.floor[r] = e - w
         seen = [self.seen[r] for r in self.rows]
         lens_host = [e - s for s, e in zip(seen, ends)]
         assert min(lens_host) > 0, "every running request committed a token since its last proposal"
         m = max(lens_host)
-        ids = right_pad([inp.tokens[r][s + 1: e + 1] for r, s, e in zip(self.rows, seen, ends)],
-                        device=self.device)  # [B, m]
-        lens = torch.tensor(lens_host, device=self.device)
-        base = torch.tensor(seen, device=self.device)
-        pos = base[:, None] + torch.arange(m, device=self.device)  # [B, m]
+        at = torch.arange(m, device=self.device)
+        if inp.state is not None:  # the same rule on the device copies; tokens from the engine's state
+            end = inp.state.lens - 1  # [B]
+            skip = end - self._seen[:b] > w
+            self._seen[:b] = torch.where(skip, end - w, self._seen[:b])
+            self._floor[:b] = torch.where(skip, end - w, self._floor[:b])
+            base = self._seen[:b]
+            lens = end - base
+            tok = inp.state.tokens
+            ids = tok.gather(1, (base[:, None] + 1 + at).clamp(max=tok.shape[1] - 1))  # [B, m]
+            ids = torch.where(at < lens[:, None], ids, 0)
+        else:
+            ids = right_pad([inp.tokens[r][s + 1: e + 1] for r, s, e in zip(self.rows, seen, ends)],
+                            device=self.device)  # [B, m]
+            lens = torch.tensor(lens_host, device=self.device)
+            self._seen[:b] = torch.tensor(seen, device=self.device)
+            self._floor[:b] = torch.tensor([self.floor[r] for r in self.rows], device=self.device)
+            base = self._seen[:b]
+        pos = base[:, None] + at  # [B, m]
         feats = inp.features  # [max_batch, S, F]
         x = feats[torch.arange(b, device=self.device)[:, None], pos.clamp(max=feats.shape[1] - 1)]
         span = max(ends)  # the largest position + 1
-        floor = torch.tensor([self.floor[r] for r in self.rows], device=self.device)
-        visible = prefill_mask(lens, span, start=base, t=m) & self._above_floor(floor, span)[:, None]
+        visible = prefill_mask(lens, span, start=base, t=m) & self._above_floor(self._floor[:b], span)[:, None]
         out = self.drafter(ids, x.to(self.drafter.fc.weight.dtype), pos, CachedBackend(self.cache, pos, to_additive(visible)))
+        self._seen[:b] = base + lens
         for r, e in zip(self.rows, ends):
             self.seen[r] = e
         self.pairs_processed += sum(lens_host)

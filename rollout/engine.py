@@ -16,6 +16,13 @@ Proposers are arms: the engine holds named proposers (``""``: the main one, e.g.
 Every arm the engine may run (the fixed one, or every arm of the tuner's buckets) is checked at
 construction against ``max_draft_tokens`` and the proposers it names.
 
+Host <-> device traffic: the running requests' state lives on the device
+(:class:`~tlt.rollout.row_state.RowState`) and each step updates it there from the verifier's device
+result; a step reads one packed result (committed tokens, their log-probs, counts) and uploads at
+most the draft tree of a host-side proposer (the model-free drafter's, in one copy). Prefill and
+leaving requests (row compaction) upload their indices; they are no step's cost
+(:mod:`tlt.rollout.transfers` counts all of it).
+
 Sampling is coupled (:mod:`tlt.rollout.sampling`): a request's token at a position is a function of its
 seed, the position and the target's logits, so speculative and plain decoding sample the same
 tokens. A :class:`FeatureSink` receives every finished request's tokens and the target features
@@ -36,11 +43,12 @@ from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, GraphPlanConfig
 from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, swap_remove, to_additive, tree_mask
+from tlt.rollout.row_state import RowState
 from tlt.rollout.sampling import RowSampling, sample
 from tlt.rollout.static_step import StaticTargetStep
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
-from tlt.rollout.verify import verify
+from tlt.rollout.verify import stop_table, verify
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +179,7 @@ class RolloutEngine:
         logprobs: list[list[float]] = [[] for _ in range(n)]
         self._generation += 1
         self._last_proposer = None
-        first, first_lp = self._prefill(prompts, sampling, stops)
+        first, first_lp, state = self._prefill(prompts, sampling, stops)
         steps: list[StepRecord] = []
         accept_lengths: list[int] = []
         last = [[t] for t in first]
@@ -190,14 +198,17 @@ class RolloutEngine:
             if gone and self.sink is not None:
                 self._hand_over(rows, gone, seqs, plens)
             keep = swap_remove(len(rows), gone)
-            self.cache.compact_rows(keep)
-            if self._features_buf is not None:
-                compact_rows((self._features_buf,), keep)
             rows = [rows[k] for k in keep]
             if not rows:
                 break
-            inp = ProposerInput(self._generation, tuple(rows), seqs, plens, groups, None, Arm.off(), sampling)
-            last, last_lp, rec, acc = self._step(inp, sampling, stops)
+            if gone:  # leaving requests: one index upload for the state, the cache and the features
+                self.cache.compact_rows(keep)
+                if self._features_buf is not None:
+                    compact_rows((self._features_buf,), keep)
+                state = state.select(torch.tensor(keep, device=self.device))
+            inp = ProposerInput(self._generation, tuple(rows), seqs, plens, groups, None, Arm.off(), sampling,
+                                state)
+            last, last_lp, rec, acc = self._step(inp)
             steps.append(rec)
             accept_lengths += acc
         outputs = [seq[plen:] for seq, plen in zip(seqs, plens)]
@@ -263,6 +274,7 @@ class RolloutEngine:
         last = out.logits[torch.arange(b, device=self.device), lens - 1][:, None]  # [B, 1, V]
         tok, lp = sample(last, sampling, lens[:, None])  # the first token sits at position len(prompt)
         host = torch.cat([tok.double(), lp.double()], 1).tolist()  # one host read
+        state = RowState.start(ids, lens, tok[:, 0], stop_table(stops, self.device), sampling, self.cache.max_len)
         # The pending first token's KV (and feature) is written by the next step, as its tree root.
         feats = self._features(out)
         if feats is not None:
@@ -270,7 +282,7 @@ class RolloutEngine:
                 self._features_buf = torch.zeros(self.cfg.max_batch, self.cache.max_len, feats.shape[-1],
                                                  dtype=feats.dtype, device=self.device)
             self._features_buf[:b, :t] = feats
-        return [int(r[0]) for r in host], [r[1] for r in host]
+        return [int(r[0]) for r in host], [r[1] for r in host], state
 
     def _hand_over(self, rows: list[int], gone: set[int], seqs, plens) -> None:
         """Finished requests' tokens and features to the sink, before their rows are compacted away."""
@@ -313,8 +325,8 @@ class RolloutEngine:
         cap = self.cfg.elastic_threshold
         return bool(self.proposers) and (cap is None or b <= cap)
 
-    def _step(self, inp: ProposerInput, sampling: RowSampling, stops):
-        rows = inp.rows
+    def _step(self, inp: ProposerInput):
+        rows, st = inp.rows, inp.state
         b = len(rows)
         sd = self._speculate(b)
         arm = Arm.off()
@@ -326,7 +338,6 @@ class RolloutEngine:
         if sd and not arm.is_off:
             prop = self.proposers[arm.proposer]
             tree = prop.propose(dataclasses.replace(inp, arm=arm, features=self._proposer_features(prop)))
-            tree = DraftTree(tree.tokens.to(self.device), tree.parents.to(self.device), tree.valid.to(self.device))
             draft_s = time.perf_counter() - t0
             if arm.proposer != self._last_proposer:
                 switch_s = min(draft_s, getattr(prop, "catch_up_s", 0.0))
@@ -341,10 +352,9 @@ class RolloutEngine:
         if n > self.cfg.max_draft_tokens:  # arms were checked: only a proposer breaking its arm gets here
             raise RuntimeError(f"proposer {arm.proposer!r} drafted {n} > max_draft_tokens="
                                f"{self.cfg.max_draft_tokens} nodes for arm {arm}")
-        lengths = [len(inp.tokens[r]) for r in rows]  # committed incl. the pending one
-        roots = torch.tensor(lengths, device=self.device) - 1
-        last_tok = torch.tensor([inp.tokens[r][-1] for r in rows], device=self.device)
-        ids = torch.cat([last_tok[:, None], tree.tokens], 1)  # [B, 1 + N]
+        lengths = [len(inp.tokens[r]) for r in rows]  # committed incl. the pending one (host copy: shapes)
+        roots = st.lens - 1  # [B] slot of the pending token
+        ids = torch.cat([st.last[:, None], tree.tokens], 1)  # [B, 1 + N]
         parents = torch.cat([torch.full((b, 1), -1, device=self.device), tree.parents + 1], 1)
         parents[:, 1:] = torch.where(tree.valid, parents[:, 1:], -1)
         depth = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=self.device),
@@ -361,17 +371,19 @@ class RolloutEngine:
             logits, feats = out.logits, self._features(out)
         if feats is not None:  # laid out like the KV cache: row, slot
             self._features_buf[torch.arange(b, device=self.device)[:, None], slots] = feats
-        row_ids = torch.tensor(rows, device=self.device)
-        res = verify(logits, tree, sampling.select(row_ids), roots[:, None] + depth + 1, [stops[r] for r in rows])
-        # Move accepted nodes' keys/values (and features) right after the root, one batched copy.
-        moves = [(k, node, d) for k, nodes in enumerate(res.nodes) for d, node in enumerate(nodes) if node != d]
-        if moves:
-            mv = torch.tensor(moves, device=self.device)  # [N, 3]: row, accepted node, its depth
-            base = roots[mv[:, 0]] + 1
-            src, dst = base + mv[:, 1], base + mv[:, 2]
-            self.cache.move_slots(mv[:, 0], src, dst)
+        res = verify(logits, tree, st.sampling, roots[:, None] + depth + 1, st.stops, depth=min(arm.depth, n))
+        # Move accepted nodes' keys/values (and features) right after the root: fixed-size index
+        # tensors built on the device from the walked path; run when the host's copy of the path
+        # (from the one read) shows a node off its depth.
+        if any(node != d for nodes in res.nodes for d, node in enumerate(nodes)):
+            at = torch.arange(res.path.shape[1], device=self.device)  # [D]
+            dst = roots[:, None] + 1 + at  # [B, D]
+            src = roots[:, None] + 1 + torch.where(res.path >= 0, res.path, at)  # unaccepted depths: in place
+            row = torch.arange(b, device=self.device)[:, None].expand_as(dst)
+            self.cache.move_slots(row.flatten(), src.flatten(), dst.flatten())
             if feats is not None:
-                self._features_buf[mv[:, 0], dst] = self._features_buf[mv[:, 0], src]
+                self._features_buf[row, dst] = self._features_buf[row, src]
+        st.commit(res.committed, res.count)
         seconds = time.perf_counter() - t0
         accepted = sum(len(x) for x in res.nodes)
         if self.static_step is not None:  # a first use's graph capture is no arm's cost either

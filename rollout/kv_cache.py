@@ -49,8 +49,7 @@ def compact_rows(tensors: tuple[torch.Tensor, ...], keep: list[int], dim: int = 
     moved = [(new, old) for new, old in enumerate(keep) if new != old]
     if not moved:
         return
-    dst = torch.tensor([n for n, _ in moved], device=tensors[0].device)
-    src = torch.tensor([o for _, o in moved], device=tensors[0].device)
+    dst, src = torch.tensor(moved, device=tensors[0].device).T  # [M] each, one upload
     for t in tensors:
         t.index_copy_(dim, dst, t.index_select(dim, src))
 
@@ -117,11 +116,11 @@ def tree_mask(prefix_len: torch.Tensor, parents: torch.Tensor, span: int) -> tor
     prefix_len_b + j and sees the whole prefix plus its ancestors and itself.
     """
     b, t = parents.shape
-    anc = torch.eye(t, dtype=torch.bool, device=parents.device).expand(b, t, t).clone()
-    rows = torch.arange(b, device=parents.device)
-    for j in range(1, t):  # node 0 is a child of the prefix; no host reads (nothing waits on the device)
-        p = parents[:, j]
-        anc[:, j] |= anc[rows, p.clamp(min=0)] & (p >= 0)[:, None]
+    # ancestor-or-self [B, T, T], closed by repeated squaring: ceil(log2(T)) batched products
+    eye = torch.eye(t, dtype=torch.bool, device=parents.device)
+    anc = eye | (parents[..., None] == torch.arange(t, device=parents.device))  # self and parent
+    for _ in range(max(t - 1, 0).bit_length()):
+        anc = torch.bmm(anc.float(), anc.float()) > 0
     kpos = torch.arange(span, device=parents.device)[None, None]
     visible = kpos < prefix_len[:, None, None]
     off = prefix_len[:, None] + torch.arange(t, device=parents.device)[None]  # [B, T] node slots

@@ -294,13 +294,13 @@ class NgramProposer:
                 self._live.discard(r)
                 self.finish([r])
         self.catch_up_s = time.perf_counter() - t0
-        return self.draft(inp.rows, inp.arm)
+        return self.draft(inp.rows, inp.arm, inp.device)
 
-    def draft(self, rids: Sequence[int], arm: Arm) -> DraftTree:
-        """Trees for requests ``rids`` from the index as it stands."""
+    def draft(self, rids: Sequence[int], arm: Arm, device: torch.device | str = "cpu") -> DraftTree:
+        """Trees for requests ``rids`` from the index as it stands, on ``device`` (one upload)."""
         if arm.is_off:
             return DraftTree.empty(len(rids))
-        return DraftTree.from_nodes([self._draft(self._running(rid, "propose"), arm) for rid in rids])
+        return DraftTree.from_nodes([self._draft(self._running(rid, "propose"), arm) for rid in rids], device=device)
 
     # --- internals --------------------------------------------------------------------------
 

@@ -1,13 +1,17 @@
-"""Lossless verification of a draft tree against the target.
+"""Lossless verification of a draft tree against the target, walked on the device.
 
 Owns the acceptance rule. For each request the verifier walks down from the root (the last
 committed token): it takes the target's own draw ``y`` at the current node -- the coupled sample of
 :mod:`tlt.rollout.sampling` (the argmax when greedy), computed for every node at once on the device --
-descends into the child whose draft token equals ``y`` if there is one, and otherwise stops with
-``y`` as the bonus token. Every committed token is therefore the draw plain decoding makes at that
+descends into the child whose draft token equals ``y`` if there is one (the first such node when a
+proposer emitted duplicates), and otherwise stops with ``y`` as the bonus token; a ``y`` that is a
+stop token ends the walk. Every committed token is therefore the draw plain decoding makes at that
 position for that seed, given the tokens before it: the drafts only decide how many of those draws
 one target pass yields. This is target-only tree verification (as in SGLang with both accept
 thresholds at 1.0); drafts are deterministic candidates, so no draft probabilities are needed.
+
+The walk is a fixed number of batched device steps (the tree's depth bound), with no per-node or
+per-row host work; the host reads one packed result.
 
 Terms: *accepted* = draft nodes on the walked path; *bonus* = the final draw, always committed;
 committed = accepted + 1.
@@ -29,48 +33,71 @@ class VerifyResult:
     nodes: list[list[int]]  # tree node index of each accepted draft (-1 excluded)
     logprobs: list[list[float]]  # log_softmax(logits / T) of each committed token
     drafted: int = 0  # valid draft nodes over the batch
+    # The same on the device (the engine updates its state from these without a host round trip):
+    path: torch.Tensor | None = None  # [B, D] long: accepted node at each depth, -1 past the last
+    committed: torch.Tensor | None = None  # [B, D + 1] long: committed tokens (valid up to count)
+    count: torch.Tensor | None = None  # [B] long: committed tokens per request (accepted + 1)
+
+
+def stop_table(stop_ids: list[tuple[int, ...]], device: torch.device | str) -> torch.Tensor:
+    """[B, K] long: each request's stop ids, padded with -1 (K >= 1)."""
+    k = max(1, max(map(len, stop_ids), default=0))
+    return torch.tensor([list(s) + [-1] * (k - len(s)) for s in stop_ids], dtype=torch.long,
+                        device=device).reshape(len(stop_ids), k)
+
+
+def walk(draws: torch.Tensor, tree: DraftTree, stops: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance walk, ``depth`` batched steps on the device.
+
+    draws: [B, 1 + N] the target's draw at the root (0) and at each node (1 + j); stops: [B, K]
+    stop ids (-1 padding); depth: a bound on the tree's depth (a deeper path is cut there, which
+    only commits fewer tokens). Returns path [B, depth] (accepted node per depth, -1 past the last)
+    and visit [B, depth + 1] (the logits row of each committed draw; repeats past the bonus)."""
+    b, n = tree.tokens.shape
+    parents = torch.where(tree.valid, tree.parents + 1, -1)  # [B, N] parent's logits row (root = 0)
+    cur = torch.zeros(b, 1, dtype=torch.long, device=draws.device)  # [B, 1] logits row of the current node
+    alive = torch.ones(b, 1, dtype=torch.bool, device=draws.device)
+    path, visit = [], [cur]
+    for _ in range(depth):
+        y = draws.gather(1, cur)  # [B, 1]
+        match = (parents == cur) & (tree.tokens == y)  # [B, N] children of cur drafting y
+        alive = alive & match.any(1, keepdim=True) & ~(stops == y).any(1, keepdim=True)
+        node = match.long().argmax(1, keepdim=True)  # the first matching node
+        path.append(torch.where(alive, node, -1))
+        cur = torch.where(alive, node + 1, cur)
+        visit.append(cur)
+    path_t = torch.cat(path, 1) if path else torch.zeros(b, 0, dtype=torch.long, device=draws.device)
+    return path_t, torch.cat(visit, 1)
 
 
 def verify(logits: torch.Tensor, tree: DraftTree, sampling: RowSampling, positions: torch.Tensor,
-           stop_ids: list[tuple[int, ...]]) -> VerifyResult:
+           stops: torch.Tensor | list[tuple[int, ...]], depth: int | None = None) -> VerifyResult:
     """Walk each request's tree.
 
     logits: [B, 1 + N, V] target logits at the root (index 0) and at each draft node (1 + j);
     positions: [B, 1 + N] absolute position of the token each logits row produces (the row's own
-    position + 1); stop_ids: per request (a stop ends the walk). One device -> host read: the
-    draws, their log-probs and the tree.
+    position + 1); stops: [B, K] stop ids (:func:`stop_table`) or a tuple per request (a stop ends
+    the walk); depth: a bound on the tree's depth (default: its node count). One device -> host
+    read: the committed tokens, their log-probs and the drafted count.
     """
     b, n = tree.tokens.shape
     if logits.shape[:2] != (b, 1 + n) or positions.shape != (b, 1 + n):
         raise ValueError(f"logits {tuple(logits.shape)} / positions {tuple(positions.shape)} do not match "
                          f"a tree of {b} x {n} nodes")
     dev = logits.device
-    choice, lp = sample(logits, sampling, positions)  # [B, 1 + N] each
-    host = torch.cat([choice.double(), lp.double(), tree.tokens.to(dev).double(), tree.parents.to(dev).double(),
-                      tree.valid.to(dev).double()], 1).tolist()  # [B, 2 + 5N]
-    out_tokens: list[list[int]] = []
-    out_nodes: list[list[int]] = []
-    out_lps: list[list[float]] = []
-    for i in range(b):
-        row = host[i]
-        draws, lps = row[: 1 + n], row[1 + n: 2 + 2 * n]
-        toks, parents, valid = row[2 + 2 * n: 2 + 3 * n], row[2 + 3 * n: 2 + 4 * n], row[2 + 4 * n:]
-        children: dict[int, dict[int, int]] = {}
-        for j in range(n):
-            if valid[j]:
-                # First node wins on duplicate tokens under one parent (proposers should not emit them).
-                children.setdefault(int(parents[j]), {}).setdefault(int(toks[j]), j)
-        cur, committed, nodes, clps = -1, [], [], []
-        while True:
-            y = int(draws[cur + 1])  # the draw at the current node's logits row
-            committed.append(y)
-            clps.append(lps[cur + 1])
-            nxt = children.get(cur, {}).get(y)
-            if nxt is None or y in stop_ids[i]:
-                break
-            nodes.append(nxt)
-            cur = nxt
-        out_tokens.append(committed)
-        out_nodes.append(nodes)
-        out_lps.append(clps)
-    return VerifyResult(out_tokens, out_nodes, out_lps, int(sum(sum(r[2 + 4 * n:]) for r in host)))
+    if not isinstance(stops, torch.Tensor):
+        stops = stop_table(stops, dev)
+    d = n if depth is None else min(depth, n)
+    draws, lp = sample(logits, sampling, positions)  # [B, 1 + N] each
+    path, visit = walk(draws, tree, stops, d)
+    count = (path >= 0).sum(1) + 1  # [B]
+    committed = draws.gather(1, visit)  # [B, D + 1]
+    host = torch.cat([count[:, None].double(), tree.valid.sum(1, keepdim=True).double(), committed.double(),
+                      lp.gather(1, visit).double(), path.double()], 1).tolist()  # [B, 2 + 3D + 2]
+    out_tokens, out_nodes, out_lps = [], [], []
+    for row in host:
+        c = int(row[0])
+        out_tokens.append([int(x) for x in row[2: 2 + c]])
+        out_lps.append(row[3 + d: 3 + d + c])
+        out_nodes.append([int(x) for x in row[4 + 2 * d: 4 + 2 * d + c - 1]])
+    return VerifyResult(out_tokens, out_nodes, out_lps, int(sum(r[1] for r in host)), path, committed, count)

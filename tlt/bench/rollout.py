@@ -4,7 +4,7 @@ The workload: 64 requests (16 arithmetic prompts x 4 GRPO samples) on the traine
 with lognormal response lengths (the long tail), greedy so every variant must reproduce the AR
 tokens exactly (checked: a mismatch fails the bench). A drafter is warmed up on the target's own
 rollouts first (cached). Also measures SD speedup vs AR at batch 1 / 8 / 32 with a fixed chain,
-and host syncs (device -> host reads, :mod:`tlt.rollout.host_syncs`) per plain and per speculative step.
+and host <-> device transfers (:mod:`tlt.rollout.transfers`) per plain and per speculative step.
 Every variant runs between two AR rollouts, and its paired ratio is their mean time over its own
 (the machine's speed drifts by tens of percent within a minute); a second, identical AR engine runs
 as a control: its paired ratio is the run's noise floor.
@@ -36,7 +36,7 @@ from tlt.drafter.offline_train import TrainConfig
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
-from tlt.rollout.host_syncs import count_host_syncs
+from tlt.rollout.transfers import count_per_call
 from tlt.rollout.ngram import NgramProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
@@ -216,14 +216,14 @@ def _run(args: argparse.Namespace) -> dict:
     by_batch = {b: fixed_batch(model, drafter, [prompts[(i * n_samples) % bs] for i in range(b)],
                                 32 if quick else 128, chain, max_len, repeats)
                 for b in ((1, 4) if quick else (1, 4, 8, 32))}
-    syncs = {}  # batch 8, 64 new tokens, log-probs included (the engine always returns them)
+    transfers = {}  # batch 8, 64 new tokens, log-probs included: the most any step made (prefill excluded)
     for name, arm, temp in (("ar", None, 0.0), ("sd", Arm(3, 1, 3), 0.0), ("sampled", Arm(3, 1, 3), 1.0)):
         eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=max_len, arm=arm, elastic_threshold=8),
                             proposer=EagleProposer(drafter, max_batch=8, max_len=max_len + 64) if arm else None)
         eng.generate(prompts[:8], [SamplingParams(max_new_tokens=64, temperature=temp)] * 8)  # CUDA: captures
-        with count_host_syncs() as count:  # the steady state: graphs replayed, nothing captured
-            res = eng.generate(prompts[:8], [SamplingParams(max_new_tokens=64, temperature=temp)] * 8)
-        syncs[name] = count.total / len(res.steps)
+        with count_per_call(eng, "_step", eng.device) as calls:  # the steady state: graphs replayed
+            eng.generate(prompts[:8], [SamplingParams(max_new_tokens=64, temperature=temp)] * 8)
+        transfers[name] = max(c.total for c in calls)
     workloads = {"long_tail": "EAGLE + BEG-MAB", "ngram_siblings": "n-gram + BEG-MAB",
                  "random_drafter": "random drafter + BEG-MAB"}
     workloads = {w: {"variant": v, "adaptive_vs_ar": rows[v]["speedup_vs_ar"],
@@ -257,8 +257,8 @@ def _run(args: argparse.Namespace) -> dict:
     lines.append("  adaptive vs AR: " + ", ".join(
         f"{w} {r['adaptive_vs_ar']:.2f}x (paired {r['adaptive_vs_ar_paired']:.2f}x, 90% CI "
         f"{r['adaptive_vs_ar_paired_ci90'][0]:.2f}-{r['adaptive_vs_ar_paired_ci90'][1]:.2f})" for w, r in workloads.items())
-                 + f"; host syncs per step: plain {syncs['ar']:.2f}, speculative {syncs['sd']:.2f} (greedy), "
-                 f"sampled speculative {syncs['sampled']:.2f} (T=1, shared-noise drafts; log-probs and prefill incl.)")
+                 + f"; host<->device transfers per step (most): plain {transfers['ar']}, speculative "
+                 f"{transfers['sd']} (greedy), sampled speculative {transfers['sampled']} (T=1, shared-noise drafts)")
     for b, r in by_batch.items():
         lines.append(f"  batch {b:2d}: SD {chain} vs AR {r['speedup']:.2f}x (paired {r['paired']:.2f}x; AL "
                      f"{r['mean_accept_length']:.2f}; step: plain {r['ar_step_ms']:.2f} ms, speculative "
@@ -267,6 +267,6 @@ def _run(args: argparse.Namespace) -> dict:
     return {"bench": "rollout", "quick": quick, "requests": bs, "repeats": repeats, "variants": rows, "best_static": best_static,
             "by_batch": by_batch, "workloads": workloads, "control_paired_vs_ar": ctl["paired_vs_ar"],
             "control_paired_vs_ar_ci90": ctl["paired_vs_ar_ci90"],
-            "host_syncs_per_step": syncs, "target": str(target_dir), "drafter": str(drafter_dir),
+            "transfers_per_step_max": transfers, "target": str(target_dir), "drafter": str(drafter_dir),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
             "summary": lines}

@@ -1,0 +1,56 @@
+"""The running requests' state on the device, one row per KV-cache row.
+
+Owns :class:`RowState`: each running request's committed length, pending token, committed tokens
+by position, stop ids and coupled-sampling settings, as device tensors in the engine's cache-row
+order. A step reads them (roots, the last token, the proposers' catch-up tokens) and updates them
+from the verifier's device result, so a step needs no host -> device copy of request state; the
+host keeps its own token lists, filled from the step's one packed read, for stop and budget cuts
+and for the outputs. Rows only change when requests leave (:meth:`select`, the one upload of a
+leaving step) or a generation starts (:meth:`start`, with the prefill's upload).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tlt.rollout.sampling import RowSampling
+
+
+@dataclasses.dataclass
+class RowState:
+    lens: torch.Tensor  # [B] long: committed tokens, the pending one included (its KV is not cached yet)
+    last: torch.Tensor  # [B] long: the pending token (the root of the next step's tree)
+    tokens: torch.Tensor  # [B, S] long: committed tokens by position (prompt included)
+    stops: torch.Tensor  # [B, K] long: stop ids, -1 padding
+    sampling: RowSampling  # per row
+
+    @property
+    def device(self) -> torch.device:
+        return self.lens.device
+
+    @classmethod
+    def start(cls, ids: torch.Tensor, lens: torch.Tensor, first: torch.Tensor, stops: torch.Tensor,
+              sampling: RowSampling, width: int) -> "RowState":
+        """After a prefill. ids: [B, T] right-padded prompts; lens: [B] prompt lengths; first: [B]
+        the first sampled token (pending); width: token slots per row (S >= the longest request)."""
+        b, t = ids.shape
+        tokens = torch.zeros(b, width, dtype=torch.long, device=ids.device)
+        tokens[:, :t] = ids
+        tokens.scatter_(1, lens[:, None], first[:, None])
+        return cls(lens + 1, first.clone(), tokens, stops, sampling)
+
+    def commit(self, committed: torch.Tensor, count: torch.Tensor) -> None:
+        """Append each row's first ``count`` of ``committed`` [B, D + 1] (count: [B] >= 1), on the device."""
+        d1 = committed.shape[1]
+        pos = (self.lens[:, None] + torch.arange(d1, device=self.device)).clamp(max=self.tokens.shape[1] - 1)
+        keep = torch.arange(d1, device=self.device) < count[:, None]  # [B, D + 1]
+        self.tokens.scatter_(1, pos, torch.where(keep, committed, self.tokens.gather(1, pos)))
+        self.last = committed.gather(1, (count - 1)[:, None])[:, 0]
+        self.lens = self.lens + count
+
+    def select(self, keep: torch.Tensor) -> "RowState":
+        """Rows ``keep`` [B'] (indices into these rows), in that order."""
+        return RowState(self.lens[keep], self.last[keep], self.tokens[keep], self.stops[keep],
+                        self.sampling.select(keep))
