@@ -16,6 +16,7 @@ import torch
 from tlt.rollout.row_state import RowState
 from tlt.rollout.sampling import RowSampling
 from tlt.rollout.strategy import Arm
+from tlt.rollout.transfers import intended_sync
 
 
 @dataclasses.dataclass
@@ -69,10 +70,12 @@ class DraftTree:
             flat += [p for _, p in r] + [-1] * (width - len(r))
         for r in rows:
             flat += [1] * len(r) + [0] * (width - len(r))
-        packed = torch.tensor(flat, dtype=torch.long).view(3, len(rows), width)  # [3, B, N]
-        if torch.device(device).type == "cuda":
-            packed = packed.pin_memory()
-        packed = packed.to(device, non_blocking=True)
+        device = torch.device(device)
+        with intended_sync(device):  # the step's one upload
+            packed = torch.tensor(flat, dtype=torch.long).view(3, len(rows), width)  # [3, B, N]
+            if device.type == "cuda":
+                packed = packed.pin_memory()
+            packed = packed.to(device, non_blocking=True)
         return cls(packed[0], packed[1], packed[2].bool())
 
     def depths(self) -> torch.Tensor:

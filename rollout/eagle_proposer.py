@@ -27,14 +27,14 @@ by ``log q`` as before.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.draft_tree import DraftTree, ProposerInput, right_pad
 from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, to_additive
 from tlt.rollout.sampling import gumbel, token_hash
+from tlt.rollout.timing import Span
+from tlt.rollout.transfers import intended_sync
 
 
 class EagleProposer:
@@ -60,7 +60,7 @@ class EagleProposer:
         self._seen, self._floor = self._pos[0], self._pos[1]  # views
         self.catch_up_window = catch_up_window
         self.pairs_processed = 0  # total catch-up work, for tests and metrics
-        self.catch_up_s = 0.0  # seconds the last proposal spent catching up (host-timed)
+        self._catch_up = Span(self.device)  # the last proposal's catch-up (CUDA events on CUDA)
 
     @torch.no_grad()
     def propose(self, inp: ProposerInput) -> DraftTree:
@@ -70,9 +70,9 @@ class EagleProposer:
         if inp.features is None:
             raise ValueError("EagleProposer needs the target features (ProposerInput.features)")
         self._follow_rows(inp)
-        t0 = time.perf_counter()
-        root = self._catch_up(inp)  # [B, H] output of each request's last pair
-        self.catch_up_s = time.perf_counter() - t0
+        self._catch_up.start()
+        root = self._catch_up_pairs(inp)  # [B, H] output of each request's last pair
+        self._catch_up.stop()
         base, base_max = self._seen[:b], max(self.seen[r] for r in self.rows)  # [B]: the last pair's position
         above = self._above_floor(self._floor[:b], base_max + arm.depth * arm.topk)  # [B, largest span]
         k = arm.topk
@@ -165,12 +165,18 @@ class EagleProposer:
             return
         where = {r: i for i, r in enumerate(self.rows)}
         keep = [where[r] for r in inp.rows]  # KeyError = a request that was never started
-        compact_rows((self.cache.k, self.cache.v, self._pos), keep, dim=1)  # one index upload
+        with intended_sync(self.device):  # leaving requests
+            compact_rows((self.cache.k, self.cache.v, self._pos), keep, dim=1)  # one index upload
         self.rows = list(inp.rows)
         self.seen = {r: self.seen[r] for r in self.rows}
         self.floor = {r: self.floor[r] for r in self.rows}
 
-    def _catch_up(self, inp: ProposerInput) -> torch.Tensor:
+    @property
+    def catch_up_s(self) -> float:
+        """Seconds the last proposal spent catching up (on CUDA: read after the step's sync)."""
+        return self._catch_up.seconds()
+
+    def _catch_up_pairs(self, inp: ProposerInput) -> torch.Tensor:
         """Run every pair not yet seen through the drafter; returns the last pair's output [B, H]."""
         b, w = len(self.rows), self.catch_up_window
         ends = [len(inp.tokens[r]) - 1 for r in self.rows]  # pairs available: positions < end

@@ -48,6 +48,8 @@ from tlt.rollout.sampling import RowSampling, sample
 from tlt.rollout.static_step import StaticTargetStep
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
+from tlt.rollout.timing import Span
+from tlt.rollout.transfers import intended_sync
 from tlt.rollout.verify import stop_table, verify
 
 log = logging.getLogger(__name__)
@@ -179,7 +181,8 @@ class RolloutEngine:
         logprobs: list[list[float]] = [[] for _ in range(n)]
         self._generation += 1
         self._last_proposer = None
-        first, first_lp, state = self._prefill(prompts, sampling, stops)
+        with intended_sync(self.device):  # prefill: uploads the prompts, reads the first tokens
+            first, first_lp, state = self._prefill(prompts, sampling, stops)
         steps: list[StepRecord] = []
         accept_lengths: list[int] = []
         last = [[t] for t in first]
@@ -195,17 +198,19 @@ class RolloutEngine:
                     if tok in p.stop_ids or len(seq) - plens[r] >= p.max_new_tokens:
                         gone.add(k)
                         break
-            if gone and self.sink is not None:
-                self._hand_over(rows, gone, seqs, plens)
             keep = swap_remove(len(rows), gone)
+            if gone:  # leaving requests: their features out, index uploads for the state, cache, features
+                with intended_sync(self.device):
+                    if self.sink is not None:
+                        self._hand_over(rows, gone, seqs, plens)
+                    if len(keep):
+                        self.cache.compact_rows(keep)
+                        if self._features_buf is not None:
+                            compact_rows((self._features_buf,), keep)
+                        state = state.select(torch.tensor(keep, device=self.device))
             rows = [rows[k] for k in keep]
             if not rows:
                 break
-            if gone:  # leaving requests: one index upload for the state, the cache and the features
-                self.cache.compact_rows(keep)
-                if self._features_buf is not None:
-                    compact_rows((self._features_buf,), keep)
-                state = state.select(torch.tensor(keep, device=self.device))
             inp = ProposerInput(self._generation, tuple(rows), seqs, plens, groups, None, Arm.off(), sampling,
                                 state)
             last, last_lp, rec, acc = self._step(inp)
@@ -335,15 +340,16 @@ class RolloutEngine:
         t0 = time.perf_counter()
         switch_s = 0.0  # catching up what other arms committed: the switch's cost, not this arm's
         capture0 = self.static_step.capture_s if self.static_step is not None else 0.0
+        drafting = Span(self.device)  # CUDA events on CUDA: the draft loop is launched asynchronously
+        prop = None
         if sd and not arm.is_off:
             prop = self.proposers[arm.proposer]
+            drafting.start()
             tree = prop.propose(dataclasses.replace(inp, arm=arm, features=self._proposer_features(prop)))
-            draft_s = time.perf_counter() - t0
-            if arm.proposer != self._last_proposer:
-                switch_s = min(draft_s, getattr(prop, "catch_up_s", 0.0))
+            drafting.stop()
+            switched = arm.proposer != self._last_proposer
             self._last_proposer = arm.proposer
         else:
-            draft_s = 0.0
             tree = DraftTree.empty(b, self.device)
             self._last_proposer = None
         if self.static_step is not None:
@@ -384,7 +390,10 @@ class RolloutEngine:
             if feats is not None:
                 self._features_buf[row, dst] = self._features_buf[row, src]
         st.commit(res.committed, res.count)
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0  # the verifier's read synchronised with the device
+        draft_s = drafting.seconds()
+        if prop is not None and switched:
+            switch_s = min(draft_s, getattr(prop, "catch_up_s", 0.0))
         accepted = sum(len(x) for x in res.nodes)
         if self.static_step is not None:  # a first use's graph capture is no arm's cost either
             switch_s += self.static_step.capture_s - capture0

@@ -20,6 +20,10 @@ would on CUDA (where each of these makes the host wait or copies over PCIe):
 Each transfer is attributed to its call site (the first frame outside torch and this module).
 Reads of host tensors and device ops on device tensors cost nothing here. Not thread-safe; for
 tests and benches, not for production.
+
+Also owns :func:`intended_sync`, the engine's mark on the transfers it means to make (the step's
+packed read and upload, prefill, leaving requests): under ``torch.cuda.set_sync_debug_mode("error")``
+(the GPU tests) those are exempt, and any other synchronising call fails.
 """
 
 from __future__ import annotations
@@ -136,6 +140,19 @@ class _Mode(TorchFunctionMode):
                 if isinstance(t, torch.Tensor) and not any(t is s for s in tensors):
                     _mark(t, True)
         return out
+
+
+@contextlib.contextmanager
+def intended_sync(device: torch.device) -> Iterator[None]:
+    """A transfer the engine means to make: exempt from CUDA's sync debug mode while inside."""
+    mode = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else 0
+    if mode:
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        if mode:
+            torch.cuda.set_sync_debug_mode(mode)
 
 
 @contextlib.contextmanager

@@ -22,7 +22,11 @@ class UnionProposer:
             raise ValueError("UnionProposer: the two proposers read different target features")
         self.first, self.second = first, second
         self.feature_layers = first.feature_layers if first.feature_layers is not None else second.feature_layers
-        self.catch_up_s = 0.0
+
+    @property
+    def catch_up_s(self) -> float:
+        """Both proposers' catch-up of the last proposal (read after the step's sync)."""
+        return getattr(self.first, "catch_up_s", 0.0) + getattr(self.second, "catch_up_s", 0.0)
 
     def propose(self, inp: ProposerInput) -> DraftTree:
         arm = inp.arm
@@ -33,7 +37,6 @@ class UnionProposer:
                                                    features=inp.features if self.first.feature_layers is not None else None))
         b = self.second.propose(dataclasses.replace(inp, arm=half,
                                                     features=inp.features if self.second.feature_layers is not None else None))
-        self.catch_up_s = getattr(self.first, "catch_up_s", 0.0) + getattr(self.second, "catch_up_s", 0.0)
         return merge(a, b, arm.tokens_to_verify)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from tlt.rollout.draft_tree import DraftTree
 from tlt.rollout.sampling import RowSampling, sample
+from tlt.rollout.transfers import intended_sync
 
 
 @dataclasses.dataclass
@@ -92,8 +93,10 @@ def verify(logits: torch.Tensor, tree: DraftTree, sampling: RowSampling, positio
     path, visit = walk(draws, tree, stops, d)
     count = (path >= 0).sum(1) + 1  # [B]
     committed = draws.gather(1, visit)  # [B, D + 1]
-    host = torch.cat([count[:, None].double(), tree.valid.sum(1, keepdim=True).double(), committed.double(),
-                      lp.gather(1, visit).double(), path.double()], 1).tolist()  # [B, 2 + 3D + 2]
+    packed = torch.cat([count[:, None].double(), tree.valid.sum(1, keepdim=True).double(), committed.double(),
+                        lp.gather(1, visit).double(), path.double()], 1)  # [B, 2 + 3D + 2]
+    with intended_sync(dev):  # the step's one read
+        host = packed.tolist()
     out_tokens, out_nodes, out_lps = [], [], []
     for row in host:
         c = int(row[0])
