@@ -17,6 +17,15 @@ Proposal: from the last pair's output, expand the ``topk`` best tokens, then at 
 expand the ``topk`` best candidates by cumulative draft log-prob; keep the ``tokens_to_verify``
 best of all candidates (EAGLE-2). ``topk == 1`` is a plain chain.
 
+Static shapes (on CUDA by default, or ``static_shapes=True``): when every row's backlog fits the
+arm's window (``depth + 1`` pairs: what one speculative step commits), the whole proposal --
+catch-up over that fixed window, every draft level with attention over the whole drafter cache,
+top-k and tree selection -- runs at fixed shapes for the batch padded to a captured size, and on
+CUDA replays one CUDA graph per :class:`~tlt.rollout.graphs.DraftLoopGraphKey` (padded batch, arm,
+window, sampled), captured on first use. A longer backlog (after plain steps or another proposer's)
+runs eagerly at dynamic shapes. A new drafter is a new proposer with graphs of its own, so no graph
+ever replays an old drafter's weights; a re-laid-out feature buffer drops the graphs.
+
 Shared noise (coupled sampling, :mod:`tlt.rollout.sampling`): for a sampled request the draft scores
 at the position a candidate would occupy are ``log_softmax(log q_T + G)``, with ``G`` the target's
 own Gumbel noise for that request and position, so the first path is the drafter's guess of the
@@ -27,19 +36,26 @@ by ``log q`` as before.
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.draft_tree import DraftTree, ProposerInput, right_pad
+from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, DraftLoopGraphKey, GraphPlanConfig
 from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, to_additive
 from tlt.rollout.sampling import gumbel, token_hash
+from tlt.rollout.strategy import Arm
 from tlt.rollout.timing import Span
 from tlt.rollout.transfers import intended_sync
+
+log = logging.getLogger(__name__)
 
 
 class EagleProposer:
     def __init__(self, drafter: Drafter, *, max_batch: int, max_len: int, catch_up_window: int = 16,
-                 shared_noise: bool = True) -> None:
+                 shared_noise: bool = True, static_shapes: bool | None = None, cuda_graphs: bool = True) -> None:
         if catch_up_window < 1:
             raise ValueError(f"catch_up_window={catch_up_window} must be >= 1")
         cfg = drafter.config.layer
@@ -61,6 +77,22 @@ class EagleProposer:
         self.catch_up_window = catch_up_window
         self.pairs_processed = 0  # total catch-up work, for tests and metrics
         self._catch_up = Span(self.device)  # the last proposal's catch-up (CUDA events on CUDA)
+        self.static = static_shapes if static_shapes is not None else self.device.type == "cuda"
+        sizes = tuple(c for c in DEFAULT_CAPTURE_BATCH_SIZES if c < max_batch) + (max_batch,)
+        self.sizes = GraphPlanConfig(capture_batch_sizes=sizes)
+        self.pool = None
+        if self.static and cuda_graphs and self.device.type == "cuda":
+            if cfg.rope_parameters.get("rope_type") == "dynamic":
+                log.warning("dynamic-NTK RoPE reads the largest position on the host: no drafter CUDA graphs")
+            else:
+                from tlt.rollout.graph_pool import CudaGraphPool
+
+                self.pool = CudaGraphPool(self._make_loop, device=self.device)
+        self._features: torch.Tensor | None = None  # the feature buffer the graphs read (their address)
+        self._capture_inputs: dict[str, torch.Tensor] | None = None  # the step being captured
+        self.static_proposals = 0  # proposals at static shapes (a test and the bench read it)
+        self.replays = 0  # of those, replayed from a CUDA graph
+        self.capture_s = 0.0  # seconds spent capturing graphs, summed
 
     @torch.no_grad()
     def propose(self, inp: ProposerInput) -> DraftTree:
@@ -70,14 +102,81 @@ class EagleProposer:
         if inp.features is None:
             raise ValueError("EagleProposer needs the target features (ProposerInput.features)")
         self._follow_rows(inp)
+        window = arm.depth + 1
+        ends, lens_host = self._host_catch_up(inp)
+        padded = self.sizes.padded_batch(b) if self.static and inp.state is not None else None
+        if padded is not None and max(lens_host) <= window and padded <= min(self.cache.k.shape[1],
+                                                                               inp.features.shape[0]):
+            self._catch_up = Span(self.device)  # inside the loop: no separate catch-up cost
+            return self._propose_static(inp, arm, window, padded)
         self._catch_up.start()
-        root = self._catch_up_pairs(inp)  # [B, H] output of each request's last pair
+        root = self._catch_up_pairs(inp, ends, lens_host)  # [B, H] output of each request's last pair
         self._catch_up.stop()
-        base, base_max = self._seen[:b], max(self.seen[r] for r in self.rows)  # [B]: the last pair's position
-        above = self._above_floor(self._floor[:b], base_max + arm.depth * arm.topk)  # [B, largest span]
-        k = arm.topk
-        d = self.drafter
-        scores_at = self._scorer(inp, base, arm.depth)
+        keys, temp, sampled = self._noise_rows(inp)
+        base, base_max, k = self._seen[:b], max(self.seen[r] for r in self.rows), arm.topk
+        tokens, parents = self._draft(root, base, self._floor[:b], keys, temp, sampled, arm,
+                                      lambda e: base_max + e + k)  # the largest slot + 1, known on the host
+        return DraftTree(tokens, parents, torch.ones_like(tokens, dtype=torch.bool))
+
+    # ---------------------------------------------------------------- static shapes
+    def _propose_static(self, inp: ProposerInput, arm: Arm, window: int, padded: int) -> DraftTree:
+        b, st = len(inp.rows), inp.state
+        sampled = bool(self.shared_noise and inp.sampling is not None and inp.sampling.sampled)
+        extra = padded - b  # padding rows: free cache rows, one pair each at position 0
+        x = {"lens": torch.cat([st.lens, st.lens.new_ones(extra)]),
+             "tokens": torch.cat([st.tokens, st.tokens.new_zeros(extra, st.tokens.shape[1])]),
+             "keys": torch.cat([st.sampling.keys, st.sampling.keys.new_zeros(extra)]),
+             "temp": torch.cat([st.sampling.temperature, st.sampling.temperature.new_zeros(extra)])}
+        self.static_proposals += 1
+        if self.pool is None:
+            out = self._loop(x, inp.features, arm, window, sampled)
+        else:
+            if self._features is not None and (self._features.data_ptr(), self._features.shape) != \
+                    (inp.features.data_ptr(), inp.features.shape):
+                self.pool.close()  # the engine re-laid out its features: graphs read the old buffer
+                log.info("drafter graphs dropped: the feature buffer moved")
+            self._features = inp.features
+            key = DraftLoopGraphKey(batch=padded, depth=arm.depth, topk=arm.topk,
+                                    tokens_to_verify=arm.tokens_to_verify, window=window, sampled=sampled)
+            if not self.pool.has(key):
+                # The pool's warm-up runs execute the loop: on this step's inputs (the catch-up
+                # rewrites the same pairs, the levels write scratch slots), with the positions restored.
+                t0 = time.perf_counter()
+                self._capture_inputs, pos = x, self._pos.clone()
+                self.pool.capture([key])
+                self._pos.copy_(pos)
+                self._capture_inputs = None
+                self.capture_s += time.perf_counter() - t0
+            out = self.pool.replay(key, **x)
+            self.replays += 1
+        tokens, parents = out["tokens"][:b].clone(), out["parents"][:b].clone()
+        return DraftTree(tokens, parents, torch.ones_like(tokens, dtype=torch.bool))
+
+    def _make_loop(self, key: DraftLoopGraphKey):
+        """Static input buffers for ``key`` and the function the pool captures."""
+        inputs = {name: t.clone() for name, t in self._capture_inputs.items()}
+        arm = Arm(key.depth, key.topk, key.tokens_to_verify)
+        return inputs, lambda x: self._loop(x, self._features, arm, key.window, key.sampled)
+
+    def _loop(self, x: dict[str, torch.Tensor], feats: torch.Tensor, arm: Arm, window: int,
+              sampled: bool) -> dict[str, torch.Tensor]:
+        """One whole proposal at fixed shapes: x lens [C], tokens [C, T], keys [C], temp [C] by
+        (padded) row; feats [max_batch, S, F]. Returns tokens and parents [C, n]."""
+        c, span = x["lens"].shape[0], self.cache.max_len
+        end = x["lens"] - 1  # [C] pairs available: positions < end
+        root = self._catch_up_device(end, x["tokens"], feats, c, window, span)
+        tokens, parents = self._draft(root, self._seen[:c], self._floor[:c], x["keys"], x["temp"], sampled, arm,
+                                      lambda e: span)
+        return {"tokens": tokens, "parents": parents}
+
+    # ---------------------------------------------------------------- drafting
+    def _draft(self, root: torch.Tensor, base: torch.Tensor, floor: torch.Tensor, keys: torch.Tensor | None,
+               temp: torch.Tensor | None, sampled: bool, arm: Arm, span_of) -> tuple[torch.Tensor, torch.Tensor]:
+        """EAGLE-2 levels from root [B, H] (the last pair's output; base [B] its position, floor [B]
+        the lowest visible slot): tokens and parents [B, n] of the chosen tree, topologically
+        ordered. span_of(e): the attention span of a level after e tree slots."""
+        b, k, d = root.shape[0], arm.topk, self.drafter
+        scores_at = self._scorer(keys, temp, sampled, base, arm.depth)
         logp = scores_at(d.logits(root)[:, None], 0)[:, 0]  # [B, Vd]
         score, idx = logp.topk(k, -1)  # level-1 candidates [B, k]
         tokens = [d.draft_to_target(idx)]
@@ -87,24 +186,25 @@ class EagleProposer:
         anc = torch.zeros(b, k, 0, dtype=torch.bool, device=self.device)  # expanded-slot ancestry
         offset = k  # candidate index of the next level's first entry
         level_start = 0
+        own = torch.eye(k, dtype=torch.bool, device=self.device).expand(b, k, k)
+        at_k = torch.arange(k, device=self.device)
         for level in range(1, arm.depth):
             # Expand the best k candidates of this level (all of them at level 1).
             lvl_scores = scores[-1]
-            top = lvl_scores.topk(k, -1).indices if lvl_scores.shape[1] > k else \
-                torch.arange(k, device=self.device).expand(b, k)
+            top = lvl_scores.topk(k, -1).indices if lvl_scores.shape[1] > k else at_k.expand(b, k)
             exp_tok = tokens[-1].gather(1, top)
             exp_feat = feat_in.gather(1, top[..., None].expand(-1, -1, feat_in.shape[-1]))
             exp_anc = anc.gather(1, top[..., None].expand(-1, -1, anc.shape[-1]))  # [B, k, E]
             e = anc.shape[-1]
-            own = torch.eye(k, dtype=torch.bool, device=self.device).expand(b, k, k)
             exp_anc = torch.cat([exp_anc, own], -1)  # [B, k, E + k]
-            slots = base[:, None] + e + torch.arange(k, device=self.device)
-            span = base_max + e + k  # the largest slot + 1, known on the host
-            vis = (torch.arange(span, device=self.device)[None, None] < base[:, None, None]) & above[:, None, :span]
+            slots = base[:, None] + e + at_k
+            span = span_of(e)
+            vis = ((torch.arange(span, device=self.device)[None, None] < base[:, None, None])
+                   & self._above_floor(floor, span)[:, None])
             tree_vis = torch.zeros(b, k, span, dtype=torch.bool, device=self.device)
             tree_vis.scatter_(2, (base[:, None, None] + torch.arange(e + k, device=self.device)).expand(b, k, -1),
                               exp_anc)
-            pos = base[:, None] + level - 1 + torch.zeros(b, k, dtype=torch.long, device=self.device)
+            pos = (base[:, None] + level - 1).expand(b, k)
             out = d(exp_tok, exp_feat, pos, CachedBackend(self.cache, slots, to_additive(vis | tree_vis)))
             lp = scores_at(d.logits(out), level)  # [B, k, Vd]
             child_score, child_idx = lp.topk(k, -1)  # [B, k, k]
@@ -126,22 +226,26 @@ class EagleProposer:
         remap.scatter_(1, chosen, torch.arange(n, device=self.device).expand(b, n))
         par = all_parents.gather(1, chosen)
         par = torch.where(par >= 0, remap.gather(1, par.clamp(min=0)), par)
-        return DraftTree(all_tokens.gather(1, chosen), par, torch.ones(b, n, dtype=torch.bool, device=self.device))
+        return all_tokens.gather(1, chosen), par
 
-    # ---------------------------------------------------------------- internals
-    def _scorer(self, inp: ProposerInput, base: torch.Tensor, depth: int):
+    def _noise_rows(self, inp: ProposerInput) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+        """Each row's sampling key and temperature [B], and whether any row samples with shared noise."""
+        s = inp.sampling if self.shared_noise else None
+        if s is None or not s.sampled:
+            return None, None, False
+        if inp.state is not None:  # the engine's rows, in this order
+            return inp.state.sampling.keys, inp.state.sampling.temperature, True
+        rows = torch.tensor(self.rows, device=self.device)
+        return s.keys[rows], s.temperature[rows], True
+
+    def _scorer(self, keys: torch.Tensor | None, temp: torch.Tensor | None, sampled: bool, base: torch.Tensor,
+                depth: int):
         """scores(logits [B, N, Vd], level) -> [B, N, Vd] draft scores of candidates for position
         ``base + 1 + level`` (base: [B] position of each row's last committed token; level <
         ``depth``): log q, or log_softmax(log q_T + G) with the target's noise on sampled rows."""
-        s = inp.sampling if self.shared_noise else None
-        if s is None or not s.sampled:
+        if not sampled:
             return lambda logits, level: logits.float().log_softmax(-1)
-        if inp.state is not None:  # the engine's rows, in this order
-            keys, temp = inp.state.sampling.keys, inp.state.sampling.temperature  # [B]
-        else:
-            rows = torch.tensor(self.rows, device=self.device)
-            keys, temp = s.keys[rows], s.temperature[rows]
-        sampled = (temp > 0)[:, None, None]
+        on = (temp > 0)[:, None, None]
         t = torch.where(temp > 0, temp, torch.ones_like(temp))[:, None, None]
         # The noise depends on (key, position, token) only: every level's in one call.
         pos = base[:, None] + 1 + torch.arange(depth, device=self.device)  # [B, depth]
@@ -150,9 +254,10 @@ class EagleProposer:
         def scores(logits: torch.Tensor, level: int) -> torch.Tensor:
             lp = (logits.float() / t).log_softmax(-1)
             noisy = (lp + noise[:, level, None]).log_softmax(-1)  # one position for the level's N candidates
-            return torch.where(sampled, noisy, lp)
+            return torch.where(on, noisy, lp)
         return scores
 
+    # ---------------------------------------------------------------- rows and catch-up
     def _follow_rows(self, inp: ProposerInput) -> None:
         """Bring the drafter cache rows into the engine's order: a new generation starts empty;
         otherwise rows of finished requests are dropped by one compaction."""
@@ -176,46 +281,65 @@ class EagleProposer:
         """Seconds the last proposal spent catching up (on CUDA: read after the step's sync)."""
         return self._catch_up.seconds()
 
-    def _catch_up_pairs(self, inp: ProposerInput) -> torch.Tensor:
-        """Run every pair not yet seen through the drafter; returns the last pair's output [B, H]."""
-        b, w = len(self.rows), self.catch_up_window
-        ends = [len(inp.tokens[r]) - 1 for r in self.rows]  # pairs available: positions < end
-        for r, e in zip(self.rows, ends):  # a backlog beyond the window is skipped, not computed
+    def _host_catch_up(self, inp: ProposerInput) -> tuple[list[int], list[int]]:
+        """The catch-up rule on the host copies (what sizes the shapes): a backlog beyond the window
+        is skipped, not computed. Returns each row's end (pairs at positions < end exist) and the
+        pairs it runs now; marks them seen."""
+        w = self.catch_up_window
+        ends = [len(inp.tokens[r]) - 1 for r in self.rows]
+        for r, e in zip(self.rows, ends):
             if e - self.seen[r] > w:
                 self.seen[r] = self.floor[r] = e - w
-        seen = [self.seen[r] for r in self.rows]
-        lens_host = [e - s for s, e in zip(seen, ends)]
+        lens_host = [e - self.seen[r] for r, e in zip(self.rows, ends)]
         assert min(lens_host) > 0, "every running request committed a token since its last proposal"
-        m = max(lens_host)
-        at = torch.arange(m, device=self.device)
-        if inp.state is not None:  # the same rule on the device copies; tokens from the engine's state
-            end = inp.state.lens - 1  # [B]
-            skip = end - self._seen[:b] > w
-            self._seen[:b] = torch.where(skip, end - w, self._seen[:b])
-            self._floor[:b] = torch.where(skip, end - w, self._floor[:b])
-            base = self._seen[:b]
-            lens = end - base
-            tok = inp.state.tokens
-            ids = tok.gather(1, (base[:, None] + 1 + at).clamp(max=tok.shape[1] - 1))  # [B, m]
-            ids = torch.where(at < lens[:, None], ids, 0)
-        else:
-            ids = right_pad([inp.tokens[r][s + 1: e + 1] for r, s, e in zip(self.rows, seen, ends)],
-                            device=self.device)  # [B, m]
-            lens = torch.tensor(lens_host, device=self.device)
-            self._seen[:b] = torch.tensor(seen, device=self.device)
-            self._floor[:b] = torch.tensor([self.floor[r] for r in self.rows], device=self.device)
-            base = self._seen[:b]
-        pos = base[:, None] + at  # [B, m]
-        feats = inp.features  # [max_batch, S, F]
-        x = feats[torch.arange(b, device=self.device)[:, None], pos.clamp(max=feats.shape[1] - 1)]
-        span = max(ends)  # the largest position + 1
-        visible = prefill_mask(lens, span, start=base, t=m) & self._above_floor(self._floor[:b], span)[:, None]
-        out = self.drafter(ids, x.to(self.drafter.fc.weight.dtype), pos, CachedBackend(self.cache, pos, to_additive(visible)))
-        self._seen[:b] = base + lens
         for r, e in zip(self.rows, ends):
             self.seen[r] = e
         self.pairs_processed += sum(lens_host)
-        return out[torch.arange(b, device=self.device), lens - 1]
+        return ends, lens_host
+
+    def _catch_up_pairs(self, inp: ProposerInput, ends: list[int], lens_host: list[int]) -> torch.Tensor:
+        """Run every pair not yet seen through the drafter at dynamic shapes; returns the last
+        pair's output [B, H]."""
+        b = len(self.rows)
+        if inp.state is not None:  # tokens from the engine's device state
+            return self._catch_up_device(inp.state.lens - 1, inp.state.tokens, inp.features, b, max(lens_host),
+                                         max(ends))
+        # outside an engine: upload the pairs and the positions
+        seen = [e - n for e, n in zip(ends, lens_host)]
+        self._seen[:b] = torch.tensor(seen, device=self.device)
+        self._floor[:b] = torch.tensor([self.floor[r] for r in self.rows], device=self.device)
+        ids = right_pad([inp.tokens[r][s + 1: e + 1] for r, s, e in zip(self.rows, seen, ends)],
+                        device=self.device)  # [B, m]
+        return self._run_pairs(ids, torch.tensor(lens_host, device=self.device), inp.features, b, max(ends))
+
+    def _catch_up_device(self, end: torch.Tensor, tok: torch.Tensor, feats: torch.Tensor, c: int, m: int,
+                         span: int) -> torch.Tensor:
+        """The catch-up rule on the device copies and the pairs' tokens gathered on the device.
+        end: [C] pairs at positions < end exist; tok: [C, T] committed tokens by position; m: the
+        longest backlog after the skip (pairs per row); span: attention span (>= the largest end)."""
+        w = self.catch_up_window
+        skip = end - self._seen[:c] > w
+        self._seen[:c] = torch.where(skip, end - w, self._seen[:c])
+        self._floor[:c] = torch.where(skip, end - w, self._floor[:c])
+        lens = end - self._seen[:c]  # [C]
+        at = torch.arange(m, device=self.device)
+        ids = tok.gather(1, (self._seen[:c, None] + 1 + at).clamp(0, tok.shape[1] - 1))  # [C, m]
+        ids = torch.where(at < lens[:, None], ids, 0)
+        return self._run_pairs(ids, lens, feats, c, span)
+
+    def _run_pairs(self, ids: torch.Tensor, lens: torch.Tensor, feats: torch.Tensor, c: int, span: int) -> torch.Tensor:
+        """ids: [C, m] pairs' tokens from each row's seen position (lens [C] of them); feats:
+        [max_batch, S, F]. Runs them through the drafter cache; returns the last pair's output [C, H]."""
+        m = ids.shape[1]
+        base = self._seen[:c].clone()
+        pos = base[:, None] + torch.arange(m, device=self.device)  # [C, m]
+        rows = torch.arange(c, device=self.device)
+        x = feats[rows[:, None], pos.clamp(0, feats.shape[1] - 1)]
+        visible = prefill_mask(lens, span, start=base, t=m) & self._above_floor(self._floor[:c], span)[:, None]
+        out = self.drafter(ids, x.to(self.drafter.fc.weight.dtype), pos.clamp(min=0),
+                           CachedBackend(self.cache, pos.clamp(0, self.cache.max_len - 1), to_additive(visible)))
+        self._seen[:c] = base + lens
+        return out[rows, (lens - 1).clamp(min=0)]
 
     def _above_floor(self, floor: torch.Tensor, span: int) -> torch.Tensor:
         """[B, span] bool: slots at or above each row's floor (skipped pairs stay invisible).

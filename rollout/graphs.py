@@ -71,7 +71,29 @@ class DraftGraphKey:
         return f"draft[b{self.batch} k{self.topk}]"
 
 
-GraphKey = TargetGraphKey | DraftGraphKey
+@dataclasses.dataclass(frozen=True, order=True, kw_only=True)
+class DraftLoopGraphKey:
+    """A whole EAGLE proposal in one graph (as SGLang's draft runner captures it): catch-up over a
+    fixed window of pairs, every draft level, top-k and tree selection, for one padded batch and
+    arm. ``sampled``: whether the shared-noise scores are built (a host-side flag of the batch)."""
+
+    batch: int  # captured (padded) batch size
+    depth: int
+    topk: int
+    tokens_to_verify: int
+    window: int  # catch-up pairs per row (the arm's depth + 1: what one speculative step commits)
+    sampled: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * (self.window + self.topk * max(self.depth - 1, 0))
+
+    def __str__(self) -> str:
+        return (f"draft-loop[b{self.batch} d{self.depth}k{self.topk}v{self.tokens_to_verify} w{self.window}"
+                f"{' sampled' if self.sampled else ''}]")
+
+
+GraphKey = TargetGraphKey | DraftGraphKey | DraftLoopGraphKey
 
 
 def arm_keys(batch: int, arm: Arm) -> tuple[TargetGraphKey, DraftGraphKey | None]:

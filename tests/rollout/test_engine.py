@@ -117,7 +117,7 @@ def test_elastic_switch_catches_up_only_what_was_missed(setup, warm_drafters, wi
     drafter = Drafter.load(warm_drafters["eagle"], model.embed_weight, model.lm_head.weight)
     prop = EagleProposer(drafter, max_batch=8, max_len=600, catch_up_window=window)
     catch_ups = []
-    real = prop._catch_up_pairs
+    real = prop._host_catch_up
 
     def spy(inp):
         missed = {r: len(inp.tokens[r]) - 1 - prop.seen[r] for r in prop.rows}
@@ -125,7 +125,7 @@ def test_elastic_switch_catches_up_only_what_was_missed(setup, warm_drafters, wi
         catch_ups.append((missed, dict(prop.floor)))
         return out
 
-    prop._catch_up_pairs = spy
+    prop._host_catch_up = spy
     arm = Arm(3, 1, 3)
     res = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=arm, elastic_threshold=3),
                         proposer=prop).generate(prompts, params)

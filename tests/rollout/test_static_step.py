@@ -47,7 +47,7 @@ def test_static_shapes_are_token_identical(setup, warm_drafters, kind, arm):  # 
         if kind == "ngram":
             return NgramProposer()
         drafter = Drafter.load(warm_drafters["eagle"], model.embed_weight, model.lm_head.weight)
-        return EagleProposer(drafter, max_batch=8, max_len=600)
+        return EagleProposer(drafter, max_batch=8, max_len=600, static_shapes=True)
 
     kw = {}
     if kind != "ar":
@@ -59,8 +59,34 @@ def test_static_shapes_are_token_identical(setup, warm_drafters, kind, arm):  # 
     assert res.outputs == ref.outputs
     if kind != "ar":
         assert any(s.sd for s in res.steps)
+    if kind.startswith("eagle"):  # whole proposals at static shapes (a longer backlog: dynamic)
+        assert kw["proposer"].static_proposals > 0 and kw["proposer"].pool is None
     for a, b in zip(res.logprobs, ref.logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("arm", [Arm(3, 1, 3), Arm(4, 2, 8)], ids=str)
+def test_static_drafting_is_token_identical_sampled(setup, warm_drafters, method, arm):  # noqa: F811
+    """Coupled sampling (T = 1, shared-noise drafts): the static-shape proposer and the dynamic one
+    commit the plain loop's tokens; the static one proposes at fixed shapes after its first step."""
+    from tlt.rollout.generate import SamplingParams
+
+    model, prompts, params = setup
+    prompts = prompts[:5]
+    params = [SamplingParams(max_new_tokens=p.max_new_tokens, stop_ids=p.stop_ids, temperature=1.0) for p in params[:5]]
+    seeds = [11, 12, 13, 14, 15]
+    ref = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512)).generate(prompts, params, seeds=seeds)
+    out = {}
+    for static in (False, True):
+        drafter = Drafter.load(warm_drafters[method], model.embed_weight, model.lm_head.weight)
+        prop = EagleProposer(drafter, max_batch=8, max_len=600, static_shapes=static)
+        eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=arm, static_shapes=static), proposer=prop)
+        out[static] = eng.generate(prompts, params, seeds=seeds)
+        assert out[static].outputs == ref.outputs
+        assert (prop.static_proposals > 0) == static
+    acc = {k: sum(r.accept_lengths) / len(r.accept_lengths) for k, r in out.items()}
+    assert acc[True] > 1.2 and abs(acc[True] - acc[False]) < 0.25 * acc[False], acc  # the same drafter
 
 
 def test_a_first_eagle_drafter_joins_a_static_engine(setup, warm_drafters):  # noqa: F811

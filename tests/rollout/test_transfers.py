@@ -71,7 +71,7 @@ def test_a_step_makes_at_most_one_upload_and_one_read(name, static):
     maxima were: plain 4, chain 14, chain-t1 15, tree 14, tree-t1 16, suffix 5, suffix tree 6."""
     target, drafter = _models()
     arm, temp = RUNS[name]
-    eagle = EagleProposer(drafter, max_batch=4, max_len=96)
+    eagle = EagleProposer(drafter, max_batch=4, max_len=96, static_shapes=static)
     kw = {}
     if arm == "tuner":
         buckets = ((1, (Arm.off(), Arm(3, 1, 3), Arm(3, 2, 6), Arm(4, 1, 4, proposer="suffix"))),)
