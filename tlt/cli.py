@@ -116,6 +116,8 @@ def _cmd_bench(a: argparse.Namespace) -> None:
         raise ValueError(f"--target-steps={a.target_steps}: must be >= 0 (0: the demo's own target)")
     if a.threads < 0:
         raise ValueError(f"--threads={a.threads}: must be >= 0 (0: torch's default, 1: a Ray-hosted replica's)")
+    if a.prompt_len < 0:
+        raise ValueError(f"--prompt-len={a.prompt_len}: must be >= 0 (0: the bench's 128 tokens)")
     result = bench.get(a.which)(a)
     print("\n".join(result["summary"]))
     if a.json:
@@ -269,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shape", default="auto",
                    help="step-cost: target shape with random weights: demo, qwen2-1.5b or llama-8b (auto: "
                    "qwen2-1.5b on CUDA, demo on CPU)")
+    s.add_argument("--prompt-len", type=int, default=0,
+                   help="step-cost: prompt tokens per request (0: 128); e.g. 4096 for a long-context row")
     s.add_argument("--trace", help="sglang-policy: verify trace to replay (recorded here first if the file "
                    "does not exist; without --trace a fresh one is recorded and not kept)")
     s.set_defaults(fn=_cmd_bench)

@@ -136,3 +136,41 @@ def test_cuda_graph_replay_matches_eager(setup, trained_target, warm_drafters): 
         res = eng.generate(prompts, params)
         assert eng.static_step.pool is not None and eng.static_step.replays == len(res.steps)
         assert res.outputs == ref.outputs, arm
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafter_graphs_replay_the_eager_proposals(setup, trained_target, warm_drafters, temperature):  # noqa: F811
+    """fp32 on CUDA: the graphed draft loop commits the plain loop's tokens and proposes exactly what
+    the same static-shape loop proposes eagerly (equal accept lengths, step by step); after a drafter
+    push the graphs replay the new drafter's weights, not the old ones (equal to the new drafter's
+    eager proposals, different from the old drafter's)."""
+    from tlt.rollout.generate import SamplingParams
+
+    model, prompts, params = setup
+    gpu = TargetModel.from_pretrained(trained_target, device="cuda")
+    prompts = prompts[:5]
+    params = [SamplingParams(max_new_tokens=p.max_new_tokens, stop_ids=p.stop_ids, temperature=temperature)
+              for p in params[:5]]
+    seeds = [21, 22, 23, 24, 25]
+    ref = RolloutEngine(gpu, EngineConfig(max_batch=8, max_len=512)).generate(prompts, params, seeds=seeds)
+    warm = lambda: Drafter.load(warm_drafters["eagle"], gpu.embed_weight, gpu.lm_head.weight)  # noqa: E731
+    torch.manual_seed(3)
+    other = lambda: Drafter(warm().config, gpu.embed_weight, gpu.lm_head.weight).to("cuda")  # noqa: E731
+    for arm in (Arm(3, 1, 3), Arm(4, 2, 8)):
+        def run(drafter, graphs):
+            prop = EagleProposer(drafter, max_batch=8, max_len=600, static_shapes=True, cuda_graphs=graphs)
+            eng = RolloutEngine(gpu, EngineConfig(max_batch=8, max_len=512, arm=arm, cuda_graphs=graphs), proposer=prop)
+            return eng, prop, eng.generate(prompts, params, seeds=seeds)
+
+        eng, prop, graphed = run(warm(), True)
+        _, _, eager = run(warm(), False)
+        assert graphed.outputs == ref.outputs == eager.outputs
+        assert prop.replays > 0 and graphed.accept_lengths == eager.accept_lengths
+        new = EagleProposer(other(), max_batch=8, max_len=600, static_shapes=True)
+        eng.set_proposers({"": new}, None)  # a drafter push: a new proposer, graphs of its own
+        pushed = eng.generate(prompts, params, seeds=seeds)
+        _, _, pushed_eager = run(new.drafter, False)
+        assert pushed.outputs == ref.outputs and new.replays > 0
+        assert pushed.accept_lengths == pushed_eager.accept_lengths != graphed.accept_lengths

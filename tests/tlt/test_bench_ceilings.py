@@ -53,7 +53,10 @@ def test_bench_step_cost_quick(tmp_path, capsys):
     for b in r["by_batch"].values():
         assert b["lossless"] and b["sd_step_ms"] > b["draft_ms"] > 0
         assert b["all_accepted_limit"] == pytest.approx(5 * b["ar_step_ms"] / b["sd_step_ms"])
+        assert b["draft_level_vs_plain"] == pytest.approx(b["draft_ms"] / 4 / b["ar_step_ms"])
     assert "with all 4 drafts accepted at most" in capsys.readouterr().out
+    assert main(["-q", "bench", "step-cost", "--prompt-len", "-3"]) == 2
+    assert "--prompt-len=-3: must be >= 0" in capsys.readouterr().err
     assert main(["-q", "bench", "step-cost", "--shape", "gpt-9"]) == 2
     assert "--shape 'gpt-9': use auto, demo or one of" in capsys.readouterr().err
 

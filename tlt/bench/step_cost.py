@@ -69,19 +69,21 @@ def _run(args: argparse.Namespace) -> dict:
     fields = demo_shape() if shape == "demo" else SHAPES[shape]
     dev, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     torch.manual_seed(args.seed)
-    cfg = ModelConfig(**fields, max_position_embeddings=4096)
+    prompt_len, new_tokens, repeats = (16, 16, 2) if quick else (
+        getattr(args, "prompt_len", 0) or 128, 128, getattr(args, "repeats", 0) or 5)
+    cfg = ModelConfig(**fields, max_position_embeddings=max(4096, prompt_len + new_tokens + 64))
     log.info("building a random-weight %s target on %s", shape, dev)
     with dev:
         model = TargetModel(cfg).to(dtype).eval()
         drafter = Drafter(DrafterConfig.for_target(cfg), model.embed_weight, model.lm_head.weight).to(dtype).eval()
     chain = Arm(4, 1, 4)
-    prompt_len, new_tokens, repeats = (16, 16, 2) if quick else (128, 128, getattr(args, "repeats", 0) or 5)
     gen = torch.Generator().manual_seed(args.seed)
     by_batch = {}
     for b in (1, 4) if quick or (shape == "demo" and not cuda) else (1, 8, 32):
         prompts = torch.randint(10, cfg.vocab_size, (b, prompt_len), generator=gen).tolist()
         log.info("batch %d", b)
         by_batch[b] = fixed_batch(model, drafter, prompts, new_tokens, chain, prompt_len + new_tokens + 8, repeats)
+        by_batch[b]["draft_level_vs_plain"] = by_batch[b]["draft_ms"] / chain.depth / by_batch[b]["ar_step_ms"]
     n = sum(p.numel() for p in model.parameters())
     size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
     where = torch.cuda.get_device_name() if cuda else platform.processor() or "CPU"
@@ -91,7 +93,9 @@ def _run(args: argparse.Namespace) -> dict:
     for b, r in by_batch.items():
         lines.append(f"  batch {b:2d}: plain {r['ar_step_ms']:.2f} ms, speculative {r['sd_step_ms']:.2f} ms "
                      f"(draft {r['draft_ms']:.2f} + verify {r['verify_ms']:.2f}) = "
-                     f"{r['sd_step_ms'] / r['ar_step_ms']:.2f}x a plain step; with all {chain.depth} drafts accepted at most {r['all_accepted_limit']:.2f}x AR; "
+                     f"{r['sd_step_ms'] / r['ar_step_ms']:.2f}x a plain step; one draft level "
+                     f"{r['draft_ms'] / chain.depth:.2f} ms = {r['draft_level_vs_plain']:.2f}x a plain step; "
+                     f"with all {chain.depth} drafts accepted at most {r['all_accepted_limit']:.2f}x AR; "
                      f"lossless {r['lossless']}")
     if not all(r["lossless"] for r in by_batch.values()):
         if dtype == torch.float32:
@@ -101,6 +105,6 @@ def _run(args: argparse.Namespace) -> dict:
         lines.append(f"  {dtype}: tokens differ from plain decoding at a near tie (the step's shapes round "
                      "differently); the fp32 runs and the losslessness suites prove token identity")
     return {"bench": "step-cost", "quick": quick, "shape": shape, "config": fields, "dtype": str(dtype),
-            "device": str(dev), "chain": str(chain), "by_batch": by_batch,
+            "device": str(dev), "chain": str(chain), "prompt_len": prompt_len, "by_batch": by_batch,
             "machine": {"python": platform.python_version(), "torch": torch.__version__,
                         "gpu": torch.cuda.get_device_name() if cuda else None}, "summary": lines}
