@@ -87,7 +87,7 @@ class EagleProposer:
             else:
                 from tlt.rollout.graph_pool import CudaGraphPool
 
-                self.pool = CudaGraphPool(self._make_loop, device=self.device)
+                self.pool = CudaGraphPool(lambda key: self.loop_graph_step(key, self._features), device=self.device)
         self._features: torch.Tensor | None = None  # the feature buffer the graphs read (their address)
         self._capture_inputs: dict[str, torch.Tensor] | None = None  # the step being captured
         self.static_proposals = 0  # proposals at static shapes (a test and the bench read it)
@@ -152,11 +152,19 @@ class EagleProposer:
         tokens, parents = out["tokens"][:b].clone(), out["parents"][:b].clone()
         return DraftTree(tokens, parents, torch.ones_like(tokens, dtype=torch.bool))
 
-    def _make_loop(self, key: DraftLoopGraphKey):
-        """Static input buffers for ``key`` and the function the pool captures."""
-        inputs = {name: t.clone() for name, t in self._capture_inputs.items()}
+    def loop_graph_step(self, key: DraftLoopGraphKey, features: torch.Tensor):
+        """Static input buffers for ``key`` and the function a :class:`CudaGraphPool` captures:
+        this step's inputs while the proposer captures; for a bench, zeros (padding rows only).
+        features: [max_batch, S, F] the buffer the graph reads."""
+        if self._capture_inputs is not None:
+            inputs = {name: t.clone() for name, t in self._capture_inputs.items()}
+        else:
+            z = torch.zeros(key.batch, dtype=torch.long, device=self.device)
+            inputs = {"lens": z + 1, "tokens": torch.zeros(key.batch, features.shape[1], dtype=torch.long,
+                                                           device=self.device),
+                      "keys": z.clone(), "temp": torch.zeros(key.batch, device=self.device)}
         arm = Arm(key.depth, key.topk, key.tokens_to_verify)
-        return inputs, lambda x: self._loop(x, self._features, arm, key.window, key.sampled)
+        return inputs, lambda x: self._loop(x, features, arm, key.window, key.sampled)
 
     def _loop(self, x: dict[str, torch.Tensor], feats: torch.Tensor, arm: Arm, window: int,
               sampled: bool) -> dict[str, torch.Tensor]:

@@ -10,13 +10,15 @@ Graph keys (both frozen, so identical shapes from different arms merge into one 
 * ``TargetGraphKey(batch, query_tokens)``: one target forward over ``[batch, query_tokens]``;
   an arm verifies ``tokens_to_verify + 1`` tokens (its draft nodes plus the root token), and
   ``Arm.off()`` is the plain decode graph ``query_tokens=1``.
-* ``DraftGraphKey(batch, topk)``: one drafter step over ``[batch, topk]`` tokens. An arm of
-  depth ``d`` replays it ``d`` times (the first level has one valid token per row, the root; the
-  other ``topk-1`` columns are masked padding), so arms that differ only in depth or
-  tokens-to-verify share it. Keying by ``(batch, depth, topk)`` (one multi-step graph, as SGLang
-  captures) would save ``d-1`` graph launches (~10 us each) per round but multiply the graph count
-  and hold ``d`` levels of activations; per-step replay keeps one level's workspace.
-  The drafter's catch-up forward over accepted tokens is not planned here.
+* ``DraftLoopGraphKey(batch, arm, window, sampled)`` (``draft_graphs="loop"``, what the engine's
+  EAGLE proposer captures): one whole proposal -- catch-up over ``window = depth + 1`` pairs, every
+  draft level, top-k and tree selection -- per padded batch and arm, as SGLang's draft runner
+  captures its multi-step draft. One launch per proposal; arms share a graph only when equal.
+* ``DraftGraphKey(batch, topk)`` (``draft_graphs="step"``, a model of per-step capture): one
+  drafter step over ``[batch, topk]`` tokens replayed ``d`` times, so arms that differ only in depth
+  or tokens-to-verify share it, and the catch-up is not planned. ``tlt bench sglang-policy`` uses
+  it for SGLang's per-step graphs.
+Arms of a model-free proposer (``arm.proposer`` set) have no drafter graph.
 
 Policies: ``naive`` captures every arm of every bucket at every captured batch size;
 ``bucketed`` captures, at captured size ``c``, only the arms of the buckets that runtime batch
@@ -96,12 +98,22 @@ class DraftLoopGraphKey:
 GraphKey = TargetGraphKey | DraftGraphKey | DraftLoopGraphKey
 
 
-def arm_keys(batch: int, arm: Arm) -> tuple[TargetGraphKey, DraftGraphKey | None]:
-    """The graphs one round of ``arm`` replays at captured size ``batch`` (no draft graph if off)."""
+DRAFT_GRAPHS = ("loop", "step")
+
+
+def arm_keys(batch: int, arm: Arm, draft_graphs: str = "loop",
+             sampled: bool = True) -> tuple[TargetGraphKey, DraftGraphKey | DraftLoopGraphKey | None]:
+    """The graphs one round of ``arm`` replays at captured size ``batch`` (no draft graph if off or
+    model-free)."""
     if arm.is_off:
         return TargetGraphKey(batch=batch, query_tokens=1), None
-    return (TargetGraphKey(batch=batch, query_tokens=arm.tokens_to_verify + 1),
-            DraftGraphKey(batch=batch, topk=arm.topk))
+    target = TargetGraphKey(batch=batch, query_tokens=arm.tokens_to_verify + 1)
+    if arm.proposer:
+        return target, None
+    if draft_graphs == "step":
+        return target, DraftGraphKey(batch=batch, topk=arm.topk)
+    return target, DraftLoopGraphKey(batch=batch, depth=arm.depth, topk=arm.topk,
+                                     tokens_to_verify=arm.tokens_to_verify, window=arm.depth + 1, sampled=sampled)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,8 +126,12 @@ class GraphPlanConfig:
     # The engine's elastic threshold: a captured size that only batches above it pad to gets no SD
     # graphs (in both policies: SD never runs there). None = speculate at every captured size.
     speculate_max_batch: int | None = None
+    draft_graphs: str = "loop"  # "loop": a whole proposal per (batch, arm); "step": a drafter step per (batch, topk)
+    sampled: bool = True  # loop graphs build the shared-noise scores (RL rollouts sample)
 
     def __post_init__(self) -> None:
+        if self.draft_graphs not in DRAFT_GRAPHS:
+            raise ValueError(f"draft_graphs={self.draft_graphs!r}: use one of {DRAFT_GRAPHS}")
         if self.speculate_max_batch is not None and (
                 not isinstance(self.speculate_max_batch, int) or self.speculate_max_batch < 0):
             raise ValueError(f"speculate_max_batch={self.speculate_max_batch!r}: give the elastic "
@@ -176,13 +192,14 @@ class GraphPlanConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GraphSet:
     target: tuple[TargetGraphKey, ...]
-    draft: tuple[DraftGraphKey, ...]
+    draft: tuple[DraftGraphKey | DraftLoopGraphKey, ...]
 
     @classmethod
     def of(cls, keys: Iterable[GraphKey | None]) -> GraphSet:
         keys = {k for k in keys if k is not None}
         return cls(target=tuple(sorted(k for k in keys if isinstance(k, TargetGraphKey))),
-                   draft=tuple(sorted(k for k in keys if isinstance(k, DraftGraphKey))))
+                   draft=tuple(sorted((k for k in keys if not isinstance(k, TargetGraphKey)),
+                                      key=lambda k: (type(k).__name__, k))))
 
     @property
     def keys(self) -> tuple[GraphKey, ...]:
@@ -195,13 +212,14 @@ class GraphSet:
         return key in self.target or key in self.draft
 
 
-def graph_set(arms_by_batch: Mapping[int, Sequence[Arm]], include_decode: bool) -> GraphSet:
+def graph_set(arms_by_batch: Mapping[int, Sequence[Arm]], include_decode: bool, draft_graphs: str = "loop",
+              sampled: bool = True) -> GraphSet:
     keys: list[GraphKey | None] = []
     for c, arms in arms_by_batch.items():
         if include_decode:
             keys.append(TargetGraphKey(batch=c, query_tokens=1))
         for arm in arms:
-            keys.extend(arm_keys(c, arm))
+            keys.extend(arm_keys(c, arm, draft_graphs, sampled))
     return GraphSet.of(keys)
 
 
@@ -220,13 +238,13 @@ class GraphPlan:
     def padded_batch(self, batch: int) -> int | None:
         return self.config.padded_batch(batch)
 
-    def keys_for(self, batch: int, arm: Arm, policy: str = "bucketed") -> tuple[TargetGraphKey, DraftGraphKey | None]:
+    def keys_for(self, batch: int, arm: Arm, policy: str = "bucketed") -> tuple[TargetGraphKey, GraphKey | None]:
         """Graphs to replay for a runtime batch running ``arm``; KeyError if not captured."""
         padded = self.padded_batch(batch)
         if padded is None:
             raise KeyError(f"batch {batch} exceeds the largest captured size "
                            f"{self.config.capture_batch_sizes[-1]}: run it eagerly")
-        keys = arm_keys(padded, arm)
+        keys = arm_keys(padded, arm, self.config.draft_graphs, self.config.sampled)
         graphs = self.graphs(policy)
         missing = [str(k) for k in keys if k is not None and k not in graphs]
         if missing:
@@ -244,8 +262,9 @@ def plan_graphs(cfg: GraphPlanConfig) -> GraphPlan:
         first, last = cfg.bucket_index(lo), cfg.bucket_index(hi)
         arms_by_batch[c] = tuple(sorted({a for i in range(first, last + 1) for a in cfg.buckets[i][1]}))
     plan = GraphPlan(config=cfg, arms_by_batch=tuple(arms_by_batch.items()),
-                     bucketed=graph_set(arms_by_batch, cfg.include_decode),
-                     naive=graph_set({c: every if c in sd else () for c in arms_by_batch}, cfg.include_decode))
+                     bucketed=graph_set(arms_by_batch, cfg.include_decode, cfg.draft_graphs, cfg.sampled),
+                     naive=graph_set({c: every if c in sd else () for c in arms_by_batch}, cfg.include_decode,
+                                     cfg.draft_graphs, cfg.sampled))
     log.info("graph plan: %d captured sizes, %d arms -> bucketed %d graphs (%d target, %d draft), "
              "naive %d", len(cfg.capture_batch_sizes), len(every), len(plan.bucketed),
              len(plan.bucketed.target), len(plan.bucketed.draft), len(plan.naive))

@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from tlt.rollout.graph_pool import CudaGraphPool
-from tlt.rollout.graphs import DEFAULT_BUCKETS, DraftGraphKey, GraphPlanConfig, GraphSet, TargetGraphKey, plan_graphs
+from tlt.rollout.graphs import (DEFAULT_BUCKETS, DraftGraphKey, DraftLoopGraphKey, GraphPlanConfig, GraphSet, TargetGraphKey,
+                                plan_graphs)
 from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_bytes, estimate_parts, memory_report
 from tlt.rollout.strategy import Arm
 
 T, D = (lambda b, q: TargetGraphKey(batch=b, query_tokens=q)), (lambda b, k: DraftGraphKey(batch=b, topk=k))
 A326, A224, A212 = Arm(3, 2, 6), Arm(2, 2, 4), Arm(2, 1, 2)
 SMALL = GraphPlanConfig(capture_batch_sizes=(1, 2, 4), buckets=((1, (A326,)), (4, (A224, A212))),
-                        include_decode=False)
+                        include_decode=False, draft_graphs="step")
 # Toy dims: H=4, A=2*2=4, K=1*2=2, I=8, V=16, bf16 activations, fp32 logits.
 TOY = ModelDims(hidden_size=4, intermediate_size=8, vocab_size=16, num_layers=2, num_heads=2,
                 num_kv_heads=1, head_dim=2)
@@ -40,7 +41,7 @@ def test_each_captured_size_gets_its_bucket_arms():
 def test_captured_size_covers_every_bucket_padded_to_it():
     # bucket max 3 is not a captured size: batch 3 (bucket 0) and batch 4 (bucket 1) both pad to 4
     cfg = GraphPlanConfig(capture_batch_sizes=(2, 4, 8), buckets=((3, (A326,)), (6, (A224,)), (8, (A212,))),
-                          include_decode=False)
+                          include_decode=False, draft_graphs="step")
     arms = dict(plan_graphs(cfg).arms_by_batch)
     assert arms == {2: (A326,), 4: tuple(sorted((A326, A224))), 8: tuple(sorted((A224, A212)))}
     plan = plan_graphs(cfg)
@@ -65,7 +66,7 @@ def test_no_sd_graphs_where_only_batches_above_the_elastic_threshold_pad():
 def test_identical_shapes_merge():
     # same tokens_to_verify -> one target graph; same topk -> one draft graph
     cfg = GraphPlanConfig(capture_batch_sizes=(1, 2), buckets=((2, (Arm(2, 2, 4), Arm(4, 1, 4), Arm(3, 2, 5))),),
-                          include_decode=False)
+                          include_decode=False, draft_graphs="step")
     plan = plan_graphs(cfg)
     assert plan.bucketed.target == (T(1, 5), T(1, 6), T(2, 5), T(2, 6))
     assert plan.bucketed.draft == (D(1, 1), D(1, 2), D(2, 1), D(2, 2))
@@ -78,8 +79,35 @@ def test_small_config_counts_by_hand():
     assert plan.bucketed.draft == (D(1, 2), D(2, 1), D(2, 2), D(4, 1), D(4, 2))
     assert (len(plan.naive.target), len(plan.naive.draft)) == (3 * 3, 3 * 2)  # q {7,5,3}, k {2,1}
     assert set(plan.bucketed.keys) <= set(plan.naive.keys)
-    dec = plan_graphs(GraphPlanConfig(capture_batch_sizes=(1, 2, 4), buckets=SMALL.buckets))
+    dec = plan_graphs(dataclasses.replace(SMALL, include_decode=True))
     assert len(dec.bucketed) == 10 + 3 and len(dec.naive) == 15 + 3  # + T(c, 1) per captured size
+
+
+def L(b, arm, sampled=True):  # noqa: E743
+    return DraftLoopGraphKey(batch=b, depth=arm.depth, topk=arm.topk, tokens_to_verify=arm.tokens_to_verify,
+                             window=arm.depth + 1, sampled=sampled)
+
+
+def test_loop_graphs_one_per_batch_and_arm():
+    """The engine's draft graphs: a whole proposal per (captured size, arm); a model-free arm has none."""
+    suffix = Arm(4, 1, 4, proposer="suffix")
+    cfg = dataclasses.replace(SMALL, draft_graphs="loop", buckets=((1, (A326,)), (4, (A224, A212, suffix))))
+    plan = plan_graphs(cfg)
+    assert set(plan.bucketed.draft) == {L(1, A326), L(2, A224), L(2, A212), L(4, A224), L(4, A212)}
+    assert T(2, 5) in plan.bucketed.target  # the suffix arm verifies 4 drafts: a target graph only
+    assert plan.keys_for(3, A224) == (T(4, 5), L(4, A224)) and plan.keys_for(3, suffix) == (T(4, 5), None)
+    greedy = plan_graphs(dataclasses.replace(cfg, sampled=False))
+    assert greedy.keys_for(1, A326)[1] == L(1, A326, sampled=False)
+    with pytest.raises(ValueError, match="draft_graphs"):
+        GraphPlanConfig(draft_graphs="tree")
+
+
+def test_loop_memory_model_by_hand():
+    # TOY: per-token draft step workspace DRF_WORK = 200; w = 4, k = 2, d = 3, n = 6, Vd = 16, H = 4
+    key = L(2, A326)
+    work = 4 * DRF_WORK + 2 * 3 * (2 * 4 + 24) + (3 + 4) * 4 * 16
+    assert estimate_parts(key, TOY) == (2 * 6 * 16, 2 * work)
+    assert estimate_parts(L(2, A326, sampled=False), TOY) == (2 * 6 * 16, 2 * (work - 7 * 4 * 16))
 
 
 def test_naive_is_superset_of_bucketed_on_defaults():
@@ -100,7 +128,7 @@ def test_off_arm_only_adds_decode_graphs():
 
 def test_padded_batch_and_keys_for():
     plan = plan_graphs(GraphPlanConfig(buckets=((2, (Arm(8, 8, 64),)), (8, (Arm(5, 4, 24),)),
-                                                (32, (Arm(3, 1, 3), Arm.off())))))
+                                                (32, (Arm(3, 1, 3), Arm.off()))), draft_graphs="step"))
     assert [plan.padded_batch(b) for b in (1, 2, 3, 5, 17, 33, 64)] == [1, 2, 4, 8, 24, 48, 64]
     assert plan.padded_batch(65) is None
     with pytest.raises(ValueError, match="batch"):
@@ -225,7 +253,7 @@ def test_pool_replay_matches_eager_and_bucketed_uses_less_memory():
                 "slots": slots, "mask": to_additive(visible)}
 
     plan = plan_graphs(GraphPlanConfig(capture_batch_sizes=sizes, buckets=(
-        (2, (Arm(4, 4, 16), Arm.off())), (8, (Arm(2, 2, 4), Arm.off())))))
+        (2, (Arm(4, 4, 16), Arm.off())), (8, (Arm(2, 2, 4), Arm.off()))), draft_graphs="step"))
     pool = CudaGraphPool(make_step)
     try:
         for policy in ("bucketed", "naive"):

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from tlt.drafter.model_config import ModelConfig
-from tlt.rollout.graphs import DraftGraphKey, GraphKey, GraphPlan, TargetGraphKey, graph_set
+from tlt.rollout.graphs import DraftGraphKey, DraftLoopGraphKey, GraphKey, GraphPlan, TargetGraphKey, graph_set
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,8 +67,21 @@ def estimate_parts(key: GraphKey, dims: ModelDims) -> tuple[int, int]:
                                                       + normed, layer as above, logits + fp32 softmax
               outputs   = b*H + topk*(4 + 8)          next feature, top-k probs (fp32) + ids (int64)
     The transient part is freed layer by layer, so one layer's worth counts; multiply by tokens.
+    A whole draft loop (per batch row; w = window, k = topk, d = depth, n = tokens_to_verify):
+      workspace = max(w, k) * draft workspace         the widest forward (catch-up or a level)
+                  + (d + 2k) * 4*V_d  if sampled     the shared noise of every level, one level's
+                                                      log-probs and noisy scores (fp32)
+                  + k * d * (b*H + 24)               each level's kept features, scores, ids, parents
+      outputs   = n * 16                             the tree: tokens and parents (int64)
     """
     h, a, k, b = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim, dims.dtype_bytes
+    if isinstance(key, DraftLoopGraphKey):
+        inter = dims.draft_intermediate_size or dims.intermediate_size
+        vd = dims.draft_vocab_size or dims.vocab_size
+        step = b * (4 * h + 2 * a + 2 * k + 3 * inter + vd) + 4 * vd
+        work = (max(key.window, key.topk) * step + key.topk * key.depth * (b * h + 24)
+                + ((key.depth + 2 * key.topk) * 4 * vd if key.sampled else 0))
+        return key.batch * key.tokens_to_verify * 16, key.batch * work
     if isinstance(key, TargetGraphKey):
         work = b * (2 * h + 2 * a + 2 * k + 3 * dims.intermediate_size + dims.vocab_size)
         out = b * h * (1 + dims.aux_layers) + dims.logits_bytes * dims.vocab_size
@@ -136,7 +149,8 @@ def memory_report(plan: GraphPlan, dims: ModelDims) -> MemoryReport:
     sizes, sd = plan.config.capture_batch_sizes, plan.config.speculative_sizes()
     best: tuple[int, str, int] = (-1, "off", 0)
     for arm in plan.config.all_arms:
-        single = graph_set({c: (arm,) if c in sd else () for c in sizes}, plan.config.include_decode)
+        single = graph_set({c: (arm,) if c in sd else () for c in sizes}, plan.config.include_decode,
+                           plan.config.draft_graphs, plan.config.sampled)
         total = _sum_bytes(single.keys, dims)[0]
         if total > best[0]:
             best = (total, str(arm), len(single))

@@ -2,8 +2,9 @@
 
 Always: the planner's graph counts and the memory model (tlt.bench.graph_memory.estimate_parts) for
 Qwen2.5-32B dims and the default buckets (TLT Table 3: 10.69 GB bucketed vs 30.39 GB naive, single
-7.81 GB). With a CUDA device: captures both policies for a small random-weight target (plus a
-one-layer stand-in drafter) and reports the measured graph-pool bytes next to the model's figure.
+7.81 GB), with the engine's draft graphs (a whole EAGLE proposal per batch and arm). With a CUDA
+device: captures both policies for a small random-weight target and its EAGLE proposer's draft
+loops and reports the measured graph-pool bytes next to the model's figure.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import torch
 
 from tlt.rollout.graph_pool import CudaGraphPool
-from tlt.rollout.graphs import GraphPlan, GraphPlanConfig, TargetGraphKey, plan_graphs
+from tlt.rollout.graphs import DraftLoopGraphKey, GraphPlan, GraphPlanConfig, TargetGraphKey, plan_graphs
 from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_bytes, memory_report
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,9 @@ def _counts(plan: GraphPlan) -> dict:
 
 def _measure_cuda(plan: GraphPlan, *, quick: bool, seed: int) -> dict:
     """Capture both policies for a small bf16 target; measured pool bytes vs the model's."""
+    from tlt.drafter.eagle import Drafter, DrafterConfig
     from tlt.drafter.model_config import ModelConfig
+    from tlt.rollout.eagle_proposer import EagleProposer
     from tlt.rollout.kv_cache import CachedBackend, StaticKVCache
     from tlt.rollout.target import TargetModel
 
@@ -46,8 +49,13 @@ def _measure_cuda(plan: GraphPlan, *, quick: bool, seed: int) -> dict:
     top = plan.config.capture_batch_sizes[-1]
     caches = {id(m): StaticKVCache(m.config.num_hidden_layers, top, cfg.num_key_value_heads, span,
                                    cfg.head_dim, dtype=dtype, device=dev) for m in (target, drafter)}
+    eagle = Drafter(DrafterConfig.for_target(cfg), target.embed_weight, target.lm_head.weight).to(dev, dtype).eval()
+    loop = EagleProposer(eagle, max_batch=top, max_len=span, static_shapes=True, cuda_graphs=False)
+    features = torch.zeros(top, span, cfg.hidden_size, dtype=dtype, device=dev)
 
     def make_step(key):
+        if isinstance(key, DraftLoopGraphKey):  # the engine's whole-proposal graph
+            return loop.loop_graph_step(key, features)
         is_target = isinstance(key, TargetGraphKey)
         model, q = (target, key.query_tokens) if is_target else (drafter, key.topk)
         b, cache = key.batch, caches[id(model)]
