@@ -366,18 +366,20 @@ class RolloutEngine:
         depth = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=self.device),
                            tree.depths() + 1], 1)
         slots = roots[:, None] + torch.arange(1 + n, device=self.device)
-        if self.static_step is not None:  # attention over the whole cache: a static shape
+        if self.static_step is not None:  # attention over the whole cache: a static shape; one graph on CUDA
             mask = to_additive(tree_mask(roots, parents, self.cache.max_len))
-            logits, feats = self.static_step(ids, roots[:, None] + depth, slots, mask)
+            res = self.static_step.verify(ids, roots[:, None] + depth, slots, mask, tree, st.sampling, st.stops,
+                                          min(arm.depth, n), self._features_buf)
+            feats = self._features_buf
         else:
             span = max(lengths) + n  # the largest slot + 1, known on the host
             mask = to_additive(tree_mask(roots, parents, span))
             out = self.target(ids, roots[:, None] + depth, CachedBackend(self.cache, slots, mask),
                               capture=self._capture)
-            logits, feats = out.logits, self._features(out)
-        if feats is not None:  # laid out like the KV cache: row, slot
-            self._features_buf[torch.arange(b, device=self.device)[:, None], slots] = feats
-        res = verify(logits, tree, st.sampling, roots[:, None] + depth + 1, st.stops, depth=min(arm.depth, n))
+            feats = self._features(out)
+            if feats is not None:  # laid out like the KV cache: row, slot
+                self._features_buf[torch.arange(b, device=self.device)[:, None], slots] = feats
+            res = verify(out.logits, tree, st.sampling, roots[:, None] + depth + 1, st.stops, depth=min(arm.depth, n))
         # Move accepted nodes' keys/values (and features) right after the root: fixed-size index
         # tensors built on the device from the walked path; run when the host's copy of the path
         # (from the one read) shows a node off its depth.

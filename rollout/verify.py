@@ -71,6 +71,37 @@ def walk(draws: torch.Tensor, tree: DraftTree, stops: torch.Tensor, depth: int) 
     return path_t, torch.cat(visit, 1)
 
 
+def verify_on_device(logits: torch.Tensor, tree: DraftTree, sampling: RowSampling, positions: torch.Tensor,
+                     stops: torch.Tensor, depth: int) -> dict[str, torch.Tensor]:
+    """The draws, the walk and the packed verdict, all on the device (no host read: what a CUDA
+    graph of the verify step captures). Returns packed [B, 4 + 3D] float64 (count, drafted, the
+    committed tokens, their log-probs, the path), path [B, D], committed [B, D + 1], count [B]."""
+    draws, lp = sample(logits, sampling, positions)  # [B, 1 + N] each
+    path, visit = walk(draws, tree, stops, depth)
+    count = (path >= 0).sum(1) + 1  # [B]
+    committed = draws.gather(1, visit)  # [B, D + 1]
+    packed = torch.cat([count[:, None].double(), tree.valid.sum(1, keepdim=True).double(), committed.double(),
+                        lp.gather(1, visit).double(), path.double()], 1)
+    return {"packed": packed, "path": path, "committed": committed, "count": count}
+
+
+def read_verdict(out: dict[str, torch.Tensor], b: int | None = None) -> VerifyResult:
+    """The step's one device -> host read, of :func:`verify_on_device`'s packed verdict (its first
+    ``b`` rows: a padded batch's real ones)."""
+    rows = slice(None) if b is None else slice(0, b)
+    d = out["path"].shape[1]
+    with intended_sync(out["packed"].device):
+        host = out["packed"][rows].tolist()
+    out_tokens, out_nodes, out_lps = [], [], []
+    for row in host:
+        c = int(row[0])
+        out_tokens.append([int(x) for x in row[2: 2 + c]])
+        out_lps.append(row[3 + d: 3 + d + c])
+        out_nodes.append([int(x) for x in row[4 + 2 * d: 4 + 2 * d + c - 1]])
+    return VerifyResult(out_tokens, out_nodes, out_lps, int(sum(r[1] for r in host)), out["path"][rows],
+                        out["committed"][rows], out["count"][rows])
+
+
 def verify(logits: torch.Tensor, tree: DraftTree, sampling: RowSampling, positions: torch.Tensor,
            stops: torch.Tensor | list[tuple[int, ...]], depth: int | None = None) -> VerifyResult:
     """Walk each request's tree.
@@ -85,22 +116,7 @@ def verify(logits: torch.Tensor, tree: DraftTree, sampling: RowSampling, positio
     if logits.shape[:2] != (b, 1 + n) or positions.shape != (b, 1 + n):
         raise ValueError(f"logits {tuple(logits.shape)} / positions {tuple(positions.shape)} do not match "
                          f"a tree of {b} x {n} nodes")
-    dev = logits.device
     if not isinstance(stops, torch.Tensor):
-        stops = stop_table(stops, dev)
+        stops = stop_table(stops, logits.device)
     d = n if depth is None else min(depth, n)
-    draws, lp = sample(logits, sampling, positions)  # [B, 1 + N] each
-    path, visit = walk(draws, tree, stops, d)
-    count = (path >= 0).sum(1) + 1  # [B]
-    committed = draws.gather(1, visit)  # [B, D + 1]
-    packed = torch.cat([count[:, None].double(), tree.valid.sum(1, keepdim=True).double(), committed.double(),
-                        lp.gather(1, visit).double(), path.double()], 1)  # [B, 2 + 3D + 2]
-    with intended_sync(dev):  # the step's one read
-        host = packed.tolist()
-    out_tokens, out_nodes, out_lps = [], [], []
-    for row in host:
-        c = int(row[0])
-        out_tokens.append([int(x) for x in row[2: 2 + c]])
-        out_lps.append(row[3 + d: 3 + d + c])
-        out_nodes.append([int(x) for x in row[4 + 2 * d: 4 + 2 * d + c - 1]])
-    return VerifyResult(out_tokens, out_nodes, out_lps, int(sum(r[1] for r in host)), path, committed, count)
+    return read_verdict(verify_on_device(logits, tree, sampling, positions, stops, d))

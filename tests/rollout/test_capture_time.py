@@ -31,8 +31,11 @@ class _SlowCapturePool:
         time.sleep(CAPTURE_S)
         self.keys |= set(keys)
 
-    def replay(self, key, **inputs):
-        return self.step._forward(**inputs)
+    def replay(self, key, **inputs):  # the captured function, run eagerly on the static inputs
+        return self.step._step(inputs, self.step._buffer, key.depth, key.masked, key.sampled)
+
+    def close(self) -> None:
+        self.keys.clear()
 
 
 def test_graph_capture_time_stays_out_of_tuner_rewards():

@@ -89,6 +89,65 @@ def test_static_drafting_is_token_identical_sampled(setup, warm_drafters, method
     assert acc[True] > 1.2 and abs(acc[True] - acc[False]) < 0.25 * acc[False], acc  # the same drafter
 
 
+class EagerPool:
+    """CudaGraphPool's contract without a GPU (a test stand-in): capture makes the static inputs and
+    runs the step function on them as the pool's warm-up does (3 times: their side effects count);
+    replay copies the inputs into the static buffers (same shape and dtype) and runs the function."""
+
+    def __init__(self, make_step) -> None:
+        self.make, self.graphs, self.replays = make_step, {}, 0
+
+    def has(self, key) -> bool:
+        return key in self.graphs
+
+    def capture(self, keys) -> None:
+        for key in keys:
+            inputs, fn = self.make(key)
+            for _ in range(3):
+                fn(inputs)
+            self.graphs[key] = (inputs, fn)
+
+    def replay(self, key, **x):
+        inputs, fn = self.graphs[key]
+        for name, value in x.items():
+            assert inputs[name].shape == value.shape and inputs[name].dtype == value.dtype, (key, name)
+            inputs[name].copy_(value)
+        self.replays += 1
+        return fn(inputs)
+
+    def close(self) -> None:
+        self.graphs.clear()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_graphed_paths_replay_their_static_inputs(setup, warm_drafters, temperature):  # noqa: F811
+    """The verify step's and the draft loop's graph paths (static input buffers from their
+    make_step, warm-up runs, copy-in replay) on CPU with a stand-in pool: the plain loop's tokens,
+    and the same proposals as the static path without a pool (equal accept lengths)."""
+    from tlt.rollout.generate import SamplingParams
+
+    model, prompts, params = setup
+    prompts = prompts[:5]
+    params = [SamplingParams(max_new_tokens=p.max_new_tokens, stop_ids=p.stop_ids, temperature=temperature)
+              for p in params[:5]]
+    seeds = [31, 32, 33, 34, 35]
+    ref = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512)).generate(prompts, params, seeds=seeds)
+    for arm in (Arm(3, 1, 3), Arm(4, 2, 8)):
+        runs = {}
+        for pooled in (False, True):
+            drafter = Drafter.load(warm_drafters["eagle3"], model.embed_weight, model.lm_head.weight)
+            prop = EagleProposer(drafter, max_batch=8, max_len=600, static_shapes=True)
+            eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=arm, static_shapes=True),
+                                proposer=prop)
+            if pooled:
+                eng.static_step.pool = EagerPool(eng.static_step._make_step)
+                prop.pool = EagerPool(lambda key, prop=prop: prop.loop_graph_step(key, prop._features))
+            runs[pooled] = eng.generate(prompts, params, seeds=seeds)
+            assert runs[pooled].outputs == ref.outputs
+        assert eng.static_step.pool.replays == len(runs[True].steps) and prop.pool.replays > 0
+        assert runs[True].accept_lengths == runs[False].accept_lengths
+
+
 def test_a_first_eagle_drafter_joins_a_static_engine(setup, warm_drafters):  # noqa: F811
     """A replica starts with the suffix drafter only (no target features); its first EAGLE drafter
     reads the hidden state, so the static step is rebuilt (on CUDA: its graphs captured again), the
