@@ -341,9 +341,10 @@ class RolloutEngine:
         switch_s = 0.0  # catching up what other arms committed: the switch's cost, not this arm's
         capture0 = self.static_step.capture_s if self.static_step is not None else 0.0
         drafting = Span(self.device)  # CUDA events on CUDA: the draft loop is launched asynchronously
-        prop = None
+        prop, prop_capture0 = None, 0.0
         if sd and not arm.is_off:
             prop = self.proposers[arm.proposer]
+            prop_capture0 = getattr(prop, "capture_s", 0.0)
             drafting.start()
             tree = prop.propose(dataclasses.replace(inp, arm=arm, features=self._proposer_features(prop)))
             drafting.stop()
@@ -370,14 +371,15 @@ class RolloutEngine:
             mask = to_additive(tree_mask(roots, parents, self.cache.max_len))
             res = self.static_step.verify(ids, roots[:, None] + depth, slots, mask, tree, st.sampling, st.stops,
                                           min(arm.depth, n), self._features_buf)
-            feats = self._features_buf
+            kept = self._features_buf is not None
         else:
             span = max(lengths) + n  # the largest slot + 1, known on the host
             mask = to_additive(tree_mask(roots, parents, span))
             out = self.target(ids, roots[:, None] + depth, CachedBackend(self.cache, slots, mask),
                               capture=self._capture)
             feats = self._features(out)
-            if feats is not None:  # laid out like the KV cache: row, slot
+            kept = feats is not None
+            if kept:  # laid out like the KV cache: row, slot
                 self._features_buf[torch.arange(b, device=self.device)[:, None], slots] = feats
             res = verify(out.logits, tree, st.sampling, roots[:, None] + depth + 1, st.stops, depth=min(arm.depth, n))
         # Move accepted nodes' keys/values (and features) right after the root: fixed-size index
@@ -389,7 +391,7 @@ class RolloutEngine:
             src = roots[:, None] + 1 + torch.where(res.path >= 0, res.path, at)  # unaccepted depths: in place
             row = torch.arange(b, device=self.device)[:, None].expand_as(dst)
             self.cache.move_slots(row.flatten(), src.flatten(), dst.flatten())
-            if feats is not None:
+            if kept:
                 self._features_buf[row, dst] = self._features_buf[row, src]
         st.commit(res.committed, res.count)
         seconds = time.perf_counter() - t0  # the verifier's read synchronised with the device
@@ -399,6 +401,8 @@ class RolloutEngine:
         accepted = sum(len(x) for x in res.nodes)
         if self.static_step is not None:  # a first use's graph capture is no arm's cost either
             switch_s += self.static_step.capture_s - capture0
+        if prop is not None:  # ... nor is the draft loop's
+            switch_s += getattr(prop, "capture_s", 0.0) - prop_capture0
         if sd and self.tuner is not None and self.cfg.arm is None:
             self.tuner.record(b, arm, accepted, max(seconds - switch_s, 1e-9))
         rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(len(t) for t in res.tokens), seconds,

@@ -57,3 +57,46 @@ def test_graph_capture_time_stays_out_of_tuner_rewards():
     assert times and max(times) < CAPTURE_S, times  # every capture happened inside a timed step
     engine.static_step.pool = None  # eager: the same tokens
     assert engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=24)).outputs == out
+
+
+class _SlowLoopPool:
+    """Stands in for the EAGLE proposer's CudaGraphPool: capture costs CAPTURE_S, replay runs the
+    captured function on the static inputs made at capture (copy-in, as the real pool does)."""
+
+    def __init__(self, make_step) -> None:
+        self.make, self.graphs = make_step, {}
+
+    def has(self, key) -> bool:
+        return key in self.graphs
+
+    def capture(self, keys) -> None:
+        time.sleep(CAPTURE_S)
+        self.graphs.update({k: self.make(k) for k in keys})
+
+    def replay(self, key, **inputs):
+        static, fn = self.graphs[key]
+        for name, value in inputs.items():
+            static[name].copy_(value)
+        return fn(static)
+
+
+def test_draft_loop_capture_time_stays_out_of_tuner_rewards():
+    from tlt.drafter.eagle import Drafter, DrafterConfig
+    from tlt.rollout.eagle_proposer import EagleProposer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = TargetModel(cfg).eval()
+    drafter = Drafter(DrafterConfig.for_target(cfg), model.embed_weight, model.lm_head.weight).eval()
+    prop = EagleProposer(drafter, max_batch=2, max_len=128, static_shapes=True)
+    prop.pool = _SlowLoopPool(lambda key: prop.loop_graph_step(key, prop._features))
+    tuner = BegMab(TunerConfig.for_device("cpu", seed=0))
+    times: list[float] = []
+    record = tuner.record
+    tuner.record = lambda b, arm, acc, s: (times.append(s), record(b, arm, acc, s))[1]
+    engine = RolloutEngine(model, EngineConfig(max_batch=2, max_len=96), proposer=prop, tuner=tuner)
+    prompts = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [7, 8, 9, 7, 8, 9, 7, 8]]
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=40))
+    assert prop.pool.graphs and prop.capture_s >= CAPTURE_S * len(prop.pool.graphs) * 0.99
+    assert times and max(times) < CAPTURE_S, times
