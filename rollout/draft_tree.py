@@ -24,11 +24,14 @@ class DraftTree:
     tokens: torch.Tensor  # [B, N] long: draft token ids (target vocabulary)
     parents: torch.Tensor  # [B, N] long: parent node index, -1 = child of the last verified token
     valid: torch.Tensor  # [B, N] bool: False on padding nodes (requests with smaller trees)
+    depth: torch.Tensor | None = None  # [B, N] long: each node's depth when the proposer knows it (else computed)
 
     def __post_init__(self) -> None:
-        if not (self.tokens.shape == self.parents.shape == self.valid.shape) or self.tokens.dim() != 2:
+        if not (self.tokens.shape == self.parents.shape == self.valid.shape) or self.tokens.dim() != 2 or (
+                self.depth is not None and self.depth.shape != self.tokens.shape):
             raise ValueError(f"DraftTree fields must share a [B, N] shape, got {tuple(self.tokens.shape)}, "
-                             f"{tuple(self.parents.shape)}, {tuple(self.valid.shape)}")
+                             f"{tuple(self.parents.shape)}, {tuple(self.valid.shape)}"
+                             + (f", {tuple(self.depth.shape)}" if self.depth is not None else ""))
 
     @property
     def num_nodes(self) -> int:
@@ -42,7 +45,8 @@ class DraftTree:
         b, dev = self.tokens.shape[0], self.tokens.device
         return DraftTree(torch.cat([self.tokens, self.tokens.new_zeros(b, extra)], 1),
                          torch.cat([self.parents, torch.full((b, extra), -1, dtype=torch.long, device=dev)], 1),
-                         torch.cat([self.valid, self.valid.new_zeros(b, extra)], 1))
+                         torch.cat([self.valid, self.valid.new_zeros(b, extra)], 1),
+                         None if self.depth is None else torch.cat([self.depth, self.depth.new_zeros(b, extra)], 1))
 
     @classmethod
     def empty(cls, batch: int, device: torch.device | str = "cpu") -> "DraftTree":
@@ -80,7 +84,7 @@ class DraftTree:
 
     def depths(self) -> torch.Tensor:
         """[B, N] depth of each node, 0 for children of the last verified token."""
-        return tree_depths(self.parents)
+        return self.depth if self.depth is not None else tree_depths(self.parents)
 
 
 def right_pad(rows: Sequence[Sequence[int]], *, fill: int = 0, width: int | None = None,
@@ -97,6 +101,8 @@ def tree_depths(parents: torch.Tensor) -> torch.Tensor:
 
     Pointer jumping: each round adds the distance already known at a node's current jump target and
     doubles the jump, so ceil(log2(T)) + 1 rounds of batched device ops, no per-node loop."""
+    if parents.shape[1] == 0:  # a plain step's empty tree
+        return torch.zeros_like(parents)
     dist = torch.ones_like(parents)  # [B, T] edges from a node to its jump target
     jump = parents.clone()  # [B, T] jump target, -1 = the prefix
     for _ in range(max(parents.shape[1] - 1, 0).bit_length() + 1):

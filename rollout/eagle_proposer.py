@@ -114,9 +114,9 @@ class EagleProposer:
         self._catch_up.stop()
         keys, temp, sampled = self._noise_rows(inp)
         base, base_max, k = self._seen[:b], max(self.seen[r] for r in self.rows), arm.topk
-        tokens, parents = self._draft(root, base, self._floor[:b], keys, temp, sampled, arm,
-                                      lambda e: base_max + e + k)  # the largest slot + 1, known on the host
-        return DraftTree(tokens, parents, torch.ones_like(tokens, dtype=torch.bool))
+        tokens, parents, depth = self._draft(root, base, self._floor[:b], keys, temp, sampled, arm,
+                                             lambda e: base_max + e + k)  # the largest slot + 1, known on the host
+        return DraftTree(tokens, parents, torch.ones_like(tokens, dtype=torch.bool), depth)
 
     # ---------------------------------------------------------------- static shapes
     def _propose_static(self, inp: ProposerInput, arm: Arm, window: int, padded: int) -> DraftTree:
@@ -149,8 +149,8 @@ class EagleProposer:
                 self.capture_s += time.perf_counter() - t0
             out = self.pool.replay(key, **x)
             self.replays += 1
-        tokens, parents = out["tokens"][:b].clone(), out["parents"][:b].clone()
-        return DraftTree(tokens, parents, torch.ones_like(tokens, dtype=torch.bool))
+        tokens, parents, depth = (out[name][:b].clone() for name in ("tokens", "parents", "depth"))
+        return DraftTree(tokens, parents, torch.ones_like(tokens, dtype=torch.bool), depth)
 
     def loop_graph_step(self, key: DraftLoopGraphKey, features: torch.Tensor):
         """Static input buffers for ``key`` and the function a :class:`CudaGraphPool` captures:
@@ -169,19 +169,19 @@ class EagleProposer:
     def _loop(self, x: dict[str, torch.Tensor], feats: torch.Tensor, arm: Arm, window: int,
               sampled: bool) -> dict[str, torch.Tensor]:
         """One whole proposal at fixed shapes: x lens [C], tokens [C, T], keys [C], temp [C] by
-        (padded) row; feats [max_batch, S, F]. Returns tokens and parents [C, n]."""
+        (padded) row; feats [max_batch, S, F]. Returns the tree's tokens, parents and depths [C, n]."""
         c, span = x["lens"].shape[0], self.cache.max_len
         end = x["lens"] - 1  # [C] pairs available: positions < end
         root = self._catch_up_device(end, x["tokens"], feats, c, window, span)
-        tokens, parents = self._draft(root, self._seen[:c], self._floor[:c], x["keys"], x["temp"], sampled, arm,
-                                      lambda e: span)
-        return {"tokens": tokens, "parents": parents}
+        tokens, parents, depth = self._draft(root, self._seen[:c], self._floor[:c], x["keys"], x["temp"], sampled,
+                                             arm, lambda e: span)
+        return {"tokens": tokens, "parents": parents, "depth": depth}
 
     # ---------------------------------------------------------------- drafting
     def _draft(self, root: torch.Tensor, base: torch.Tensor, floor: torch.Tensor, keys: torch.Tensor | None,
-               temp: torch.Tensor | None, sampled: bool, arm: Arm, span_of) -> tuple[torch.Tensor, torch.Tensor]:
+               temp: torch.Tensor | None, sampled: bool, arm: Arm, span_of) -> tuple[torch.Tensor, ...]:
         """EAGLE-2 levels from root [B, H] (the last pair's output; base [B] its position, floor [B]
-        the lowest visible slot): tokens and parents [B, n] of the chosen tree, topologically
+        the lowest visible slot): tokens, parents and depths [B, n] of the chosen tree, topologically
         ordered. span_of(e): the attention span of a level after e tree slots."""
         b, k, d = root.shape[0], arm.topk, self.drafter
         scores_at = self._scorer(keys, temp, sampled, base, arm.depth)
@@ -225,7 +225,7 @@ class EagleProposer:
             anc = exp_anc[:, :, None].expand(b, k, k, e + k).flatten(1, 2)
             level_start, offset = offset, offset + k * k
         all_scores = torch.cat(scores, 1)  # [B, C]
-        levels = torch.cat([torch.full_like(s, i) for i, s in enumerate(scores)], 1)
+        levels = torch.cat([torch.full_like(s, i, dtype=torch.long) for i, s in enumerate(scores)], 1)  # [B, C]
         n = min(arm.tokens_to_verify, all_scores.shape[1])
         # Scores never increase along a path; the tiny level penalty keeps ancestors first on ties.
         chosen = (all_scores - 1e-6 * levels).topk(n, -1).indices.sort(-1).values  # [B, n] topological
@@ -234,7 +234,7 @@ class EagleProposer:
         remap.scatter_(1, chosen, torch.arange(n, device=self.device).expand(b, n))
         par = all_parents.gather(1, chosen)
         par = torch.where(par >= 0, remap.gather(1, par.clamp(min=0)), par)
-        return all_tokens.gather(1, chosen), par
+        return all_tokens.gather(1, chosen), par, levels.gather(1, chosen)
 
     def _noise_rows(self, inp: ProposerInput) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
         """Each row's sampling key and temperature [B], and whether any row samples with shared noise."""

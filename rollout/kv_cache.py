@@ -117,8 +117,9 @@ def tree_mask(prefix_len: torch.Tensor, parents: torch.Tensor, span: int) -> tor
     """
     b, t = parents.shape
     # ancestor-or-self [B, T, T], closed by repeated squaring: ceil(log2(T)) batched products
-    eye = torch.eye(t, dtype=torch.bool, device=parents.device)
-    anc = eye | (parents[..., None] == torch.arange(t, device=parents.device))  # self and parent
+    anc = torch.eye(t, dtype=torch.bool, device=parents.device).expand(b, t, t)
+    if t > 1:  # a plain step's tree is its root alone
+        anc = anc | (parents[..., None] == torch.arange(t, device=parents.device))  # self and parent
     for _ in range(max(t - 1, 0).bit_length()):
         anc = torch.bmm(anc.float(), anc.float()) > 0
     kpos = torch.arange(span, device=parents.device)[None, None]

@@ -44,6 +44,11 @@ class RowState:
     def commit(self, committed: torch.Tensor, count: torch.Tensor) -> None:
         """Append each row's first ``count`` of ``committed`` [B, D + 1] (count: [B] >= 1), on the device."""
         d1 = committed.shape[1]
+        if d1 == 1:  # a plain step: one token per row
+            self.tokens.scatter_(1, self.lens[:, None], committed)
+            self.last = committed[:, 0]
+            self.lens = self.lens + 1
+            return
         pos = (self.lens[:, None] + torch.arange(d1, device=self.device)).clamp(max=self.tokens.shape[1] - 1)
         keep = torch.arange(d1, device=self.device) < count[:, None]  # [B, D + 1]
         self.tokens.scatter_(1, pos, torch.where(keep, committed, self.tokens.gather(1, pos)))

@@ -48,27 +48,30 @@ def stop_table(stop_ids: list[tuple[int, ...]], device: torch.device | str) -> t
 
 
 def walk(draws: torch.Tensor, tree: DraftTree, stops: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The acceptance walk, ``depth`` batched steps on the device.
+    """The acceptance walk: a next-row table built in one batched pass, then ``depth`` gathers.
 
     draws: [B, 1 + N] the target's draw at the root (0) and at each node (1 + j); stops: [B, K]
     stop ids (-1 padding); depth: a bound on the tree's depth (a deeper path is cut there, which
     only commits fewer tokens). Returns path [B, depth] (accepted node per depth, -1 past the last)
     and visit [B, depth + 1] (the logits row of each committed draw; repeats past the bonus)."""
     b, n = tree.tokens.shape
-    parents = torch.where(tree.valid, tree.parents + 1, -1)  # [B, N] parent's logits row (root = 0)
     cur = torch.zeros(b, 1, dtype=torch.long, device=draws.device)  # [B, 1] logits row of the current node
-    alive = torch.ones(b, 1, dtype=torch.bool, device=draws.device)
+    if depth == 0 or n == 0:
+        return torch.zeros(b, 0, dtype=torch.long, device=draws.device), cur
+    parents = torch.where(tree.valid, tree.parents + 1, -1)  # [B, N] parent's logits row (root = 0)
+    at = torch.arange(1 + n, device=draws.device)
+    # [B, 1 + N, N]: node j is a child of logits row i and drafts the draw made at row i
+    match = (parents[:, None, :] == at[None, :, None]) & (tree.tokens[:, None, :] == draws[:, :, None])
+    stop = (draws[..., None] == stops[:, None, :]).any(-1)  # [B, 1 + N] the draw there is a stop token
+    # the logits row the walk moves to from each row: the first matching child's; -1 ends the walk
+    nxt = torch.where(match.any(-1) & ~stop, match.long().argmax(-1) + 1, -1)
     path, visit = [], [cur]
     for _ in range(depth):
-        y = draws.gather(1, cur)  # [B, 1]
-        match = (parents == cur) & (tree.tokens == y)  # [B, N] children of cur drafting y
-        alive = alive & match.any(1, keepdim=True) & ~(stops == y).any(1, keepdim=True)
-        node = match.long().argmax(1, keepdim=True)  # the first matching node
-        path.append(torch.where(alive, node, -1))
-        cur = torch.where(alive, node + 1, cur)
+        step = nxt.gather(1, cur)  # [B, 1]; an ended walk stays where it ended (its row's entry is -1)
+        path.append(torch.where(step >= 0, step - 1, -1))
+        cur = torch.where(step >= 0, step, cur)
         visit.append(cur)
-    path_t = torch.cat(path, 1) if path else torch.zeros(b, 0, dtype=torch.long, device=draws.device)
-    return path_t, torch.cat(visit, 1)
+    return torch.cat(path, 1), torch.cat(visit, 1)
 
 
 def verify_on_device(logits: torch.Tensor, tree: DraftTree, sampling: RowSampling, positions: torch.Tensor,
@@ -78,10 +81,13 @@ def verify_on_device(logits: torch.Tensor, tree: DraftTree, sampling: RowSamplin
     committed tokens, their log-probs, the path), path [B, D], committed [B, D + 1], count [B]."""
     draws, lp = sample(logits, sampling, positions)  # [B, 1 + N] each
     path, visit = walk(draws, tree, stops, depth)
-    count = (path >= 0).sum(1) + 1  # [B]
-    committed = draws.gather(1, visit)  # [B, D + 1]
+    if depth == 0 or tree.num_nodes == 0:  # a plain step (or nothing to walk): the root's draw
+        count, committed, clp = torch.ones_like(draws[:, 0]), draws[:, :1], lp[:, :1]
+    else:
+        count = (path >= 0).sum(1) + 1  # [B]
+        committed, clp = draws.gather(1, visit), lp.gather(1, visit)  # [B, D + 1]
     packed = torch.cat([count[:, None].double(), tree.valid.sum(1, keepdim=True).double(), committed.double(),
-                        lp.gather(1, visit).double(), path.double()], 1)
+                        clp.double(), path.double()], 1)
     return {"packed": packed, "path": path, "committed": committed, "count": count}
 
 
