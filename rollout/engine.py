@@ -173,7 +173,8 @@ class RolloutEngine:
         if seeds is not None and len(seeds) != n:
             raise ValueError("seeds must have one entry per prompt")
         seeds = list(seeds) if seeds is not None else [self.cfg.seed * 1_000_003 + i for i in range(n)]
-        sampling = RowSampling.build(plist, seeds, self.device)  # by request id
+        with intended_sync(self.device):  # the requests' sampling settings: uploaded once
+            sampling = RowSampling.build(plist, seeds, self.device)  # by request id
         stops = [p.stop_ids for p in plist]
         rows = list(range(n))  # running request id per cache row
         seqs = [list(map(int, p)) for p in prompts]  # prompt + committed tokens (the last one's KV is pending)
