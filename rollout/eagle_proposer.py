@@ -114,9 +114,14 @@ class EagleProposer:
         self._catch_up.stop()
         keys, temp, sampled = self._noise_rows(inp)
         base, base_max, k = self._seen[:b], max(self.seen[r] for r in self.rows), arm.topk
-        tokens, parents, depth = self._draft(root, base, self._floor[:b], keys, temp, sampled, arm,
-                                             lambda e: base_max + e + k)  # the largest slot + 1, known on the host
-        return DraftTree(tokens, parents, torch.ones_like(tokens, dtype=torch.bool), depth)
+        tokens, parents, depth, valid = self._draft(root, base, self._floor[:b], keys, temp, sampled, arm,
+                                                    lambda e: base_max + e + k)  # the largest slot + 1, on the host
+        return DraftTree(tokens, parents, valid, depth)
+
+    def close(self) -> None:
+        """Drop the captured draft graphs and give their memory back (the proposer is being replaced)."""
+        if self.pool is not None:
+            self.pool.close()
 
     # ---------------------------------------------------------------- static shapes
     def _propose_static(self, inp: ProposerInput, arm: Arm, window: int, padded: int) -> DraftTree:
@@ -149,8 +154,8 @@ class EagleProposer:
                 self.capture_s += time.perf_counter() - t0
             out = self.pool.replay(key, **x)
             self.replays += 1
-        tokens, parents, depth = (out[name][:b].clone() for name in ("tokens", "parents", "depth"))
-        return DraftTree(tokens, parents, torch.ones_like(tokens, dtype=torch.bool), depth)
+        tokens, parents, depth, valid = (out[name][:b].clone() for name in ("tokens", "parents", "depth", "valid"))
+        return DraftTree(tokens, parents, valid, depth)
 
     def loop_graph_step(self, key: DraftLoopGraphKey, features: torch.Tensor):
         """Static input buffers for ``key`` and the function a :class:`CudaGraphPool` captures:
@@ -173,16 +178,16 @@ class EagleProposer:
         c, span = x["lens"].shape[0], self.cache.max_len
         end = x["lens"] - 1  # [C] pairs available: positions < end
         root = self._catch_up_device(end, x["tokens"], feats, c, window, span)
-        tokens, parents, depth = self._draft(root, self._seen[:c], self._floor[:c], x["keys"], x["temp"], sampled,
-                                             arm, lambda e: span)
-        return {"tokens": tokens, "parents": parents, "depth": depth}
+        tokens, parents, depth, valid = self._draft(root, self._seen[:c], self._floor[:c], x["keys"], x["temp"],
+                                                    sampled, arm, lambda e: span)
+        return {"tokens": tokens, "parents": parents, "depth": depth, "valid": valid}
 
     # ---------------------------------------------------------------- drafting
     def _draft(self, root: torch.Tensor, base: torch.Tensor, floor: torch.Tensor, keys: torch.Tensor | None,
                temp: torch.Tensor | None, sampled: bool, arm: Arm, span_of) -> tuple[torch.Tensor, ...]:
         """EAGLE-2 levels from root [B, H] (the last pair's output; base [B] its position, floor [B]
-        the lowest visible slot): tokens, parents and depths [B, n] of the chosen tree, topologically
-        ordered. span_of(e): the attention span of a level after e tree slots."""
+        the lowest visible slot): tokens, parents, depths and validity [B, n] of the chosen tree,
+        topologically ordered. span_of(e): the attention span of a level after e tree slots."""
         b, k, d = root.shape[0], arm.topk, self.drafter
         scores_at = self._scorer(keys, temp, sampled, base, arm.depth)
         logp = scores_at(d.logits(root)[:, None], 0)[:, 0]  # [B, Vd]
@@ -227,14 +232,19 @@ class EagleProposer:
         all_scores = torch.cat(scores, 1)  # [B, C]
         levels = torch.cat([torch.full_like(s, i, dtype=torch.long) for i, s in enumerate(scores)], 1)  # [B, C]
         n = min(arm.tokens_to_verify, all_scores.shape[1])
-        # Scores never increase along a path; the tiny level penalty keeps ancestors first on ties.
-        chosen = (all_scores - 1e-6 * levels).topk(n, -1).indices.sort(-1).values  # [B, n] topological
+        # Scores never increase along a path; the level penalty, exact in float64 whatever the
+        # scores' size, ranks every ancestor strictly above its descendants: the chosen set holds
+        # each chosen node's parent.
+        key = all_scores.double() - 1e-6 * levels
+        chosen = key.topk(n, -1).indices.sort(-1).values  # [B, n] topological
         all_tokens, all_parents = torch.cat(tokens, 1), torch.cat(parents, 1)
         remap = torch.full_like(all_scores, -1, dtype=torch.long)
         remap.scatter_(1, chosen, torch.arange(n, device=self.device).expand(b, n))
         par = all_parents.gather(1, chosen)
         par = torch.where(par >= 0, remap.gather(1, par.clamp(min=0)), par)
-        return all_tokens.gather(1, chosen), par, levels.gather(1, chosen)
+        depth = levels.gather(1, chosen)
+        # a guard: a node below level 0 without its parent would sit at the wrong position
+        return all_tokens.gather(1, chosen), par, depth, (par >= 0) | (depth == 0)
 
     def _noise_rows(self, inp: ProposerInput) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
         """Each row's sampling key and temperature [B], and whether any row samples with shared noise."""

@@ -249,9 +249,13 @@ class RolloutEngine:
             # the step's graphs produce the old features (a first EAGLE drafter reads the hidden state):
             # a new static step captures again on first use (capture time is no arm's cost)
             capture_s = self.static_step.capture_s
+            self.static_step.close()
             self.static_step = self._new_static_step()
             self.static_step.capture_s = capture_s
             log.info("engine: the proposers read other target features: its graphs are captured again")
+        for p in old[0].values():  # replaced proposers give their graphs' memory back now, not at a GC pass
+            if all(p is not q for q in self.proposers.values()) and hasattr(p, "close"):
+                p.close()
 
     def _check_arms(self) -> None:
         """Every arm this engine may run fits its KV slots and names one of its proposers."""

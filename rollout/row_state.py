@@ -46,7 +46,7 @@ class RowState:
         d1 = committed.shape[1]
         if d1 == 1:  # a plain step: one token per row
             self.tokens.scatter_(1, self.lens[:, None], committed)
-            self.last = committed[:, 0]
+            self.last = committed[:, 0].clone()  # not a view of a graph's static output
             self.lens = self.lens + 1
             return
         pos = (self.lens[:, None] + torch.arange(d1, device=self.device)).clamp(max=self.tokens.shape[1] - 1)

@@ -99,6 +99,11 @@ class StaticTargetStep:
         self.replays += 1
         return read_verdict(out, b)
 
+    def close(self) -> None:
+        """Drop the captured graphs and give their memory back (the step is being replaced)."""
+        if self.pool is not None:
+            self.pool.close()
+
     def _inputs(self, ids, pos, slots, mask, tree: DraftTree, s: RowSampling, stops, *, pad_rows: int = 0,
                 pad_stops: int = 0) -> dict[str, torch.Tensor]:
         """The step's tensors by name, with ``pad_rows`` padding rows (free cache rows: scratch

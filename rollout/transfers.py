@@ -8,10 +8,12 @@ would on CUDA (where each of these makes the host wait or copies over PCIe):
   by ``.cpu()``, or from host tensors only; every other tensor is a device tensor (made before the
   block, with ``device=``, or from a device tensor);
 * **read** (device -> host): ``item``, ``tolist``, ``bool``, ``int``, ``float``, ``__index__``,
-  ``numpy`` or ``cpu()`` of a device tensor, and ``.to(cpu, copy=True)`` of one (or any ``.to`` a CPU
-  target when the counter's device is not the CPU);
+  ``numpy`` or ``cpu()`` of a device tensor, ``.to(cpu, copy=True)`` of one (or any ``.to`` a CPU
+  target when the counter's device is not the CPU), a data-dependent shape (``nonzero``,
+  ``masked_select``, ``unique``, indexing with a boolean tensor) or ``equal`` / ``allclose``;
 * **upload** (host -> device): ``torch.tensor`` / ``as_tensor`` / ``asarray`` of Python data with a
-  ``device=`` argument, ``.to(device)`` or ``.cuda()`` of a host tensor;
+  ``device=`` argument, ``new_tensor`` of a device tensor, ``.to(device)`` or ``.cuda()`` of a host
+  tensor;
 * **mixed**: any other call given a device tensor and a host tensor of one or more dimensions
   (indexing a device tensor with a host index, ``copy_`` from the host; a 0-dim host tensor
   passes as a scalar), or a device tensor indexed
@@ -40,7 +42,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 _T = torch.Tensor
-_READS = {_T.item, _T.tolist, _T.__bool__, _T.__int__, _T.__float__, _T.__index__, _T.numpy, _T.cpu}
+_READS = {_T.item, _T.tolist, _T.__bool__, _T.__int__, _T.__float__, _T.__index__, _T.numpy, _T.cpu,
+          # a result whose shape or value the host needs: the host waits for the device
+          torch.nonzero, _T.nonzero, torch.masked_select, _T.masked_select, torch.unique, _T.unique,
+          torch.equal, _T.equal, torch.allclose, _T.allclose}
 _FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _MARK = "_tlt_host"
@@ -108,6 +113,15 @@ class _Mode(TorchFunctionMode):
             if func is _T.cpu:
                 return _mark(out.view_as(out) if out is args[0] else out, True)
             return out
+        if func is _T.new_tensor:
+            if not _is_host(args[0]) and kwargs.get("device") is None:
+                self.count.add("uploads")
+            return out
+        if func is _T.__getitem__ and dev_in and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                for i in (args[1] if isinstance(args[1], tuple) else (args[1],))):
+            self.count.add("reads")  # a boolean mask: the result's size is read on the host
+            return out
         if func in _FROM_DATA:
             if kwargs.get("device") is None:
                 return _mark(out, True) if not dev_in else out
@@ -135,7 +149,7 @@ class _Mode(TorchFunctionMode):
             self.count.add("mixed")
         if not tensors:  # a factory: host unless it names a device
             return _mark(out, True) if kwargs.get("device") is None else out
-        if not dev_in:  # from host tensors only
+        if not dev_in and kwargs.get("device") is None:  # from host tensors only, and stays there
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and not any(t is s for s in tensors):
                     _mark(t, True)

@@ -42,6 +42,12 @@ def test_the_counter_tells_host_from_device_tensors():
         dev[on_dev].cpu()
         dev.to("cpu", copy=True)
         assert c.reads == 3
+        dev[dev > 0]  # a boolean mask: its size is read
+        dev.nonzero()
+        dev.new_tensor([1.0, 2.0])
+        made = torch.zeros_like(host, device=dev.device)  # named device: a device tensor
+        _ = dev[:3] + made
+        assert (c.reads, c.uploads, c.mixed) == (5, 3, 2)
     assert set(c.sites) and all(site.split(":")[0] == "test_transfers.py" for site in c.sites)
 
 
