@@ -81,14 +81,10 @@ class _SlowLoopPool:
 
 
 def test_draft_loop_capture_time_stays_out_of_tuner_rewards():
-    from tlt.drafter.eagle import Drafter, DrafterConfig
     from tlt.rollout.eagle_proposer import EagleProposer
+    from tests.rollout.test_transfers import _models
 
-    torch.manual_seed(0)
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    model = TargetModel(cfg).eval()
-    drafter = Drafter(DrafterConfig.for_target(cfg), model.embed_weight, model.lm_head.weight).eval()
+    model, drafter = _models()
     prop = EagleProposer(drafter, max_batch=2, max_len=128, static_shapes=True)
     prop.pool = _SlowLoopPool(lambda key: prop.loop_graph_step(key, prop._features))
     tuner = BegMab(TunerConfig.for_device("cpu", seed=0))
