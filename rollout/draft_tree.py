@@ -9,6 +9,7 @@ drafters and the model-free n-gram drafter. Proposers only propose; the verifier
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Protocol, Sequence
 
 import torch
@@ -113,6 +114,11 @@ def tree_depths(parents: torch.Tensor) -> torch.Tensor:
     return dist - 1
 
 
+def request_ids(tokens: Mapping[int, Sequence[int]] | Sequence[Sequence[int]]) -> Iterable[int]:
+    """The request ids of :attr:`ProposerInput.tokens` (a mapping's keys, a sequence's indices)."""
+    return tokens.keys() if isinstance(tokens, Mapping) else range(len(tokens))
+
+
 @dataclasses.dataclass(frozen=True)
 class ProposerInput:
     """Everything a proposer receives, once per speculative step (flat, as in vLLM v1's proposers).
@@ -120,20 +126,24 @@ class ProposerInput:
     The engine hands over references, never copies: nothing is fed to a proposer while speculation
     is off, so an attached proposer adds no per-step work to plain decoding; on its next proposal
     it catches up from these (tokens and features committed since its last call). Requests are
-    indexed by request id ``r`` (0..n-1 within one ``generate`` call); cache rows by ``i``.
+    indexed by request id ``r`` (unique within a generation; the engine's ids keep growing), cache
+    rows by ``i``.
     """
 
-    generation: int  # one value per engine ``generate`` call: a new value means all-new requests
+    generation: int  # a new value means all-new requests (the engine went idle in between)
     rows: tuple[int, ...]  # request id in each running cache row, in the engine's row order
-    tokens: Sequence[Sequence[int]]  # per request id (finished ones too): prompt + committed tokens
-    prompt_lens: Sequence[int]  # per request id
-    groups: Sequence[int]  # per request id: GRPO group (requests sampled from one prompt)
+    # per request id (the generation's finished ones too): prompt + committed tokens; a mapping,
+    # or a sequence indexed 0..n-1
+    tokens: Mapping[int, Sequence[int]] | Sequence[Sequence[int]]
+    prompt_lens: Mapping[int, int] | Sequence[int]  # per request id
+    groups: Mapping[int, Hashable] | Sequence[Hashable]  # per request id: GRPO group key
     # [max_batch, S, F] target features by cache row i and position t, the feature that predicted
     # token t + 1; valid for t < len(tokens[rows[i]]) - 1. None for model-free proposers.
     features: torch.Tensor | None
     arm: Arm
-    # per request id: seed keys and temperatures of coupled sampling (rollout.sampling); a proposer
-    # may draft argmax(log q + G) with the target's own noise. None: draft deterministically.
+    # per running row, in row order: seed keys and temperatures of coupled sampling
+    # (rollout.sampling); a proposer may draft argmax(log q + G) with the target's own noise.
+    # None: draft deterministically.
     sampling: RowSampling | None = None
     # the running rows' state on the device, in row order (lengths, committed tokens, sampling):
     # what a proposer indexes with, instead of uploading host lists. None: outside an engine.
@@ -150,9 +160,13 @@ class Proposer(Protocol):
 
     ``feature_layers`` says which target features the proposer reads: ``None`` for none (model-free,
     ``ProposerInput.features`` is None), ``()`` for the post-norm last hidden state (EAGLE), or the
-    target layers whose inputs are concatenated (EAGLE-3). Rows of a generation only ever leave
-    (finished requests, swap-removed by :func:`tlt.rollout.kv_cache.swap_remove`); a proposer with
-    per-row state maps its old rows to ``ProposerInput.rows`` by request id.
+    target layers whose inputs are concatenated (EAGLE-3).
+
+    Rows follow the requests: between two proposals requests may leave (finished, aborted or moved
+    away: swap-removed by :func:`tlt.rollout.kv_cache.swap_remove`) and join (appended after the
+    running rows, possibly with tokens they made elsewhere). A proposer with per-row state maps its
+    old rows to ``ProposerInput.rows`` by request id, and starts a request id it has not seen from
+    the request's tokens (all of them are in ``tokens``; their features in ``features``).
     """
 
     feature_layers: tuple[int, ...] | None

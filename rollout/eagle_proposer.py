@@ -55,9 +55,12 @@ log = logging.getLogger(__name__)
 
 class EagleProposer:
     def __init__(self, drafter: Drafter, *, max_batch: int, max_len: int, catch_up_window: int = 16,
-                 shared_noise: bool = True, static_shapes: bool | None = None, cuda_graphs: bool = True) -> None:
+                 start_window: int | None = 16, shared_noise: bool = True, static_shapes: bool | None = None,
+                 cuda_graphs: bool = True) -> None:
         if catch_up_window < 1:
             raise ValueError(f"catch_up_window={catch_up_window} must be >= 1")
+        if start_window is not None and start_window < 1:
+            raise ValueError(f"start_window={start_window} must be None (the whole request) or >= 1")
         cfg = drafter.config.layer
         self.drafter = drafter.eval()
         self.device = drafter.embed_weight.device
@@ -71,10 +74,14 @@ class EagleProposer:
         self.rows: list[int] = []  # request id per drafter cache row
         self.seen: dict[int, int] = {}  # pairs up to this position went through the drafter cache
         self.floor: dict[int, int] = {}  # positions below were skipped (never visible to the drafter)
-        # [2, rows] the same by row: seen, floor (rows along dim 1, as in the cache: one compaction)
-        self._pos = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)
-        self._seen, self._floor = self._pos[0], self._pos[1]  # views
+        # [3, rows] the same by row: seen, floor, and the window of the next catch-up (rows along
+        # dim 1, as in the cache: one compaction)
+        self._pos = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)
+        self._seen, self._floor, self._window = self._pos[0], self._pos[1], self._pos[2]  # views
         self.catch_up_window = catch_up_window
+        # a request's first catch-up (the drafter's prefill of it): None = every pair it has
+        self.start_window = start_window if start_window is not None else max_len
+        self._starting: set[int] = set()  # requests whose first catch-up is next
         self.pairs_processed = 0  # total catch-up work, for tests and metrics
         self._catch_up = Span(self.device)  # the last proposal's catch-up (CUDA events on CUDA)
         self.static = static_shapes if static_shapes is not None else self.device.type == "cuda"
@@ -251,10 +258,7 @@ class EagleProposer:
         s = inp.sampling if self.shared_noise else None
         if s is None or not s.sampled:
             return None, None, False
-        if inp.state is not None:  # the engine's rows, in this order
-            return inp.state.sampling.keys, inp.state.sampling.temperature, True
-        rows = torch.tensor(self.rows, device=self.device)
-        return s.keys[rows], s.temperature[rows], True
+        return s.keys, s.temperature, True  # per running row
 
     def _scorer(self, keys: torch.Tensor | None, temp: torch.Tensor | None, sampled: bool, base: torch.Tensor,
                 depth: int):
@@ -278,21 +282,29 @@ class EagleProposer:
     # ---------------------------------------------------------------- rows and catch-up
     def _follow_rows(self, inp: ProposerInput) -> None:
         """Bring the drafter cache rows into the engine's order: a new generation starts empty;
-        otherwise rows of finished requests are dropped by one compaction."""
+        rows of requests that left are dropped and rows for joining requests taken from the free
+        ones, by one compaction; a joining request starts with nothing seen (its first catch-up is
+        the drafter's prefill of it, up to ``start_window`` pairs)."""
         if inp.generation != self.generation:
-            self.generation, self.rows = inp.generation, list(inp.rows)
-            self.seen, self.floor = dict.fromkeys(inp.rows, 0), dict.fromkeys(inp.rows, 0)
-            self._pos.zero_()
-            return
+            self.generation, self.rows, self.seen, self.floor = inp.generation, [], {}, {}
+            self._starting.clear()
         if list(inp.rows) == self.rows:
             return
         where = {r: i for i, r in enumerate(self.rows)}
-        keep = [where[r] for r in inp.rows]  # KeyError = a request that was never started
-        with intended_sync(self.device):  # leaving requests
-            compact_rows((self.cache.k, self.cache.v, self._pos), keep, dim=1)  # one index upload
+        taken = {where[r] for r in inp.rows if r in where}
+        free = iter(i for i in range(self.cache.k.shape[1]) if i not in taken)
+        keep = [where[r] if r in where else next(free) for r in inp.rows]
+        new = [i for i, r in enumerate(inp.rows) if r not in where]
+        with intended_sync(self.device):  # requests leaving and joining: index uploads
+            compact_rows((self.cache.k, self.cache.v, self._pos), keep, dim=1)
+            if new:
+                at = torch.tensor(new, device=self.device)
+                self._pos[:2, at] = 0
+                self._pos[2, at] = self.start_window
         self.rows = list(inp.rows)
-        self.seen = {r: self.seen[r] for r in self.rows}
-        self.floor = {r: self.floor[r] for r in self.rows}
+        self.seen = {r: self.seen.get(r, 0) for r in self.rows}
+        self.floor = {r: self.floor.get(r, 0) for r in self.rows}
+        self._starting.update(self.rows[i] for i in new)
 
     @property
     def catch_up_s(self) -> float:
@@ -303,11 +315,12 @@ class EagleProposer:
         """The catch-up rule on the host copies (what sizes the shapes): a backlog beyond the window
         is skipped, not computed. Returns each row's end (pairs at positions < end exist) and the
         pairs it runs now; marks them seen."""
-        w = self.catch_up_window
         ends = [len(inp.tokens[r]) - 1 for r in self.rows]
         for r, e in zip(self.rows, ends):
+            w = self.start_window if r in self._starting else self.catch_up_window
             if e - self.seen[r] > w:
                 self.seen[r] = self.floor[r] = e - w
+        self._starting.clear()
         lens_host = [e - self.seen[r] for r, e in zip(self.rows, ends)]
         assert min(lens_host) > 0, "every running request committed a token since its last proposal"
         for r, e in zip(self.rows, ends):
@@ -335,10 +348,11 @@ class EagleProposer:
         """The catch-up rule on the device copies and the pairs' tokens gathered on the device.
         end: [C] pairs at positions < end exist; tok: [C, T] committed tokens by position; m: the
         longest backlog after the skip (pairs per row); span: attention span (>= the largest end)."""
-        w = self.catch_up_window
+        w = self._window[:c]
         skip = end - self._seen[:c] > w
         self._seen[:c] = torch.where(skip, end - w, self._seen[:c])
         self._floor[:c] = torch.where(skip, end - w, self._floor[:c])
+        self._window[:c] = self.catch_up_window  # a joining request's first catch-up is done
         lens = end - self._seen[:c]  # [C]
         at = torch.arange(m, device=self.device)
         ids = tok.gather(1, (self._seen[:c, None] + 1 + at).clamp(0, tok.shape[1] - 1))  # [C, m]

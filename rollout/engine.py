@@ -32,9 +32,11 @@ the drafter's training data from the policy that is rolling out.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Hashable
 from typing import Protocol, Sequence
 
 import torch
@@ -43,6 +45,7 @@ from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, GraphPlanConfig
 from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, swap_remove, to_additive, tree_mask
+from tlt.rollout.request import Finished, RequestState
 from tlt.rollout.row_state import RowState
 from tlt.rollout.sampling import RowSampling, sample
 from tlt.rollout.static_step import StaticTargetStep
@@ -124,6 +127,21 @@ class RolloutResult:
         return sum(len(o) for o in self.outputs)
 
 
+@dataclasses.dataclass
+class _Live:
+    """A request of the engine's current generation (host side)."""
+
+    state: RequestState  # as it joined
+    seq: list[int]  # prompt + tokens so far (the last one pending while it runs)
+    logprobs: list[float]  # one per output token
+    handed_over: int  # output tokens whose features a sink received
+
+    def state_now(self) -> RequestState:
+        plen = len(self.state.prompt)
+        return dataclasses.replace(self.state, output=tuple(self.seq[plen:]), logprobs=tuple(self.logprobs),
+                                   handed_over=self.handed_over)
+
+
 class RolloutEngine:
     def __init__(self, target: TargetModel, cfg: EngineConfig = EngineConfig(), *,
                  proposer: Proposer | None = None, tuner: Tuner | None = None,
@@ -142,7 +160,19 @@ class RolloutEngine:
                                    cfg.max_len + cfg.max_draft_tokens, mc.head_dim, dtype=target.embed_weight.dtype,
                                    device=self.device)
         self._features_buf: torch.Tensor | None = None  # [max_batch, slots, F], allocated on first use
-        self._generation = 0
+        self._generation = 0  # bumped when requests arrive at an idle engine (proposers start over)
+        self._next_rid = 0
+        self._queue: list[tuple[int, RequestState]] = []  # waiting for a row, in arrival order
+        self._rows: list[int] = []  # request id per running cache row
+        self._state: RowState | None = None  # the running rows' device state
+        # this generation's requests (running, and finished ones: the proposers' siblings), by id
+        self._reqs: dict[int, _Live] = {}
+        self._seqs: dict[int, list[int]] = {}  # prompt + committed tokens (the last one's KV is pending)
+        self._plens: dict[int, int] = {}
+        self._groups: dict[int, Hashable] = {}
+        self.steps: list[StepRecord] = []  # every step this engine ran
+        self._accept: list[list[int]] = []  # per step: committed tokens per request (speculative steps)
+        self.lifecycle: collections.Counter[str] = collections.Counter()  # joined, left, aborted requests
         static = cfg.static_shapes if cfg.static_shapes is not None else self.device.type == "cuda"
         self.static_step: StaticTargetStep | None = self._new_static_step() if static else None
 
@@ -153,9 +183,10 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                 groups: Sequence[int] | None = None, seeds: Sequence[int] | None = None) -> RolloutResult:
+                 groups: Sequence[Hashable] | None = None, seeds: Sequence[int] | None = None) -> RolloutResult:
         """Responses for ``prompts`` (GRPO ``groups``: requests sharing a prompt group id; ``seeds``:
-        one sampling seed per request, default ``cfg.seed * 1_000_003 + index``)."""
+        one sampling seed per request, default ``cfg.seed * 1_000_003 + index``): :meth:`add` them
+        to an idle engine and :meth:`step` until they all finished."""
         n = len(prompts)
         if n == 0 or n > self.cfg.max_batch:
             raise ValueError(f"need 1..{self.cfg.max_batch} prompts (EngineConfig.max_batch), got {n}")
@@ -163,62 +194,159 @@ class RolloutEngine:
         groups = list(groups) if groups is not None else list(range(n))
         if len(plist) != n or len(groups) != n:
             raise ValueError("params and groups must have one entry per prompt")
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) + sp.max_new_tokens + 1 > self.cfg.max_len:
-                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {sp.max_new_tokens} exceed "
-                                 f"EngineConfig.max_len={self.cfg.max_len}")
-        t_start = time.perf_counter()
         if seeds is not None and len(seeds) != n:
             raise ValueError("seeds must have one entry per prompt")
+        if self.active:
+            raise RuntimeError(f"generate needs an idle engine: {self.running} requests run, {len(self._queue)} "
+                               "wait (step them, or abort them)")
         seeds = list(seeds) if seeds is not None else [self.cfg.seed * 1_000_003 + i for i in range(n)]
-        with intended_sync(self.device):  # the requests' sampling settings: uploaded once
-            sampling = RowSampling.build(plist, seeds, self.device)  # by request id
-        stops = [p.stop_ids for p in plist]
-        rows = list(range(n))  # running request id per cache row
-        seqs = [list(map(int, p)) for p in prompts]  # prompt + committed tokens (the last one's KV is pending)
-        plens = [len(p) for p in prompts]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        self._generation += 1
-        self._last_proposer = None
-        with intended_sync(self.device):  # prefill: uploads the prompts, reads the first tokens
-            first, first_lp, state = self._prefill(prompts, sampling, stops)
-        steps: list[StepRecord] = []
-        accept_lengths: list[int] = []
-        last = [[t] for t in first]
-        last_lp = [[x] for x in first_lp]
-        while rows:
-            # Commit what the last step produced; retire finished requests.
-            gone: set[int] = set()
-            for k, r in enumerate(rows):
-                p, seq = plist[r], seqs[r]
-                for tok, lp in zip(last[k], last_lp[k]):
-                    seq.append(tok)
-                    logprobs[r].append(lp)
-                    if tok in p.stop_ids or len(seq) - plens[r] >= p.max_new_tokens:
-                        gone.add(k)
-                        break
-            keep = swap_remove(len(rows), gone)
-            if gone:  # leaving requests: their features out, index uploads for the state, cache, features
-                with intended_sync(self.device):
-                    if self.sink is not None:
-                        self._hand_over(rows, gone, seqs, plens)
-                    if len(keep):
-                        self.cache.compact_rows(keep)
-                        if self._features_buf is not None:
-                            compact_rows((self._features_buf,), keep)
-                        state = state.select(torch.tensor(keep, device=self.device))
-            rows = [rows[k] for k in keep]
-            if not rows:
-                break
-            inp = ProposerInput(self._generation, tuple(rows), seqs, plens, groups, None, Arm.off(), sampling,
-                                state)
-            last, last_lp, rec, acc = self._step(inp)
-            steps.append(rec)
-            accept_lengths += acc
-        outputs = [seq[plen:] for seq, plen in zip(seqs, plens)]
-        return RolloutResult(outputs, steps, accept_lengths, time.perf_counter() - t_start, logprobs)
+        t_start = time.perf_counter()
+        rids = self.add([RequestState(tuple(p), sp, sd, g) for p, sp, sd, g in zip(prompts, plist, seeds, groups)])
+        first = len(self.steps)
+        done: dict[int, Finished] = {}
+        while len(done) < n:
+            done.update((f.rid, f) for f in self.step())
+        outs = [done[r].state for r in rids]
+        return RolloutResult([list(o.output) for o in outs], self.steps[first:], self.accept_lengths_since(first),
+                             time.perf_counter() - t_start, [list(o.logprobs) for o in outs])
+
+    # ------------------------------------------------------------------ request lifecycle
+    def add(self, requests: Sequence[RequestState]) -> list[int]:
+        """Queue requests; the next :meth:`step` prefills them into free KV rows (the running ones
+        wait for that prefill, then decode with them), and later ones as rows free up. A request with
+        tokens so far goes on from them (prefilled over prompt + tokens, same seed: token-identical
+        to never having stopped). Returns their ids, in order. All are checked before any is queued."""
+        for i, st in enumerate(requests):
+            if not isinstance(st, RequestState):
+                raise TypeError(f"request {i}: a RequestState, got {type(st).__name__}")
+            if st.done:
+                raise ValueError(f"request {i} already ended ({len(st.output)} of max_new_tokens="
+                                 f"{st.params.max_new_tokens} tokens, last {st.output[-1:]}): nothing to generate")
+            if len(st.prompt) + st.params.max_new_tokens + 1 > self.cfg.max_len:
+                raise ValueError(f"request {i}: {len(st.prompt)} prompt tokens + max_new_tokens "
+                                 f"{st.params.max_new_tokens} exceed EngineConfig.max_len={self.cfg.max_len}")
+        rids = list(range(self._next_rid, self._next_rid + len(requests)))
+        self._next_rid += len(requests)
+        self._queue.extend(zip(rids, requests))
+        return rids
+
+    @property
+    def running(self) -> int:
+        """Requests decoding now (one KV row each)."""
+        return len(self._rows)
+
+    @property
+    def active(self) -> bool:
+        """Requests run or wait for a row."""
+        return bool(self._rows or self._queue)
+
+    @torch.no_grad()
+    def step(self) -> list[Finished]:
+        """Admit waiting requests into free rows (one prefill), run one step over the running ones,
+        and return the requests that finished (a stop token, or their budget)."""
+        out: list[Finished] = []
+        self._admit(out)
+        if self._rows:
+            inp = ProposerInput(self._generation, tuple(self._rows), self._seqs, self._plens, self._groups, None,
+                                Arm.off(), self._state.sampling, self._state)
+            tokens, lps, rec, acc = self._step(inp)
+            self.steps.append(rec)
+            self._accept.append(acc)
+            self._commit(tokens, lps, range(len(self._rows)), out)
+        return out
+
+    def leave(self, rids: Sequence[int]) -> list[Finished]:
+        """Running or waiting requests leave between steps, each with its state (reason ``left``):
+        :meth:`add` it here or to another engine and it goes on token for token."""
+        return self._remove(rids, "left")
+
+    def abort(self, rids: Sequence[int] | None = None) -> list[Finished]:
+        """Abort requests (None: every one, running or waiting) between steps: their KV rows are
+        freed and each returns its partial output (reason ``aborted``)."""
+        if rids is None:
+            rids = list(self._rows) + [r for r, _ in self._queue]
+        return self._remove(rids, "aborted")
+
+    def _remove(self, rids: Sequence[int], reason: str) -> list[Finished]:
+        rids = list(rids)
+        here = set(self._rows) | {r for r, _ in self._queue}
+        unknown = [r for r in rids if r not in here]
+        if unknown or len(set(rids)) != len(rids):
+            raise ValueError(f"requests {unknown or rids}: not running or waiting here, or given twice")
+        out = [Finished(r, st, reason) for r, st in self._queue if r in rids]
+        self._queue = [(r, st) for r, st in self._queue if r not in rids]
+        row = {r: k for k, r in enumerate(self._rows)}
+        self._retire({row[r]: reason for r in rids if r in row}, out)
+        self.lifecycle[reason] += len(rids)
+        return out
+
+    def accept_lengths_since(self, first: int) -> list[int]:
+        """Committed tokens per request per speculative step, over the steps from ``first`` on."""
+        return [a for acc in self._accept[first:] for a in acc]
+
+    # ------------------------------------------------------------------ internals: rows
+    def _admit(self, out: list[Finished]) -> None:
+        """Prefill waiting requests into the free rows after the running ones."""
+        free = self.cfg.max_batch - len(self._rows)
+        if not self._queue or free <= 0:
+            return
+        if not self._rows:  # an idle engine: a new generation (proposers start over)
+            self._generation += 1
+            self._last_proposer = None
+            self._reqs.clear()
+            self._seqs.clear()
+            self._plens.clear()
+            self._groups.clear()
+        batch, self._queue = self._queue[:free], self._queue[free:]
+        b0 = len(self._rows)
+        for rid, st in batch:
+            self._reqs[rid] = _Live(st, list(st.prompt) + list(st.output), list(st.logprobs), st.handed_over)
+            self._seqs[rid], self._plens[rid] = self._reqs[rid].seq, len(st.prompt)
+            self._groups[rid] = st.group if st.group is not None else ("request", self._generation, rid)
+        with intended_sync(self.device):  # prefill: uploads the requests, reads the first tokens
+            first, first_lp, state = self._prefill([self._reqs[rid] for rid, _ in batch], b0)
+        self._state = state if self._state is None or not self._rows else self._state.cat(state)
+        self._rows += [rid for rid, _ in batch]
+        self.lifecycle["joined"] += len(batch) if b0 else 0
+        fresh = [(k, [tok], [lp]) for k, (tok, lp, (_, st)) in enumerate(zip(first, first_lp, batch)) if not st.output]
+        self._commit([t for _, t, _ in fresh], [x for _, _, x in fresh], [b0 + k for k, _, _ in fresh], out)
+
+    def _commit(self, tokens: list[list[int]], lps: list[list[float]], rows: Sequence[int],
+                out: list[Finished]) -> None:
+        """Append committed tokens to the requests in ``rows`` (row indices); retire finished ones."""
+        gone: dict[int, str] = {}
+        for k, toks, lp in zip(rows, tokens, lps):
+            req = self._reqs[self._rows[k]]
+            p = req.state.params
+            for tok, x in zip(toks, lp):
+                req.seq.append(tok)
+                req.logprobs.append(x)
+                if tok in p.stop_ids:
+                    gone[k] = "stop"
+                    break
+                if len(req.seq) - len(req.state.prompt) >= p.max_new_tokens:
+                    gone[k] = "length"
+                    break
+        self._retire(gone, out)
+
+    def _retire(self, gone: dict[int, str], out: list[Finished]) -> None:
+        """Rows ``gone`` (row index -> reason) leave: features to the sink, rows compacted."""
+        if not gone:
+            return
+        keep = swap_remove(len(self._rows), set(gone))
+        with intended_sync(self.device):  # leaving requests: index uploads for the state, cache, features
+            for k in sorted(gone):
+                rid = self._rows[k]
+                req = self._reqs[rid]
+                if self.sink is not None:
+                    self._hand_over(k, req)
+                out.append(Finished(rid, req.state_now(), gone[k]))
+            if len(keep):
+                self.cache.compact_rows(keep)
+                if self._features_buf is not None:
+                    compact_rows((self._features_buf,), keep)
+                self._state = self._state.select(torch.tensor(keep, device=self.device))
+        self._rows = [self._rows[k] for k in keep]
 
     @property
     def proposer(self) -> Proposer | None:
@@ -274,37 +402,48 @@ class RolloutEngine:
                                  f"{sorted(self.proposers)}")
 
     # ------------------------------------------------------------------ internals
-    def _prefill(self, prompts, sampling: RowSampling, stops):
-        lens = torch.tensor([len(p) for p in prompts], device=self.device)
-        ids = right_pad(prompts, device=self.device)  # [B, T]
+    def _prefill(self, reqs: list["_Live"], row0: int) -> tuple[list[int], list[float], RowState]:
+        """Prefill joining requests into rows ``row0 ..``: each over its prompt, or over prompt +
+        tokens so far but the last (which is pending, as between two steps). Returns the pending
+        tokens (sampled for fresh requests) and their log-probs, and the rows' device state."""
+        ids_host = [r.seq[:-1] if r.state.output else r.seq for r in reqs]
+        lens = torch.tensor([len(x) for x in ids_host], device=self.device)
+        ids = right_pad(ids_host, device=self.device)  # [B, T]
         b, t = ids.shape
+        sampling = RowSampling.build([r.state.params for r in reqs], [r.state.seed for r in reqs], self.device)
+        pending = torch.tensor([r.seq[-1] if r.state.output else -1 for r in reqs], device=self.device)  # [B]
         pos = torch.arange(t, device=self.device).expand_as(ids)
         mask = to_additive(prefill_mask(lens, t, t=t))
-        out = self.target(ids, pos, CachedBackend(self.cache, pos, mask), capture=self._capture)
+        out = self.target(ids, pos, CachedBackend(self.cache, pos, mask, row0), capture=self._capture)
         last = out.logits[torch.arange(b, device=self.device), lens - 1][:, None]  # [B, 1, V]
-        tok, lp = sample(last, sampling, lens[:, None])  # the first token sits at position len(prompt)
+        tok, lp = sample(last, sampling, lens[:, None])  # a fresh request's first token sits at position len(prompt)
+        tok = torch.where(pending[:, None] >= 0, pending[:, None], tok)
         host = torch.cat([tok.double(), lp.double()], 1).tolist()  # one host read
-        state = RowState.start(ids, lens, tok[:, 0], stop_table(stops, self.device), sampling, self.cache.max_len)
-        # The pending first token's KV (and feature) is written by the next step, as its tree root.
+        state = RowState.start(ids, lens, tok[:, 0], stop_table([r.state.params.stop_ids for r in reqs], self.device),
+                               sampling, self.cache.max_len)
+        # The pending token's KV (and feature) is written by the next step, as its tree root.
         feats = self._features(out)
         if feats is not None:
             if self._features_buf is None or self._features_buf.shape[-1] != feats.shape[-1]:
+                if row0:  # cannot happen: what is captured only changes between generations
+                    raise RuntimeError("the feature layout changed while requests were running")
                 self._features_buf = torch.zeros(self.cfg.max_batch, self.cache.max_len, feats.shape[-1],
                                                  dtype=feats.dtype, device=self.device)
-            self._features_buf[:b, :t] = feats
+            self._features_buf[row0: row0 + b, :t] = feats
         return [int(r[0]) for r in host], [r[1] for r in host], state
 
-    def _hand_over(self, rows: list[int], gone: set[int], seqs, plens) -> None:
-        """Finished requests' tokens and features to the sink, before their rows are compacted away."""
+    def _hand_over(self, row: int, req: "_Live") -> None:
+        """A leaving request's tokens and the features of those not handed over yet, to the sink,
+        before its row is compacted away (the earlier ones go as context: never trained on twice)."""
+        n = len(req.seq) - 1  # the pending token was never fed forward: no feature
+        start = len(req.state.prompt) + req.handed_over
+        if n <= start:
+            return
         h = self.target.config.hidden_size
-        for k in sorted(gone):
-            r = rows[k]
-            n = len(seqs[r]) - 1  # the last token was never fed forward: no feature
-            if n <= plens[r]:
-                continue
-            feats = self._features_buf[k, :n].to("cpu", copy=True)  # [n, H (+ A*H)]
-            aux = feats[:, h:].contiguous() if self.sink.aux_layers else None
-            self.sink.add(seqs[r][:n], plens[r], feats[:, :h].contiguous(), aux)
+        feats = self._features_buf[row, :n].to("cpu", copy=True)  # [n, H (+ A*H)]
+        aux = feats[:, h:].contiguous() if self.sink.aux_layers else None
+        self.sink.add(req.seq[:n], start, feats[:, :h].contiguous(), aux)
+        req.handed_over = n - len(req.state.prompt)
 
     @property
     def _capture(self) -> tuple[int, ...]:

@@ -24,11 +24,11 @@ class StaticKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # slots: [B, T] long; k, v: [B, KV, T, D] written to rows 0..B-1
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row0: int = 0) -> None:
+        # slots: [B, T] long; k, v: [B, KV, T, D] written to rows row0..row0+B-1
         idx = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        self.k[layer, : k.shape[0]].scatter_(2, idx, k)
-        self.v[layer, : k.shape[0]].scatter_(2, idx, v)
+        self.k[layer, row0: row0 + k.shape[0]].scatter_(2, idx, k)
+        self.v[layer, row0: row0 + k.shape[0]].scatter_(2, idx, v)
 
     def compact_rows(self, keep: list[int]) -> None:
         """Row ``keep[i]`` becomes row ``i`` (finished requests retired, see :func:`swap_remove`)."""
@@ -65,17 +65,19 @@ def swap_remove(n: int, gone: set[int]) -> list[int]:
 
 
 class CachedBackend:
-    """Writes this step's keys/values to cache slots, then attends over the first ``S`` slots."""
+    """Writes this step's keys/values to cache slots, then attends over the first ``S`` slots.
+    The batch's rows are cache rows ``row0 ..`` (a prefill of requests joining running ones)."""
 
-    def __init__(self, cache: StaticKVCache, slots: torch.Tensor, mask: torch.Tensor) -> None:
-        self.cache, self.slots = cache, slots  # slots: [B, T]
+    def __init__(self, cache: StaticKVCache, slots: torch.Tensor, mask: torch.Tensor, row0: int = 0) -> None:
+        self.cache, self.slots, self.row0 = cache, slots, row0  # slots: [B, T]
         self.mask = mask  # [B, 1, T, S] additive float
         self.span = mask.shape[-1]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.write(layer_idx, self.slots, k, v)
-        keys = self.cache.k[layer_idx, : q.shape[0], :, : self.span]
-        vals = self.cache.v[layer_idx, : q.shape[0], :, : self.span]
+        self.cache.write(layer_idx, self.slots, k, v, self.row0)
+        rows = slice(self.row0, self.row0 + q.shape[0])
+        keys = self.cache.k[layer_idx, rows, :, : self.span]
+        vals = self.cache.v[layer_idx, rows, :, : self.span]
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=self.mask.to(q.dtype),
                                               enable_gqa=True)
 

@@ -60,7 +60,10 @@ Inside the engine, :meth:`NgramProposer.propose` gets a
 :class:`~tlt.rollout.draft_tree.ProposerInput` and brings the index up to date from it first: a new
 generation starts over, new requests are started, tokens committed since the last proposal are
 accepted (so nothing is indexed while speculation is off, and siblings' tokens are stamped per
-proposal rather than per step), and requests that left the running rows are finished. The index
+proposal rather than per step), and requests that left the running rows are finished. Requests that
+join a running generation are started at the first proposal that sees them, in their own group
+(a request moved here from another engine keeps its group key, so its siblings here are its
+siblings, and its prompt's history is this proposer's). The index
 API below is public for replays (:mod:`tlt.rollout.ngram_eval`): ``start`` indexes the prompt
 (siblings with equal prompts share one prompt index); ``accept``
 indexes each committed token (``max_n - min_n + 1`` dict appends per token); ``finish`` freezes
@@ -81,7 +84,7 @@ from typing import Protocol
 
 import torch
 
-from tlt.rollout.draft_tree import DraftTree, ProposerInput
+from tlt.rollout.draft_tree import DraftTree, ProposerInput, request_ids
 from tlt.rollout.ngram_tree import SEP, chain, trie_paths
 from tlt.rollout.strategy import Arm
 
@@ -195,6 +198,7 @@ class NgramProposer:
         self._clock = 0
         self._generation: int | None = None  # ProposerInput.generation being followed
         self._live: set[int] = set()  # its requests started and not finished
+        self._started: set[int] = set()  # its requests ever started (a dropped group's stay dropped)
         # id(history corpus) -> (corpus, its n-gram table), least recently used first; kept across
         # generations (corpora never change; a history step replaces them), at most TABLE_TOKENS
         self._tables: collections.OrderedDict[int, tuple[IndexedSeq, dict]] = collections.OrderedDict()
@@ -264,7 +268,7 @@ class NgramProposer:
         """Forget every request (e.g. between RL steps); history corpora stay indexed (they never change)."""
         self._reqs.clear()
         self._groups.clear()
-        self._generation, self._live = None, set()
+        self._generation, self._live, self._started = None, set(), set()
 
     @property
     def num_requests(self) -> int:
@@ -281,10 +285,11 @@ class NgramProposer:
         if inp.generation != self._generation:
             self.reset()
             self._generation = inp.generation
-            every = range(len(inp.tokens))
-            self.start(list(every), [inp.groups[r] for r in every],
-                       [inp.tokens[r][: inp.prompt_lens[r]] for r in every])
-            self._live = set(every)
+        new = [r for r in request_ids(inp.tokens) if r not in self._started]  # joined since the last call
+        if new:
+            self.start(new, [inp.groups[r] for r in new], [inp.tokens[r][: inp.prompt_lens[r]] for r in new])
+            self._started.update(new)
+            self._live.update(new)
         running = set(inp.rows)
         for r in sorted(self._live):  # running requests and those that finished since the last call
             seq = self._reqs[r]

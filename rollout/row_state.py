@@ -6,7 +6,7 @@ order. A step reads them (roots, the last token, the proposers' catch-up tokens)
 from the verifier's device result, so a step needs no host -> device copy of request state; the
 host keeps its own token lists, filled from the step's one packed read, for stop and budget cuts
 and for the outputs. Rows only change when requests leave (:meth:`select`, the one upload of a
-leaving step) or a generation starts (:meth:`start`, with the prefill's upload).
+leaving step) or join (:meth:`start` with the joining requests' prefill, then :meth:`cat`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from tlt.rollout.sampling import RowSampling
 
@@ -34,7 +35,7 @@ class RowState:
     def start(cls, ids: torch.Tensor, lens: torch.Tensor, first: torch.Tensor, stops: torch.Tensor,
               sampling: RowSampling, width: int) -> "RowState":
         """After a prefill. ids: [B, T] right-padded prompts; lens: [B] prompt lengths; first: [B]
-        the first sampled token (pending); width: token slots per row (S >= the longest request)."""
+        the pending token (sampled, or the last of a joining request's tokens so far); width: token slots per row (S >= the longest request)."""
         b, t = ids.shape
         tokens = torch.zeros(b, width, dtype=torch.long, device=ids.device)
         tokens[:, :t] = ids
@@ -54,6 +55,13 @@ class RowState:
         self.tokens.scatter_(1, pos, torch.where(keep, committed, self.tokens.gather(1, pos)))
         self.last = committed.gather(1, (count - 1)[:, None])[:, 0]
         self.lens = self.lens + count
+
+    def cat(self, other: "RowState") -> "RowState":
+        """These rows, then ``other``'s (requests joining a running batch)."""
+        k = max(self.stops.shape[1], other.stops.shape[1])
+        pad = [F.pad(s, (0, k - s.shape[1]), value=-1) for s in (self.stops, other.stops)]
+        return RowState(torch.cat([self.lens, other.lens]), torch.cat([self.last, other.last]),
+                        torch.cat([self.tokens, other.tokens]), torch.cat(pad), self.sampling.cat(other.sampling))
 
     def select(self, keep: torch.Tensor) -> "RowState":
         """Rows ``keep`` [B'] (indices into these rows), in that order."""

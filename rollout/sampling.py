@@ -109,6 +109,12 @@ class RowSampling:
         return RowSampling(self.keys[rows], self.temperature[rows], self.top_k[rows], self.top_p[rows],
                            self.masked, self.sampled)
 
+    def cat(self, other: "RowSampling") -> "RowSampling":
+        """These rows, then ``other``'s (requests joining a running batch)."""
+        return RowSampling(torch.cat([self.keys, other.keys]), torch.cat([self.temperature, other.temperature]),
+                           torch.cat([self.top_k, other.top_k]), torch.cat([self.top_p, other.top_p]),
+                           self.masked or other.masked, self.sampled or other.sampled)
+
 
 def _scaled(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
     """logits / T in fp32 ([B, N, V]); greedy rows are scaled by 1."""

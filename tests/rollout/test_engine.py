@@ -115,7 +115,7 @@ def test_elastic_switch_catches_up_only_what_was_missed(setup, warm_drafters, wi
     model, prompts, params = setup
     ref = _ar(model, prompts, params)
     drafter = Drafter.load(warm_drafters["eagle"], model.embed_weight, model.lm_head.weight)
-    prop = EagleProposer(drafter, max_batch=8, max_len=600, catch_up_window=window)
+    prop = EagleProposer(drafter, max_batch=8, max_len=600, catch_up_window=window, start_window=window)
     catch_ups = []
     real = prop._host_catch_up
 
