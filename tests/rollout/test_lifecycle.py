@@ -1,0 +1,270 @@
+"""The engine's request lifecycle is lossless: requests that join a running generation, leave it and
+go on in another engine, or are aborted and resubmitted, sample exactly the tokens (and log-probs)
+of an uninterrupted plain run with the same seeds (coupled sampling, CPU fp32).
+
+Covered: greedy and sampled decoding; plain decoding, EAGLE, EAGLE-3, the suffix drafter, chain and
+tree arms, BEG-MAB over EAGLE and the suffix drafter; dynamic and static step shapes. Every test
+counts the joins, leaves and aborts it made. The feature sink receives departed and aborted
+requests: each response position exactly once over all the engines a request ran in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tlt.drafter.eagle import Drafter
+from tlt.rollout.eagle_proposer import EagleProposer
+from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.generate import SamplingParams
+from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.request import RequestState
+from tlt.rollout.strategy import Arm
+from tlt.rollout.target import TargetModel
+from tlt.rollout.tuner import BegMab, TunerConfig
+from tlt.demo.corpus import CorpusConfig, make_corpus
+from tlt.tokenizer import TextTokenizer
+
+SEEDS = [21, 22, 23, 24, 25, 26]
+ARMS = {"chain": Arm(4, 1, 4), "tree": Arm(3, 2, 6)}
+SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0)}
+
+
+@pytest.fixture(scope="module")
+def setup(trained_target):
+    model = TargetModel.from_pretrained(trained_target)
+    tok = TextTokenizer.from_pretrained(trained_target)
+    prompts = [tok.chat_prompt([{"role": "user", "content": p.prompt}])
+               for p in make_corpus(3, CorpusConfig(seed=9, median_steps=3))]
+    return model, tok, [p for p in prompts for _ in range(2)]  # GRPO: 3 prompts x 2 samples
+
+
+def _states(tok, prompts, sampling):
+    # different budgets: the batch shrinks while others join
+    return [RequestState(tuple(p), SamplingParams(max_new_tokens=24 + 6 * i, stop_ids=(tok.eos_id,),
+                                                  **SAMPLING[sampling]), SEEDS[i], group=i // 2)
+            for i, p in enumerate(prompts)]
+
+
+def _reference(model, states):
+    res = RolloutEngine(model, EngineConfig(max_batch=8, max_len=256)).generate(
+        [s.prompt for s in states], [s.params for s in states], [s.group for s in states], [s.seed for s in states])
+    return res.outputs, res.logprobs
+
+
+def _engine(model, kind, arm, warm_drafters, static=False, sink=None):
+    cfg = dict(max_batch=8, max_len=256, static_shapes=static)
+    if kind == "plain":
+        return RolloutEngine(model, EngineConfig(**cfg), sink=sink)
+
+    def eagle(method):
+        d = Drafter.load(warm_drafters[method], model.embed_weight, model.lm_head.weight)
+        return EagleProposer(d, max_batch=8, max_len=320, static_shapes=static)
+    if kind == "begmab":
+        tuner = BegMab(TunerConfig.for_device("cpu", proposers=("", "suffix"), seed=3, epsilon=0.5))
+        return RolloutEngine(model, EngineConfig(**cfg), proposers={"": eagle("eagle"), "suffix": NgramProposer()},
+                             tuner=tuner, sink=sink)
+    prop = NgramProposer() if kind == "ngram" else eagle(kind)
+    return RolloutEngine(model, EngineConfig(**cfg, arm=arm), proposer=prop, sink=sink)
+
+
+def _run(engine, done):
+    while engine.active:
+        done.update((f.rid, f) for f in engine.step())
+
+
+def _check(outs, ref):
+    for (toks, lps), want, want_lp in zip(outs, *ref):
+        assert list(toks) == want
+        assert torch.allclose(torch.tensor(lps, dtype=torch.float64), torch.tensor(want_lp, dtype=torch.float64),
+                              atol=1e-4)
+
+
+def _join(model, kind, arm, drafters, states, static=False):
+    """Half the requests start; the rest join after three steps."""
+    eng = _engine(model, kind, arm, drafters, static)
+    done = {}
+    first = eng.add(states[:3])
+    for _ in range(3):
+        done.update((f.rid, f) for f in eng.step())
+    later = eng.add(states[3:])
+    _run(eng, done)
+    assert eng.lifecycle["joined"] == 3
+    return [(done[r].state.output, done[r].state.logprobs) for r in first + later], eng
+
+
+def _move(model, kind, arm, drafters, states, static=False):
+    """All start in A; after four steps three requests leave A and go on in B (fresh proposers),
+    where two of them join B's running requests."""
+    a, b = _engine(model, kind, arm, drafters, static), _engine(model, kind, arm, drafters, static)
+    done_a, done_b = {}, {}
+    rids = a.add(states)
+    for _ in range(4):
+        done_a.update((f.rid, f) for f in a.step())
+    movers = [r for r in rids[::2] if r not in done_a]
+    assert movers, "the budgets leave requests running after four steps"
+    moved = a.leave(movers)
+    assert all(f.reason == "left" and f.state.output for f in moved)
+    by_b = dict(zip([f.rid for f in moved], b.add([moved[0].state])))
+    done_b.update((f.rid, f) for f in b.step())
+    by_b.update(zip([f.rid for f in moved[1:]], b.add([f.state for f in moved[1:]])))
+    _run(a, done_a)
+    _run(b, done_b)
+    assert a.lifecycle["left"] == len(movers) and b.lifecycle["joined"] == len(movers) - 1
+    outs = []
+    for r in rids:
+        f = done_b[by_b[r]] if r in by_b else done_a[r]
+        outs.append((f.state.output, f.state.logprobs))
+    return outs, (a, b)
+
+
+def _abort(model, kind, arm, drafters, states, verl_style):
+    """All start; after five steps every request is aborted, then resubmitted from its partial
+    output: as its state (into the same engine), or as verl's partial rollout does it (prompt +
+    partial output as a new prompt, the budget left, the same seed) into a fresh engine."""
+    eng = _engine(model, kind, arm, drafters)
+    done = {}
+    rids = eng.add(states)
+    for _ in range(5):
+        done.update((f.rid, f) for f in eng.step())
+    aborted = {f.rid: f for f in eng.abort()}
+    assert not eng.active and aborted and all(f.reason == "aborted" for f in aborted.values())
+    assert eng.lifecycle["aborted"] == len(aborted)
+    if verl_style:
+        eng = _engine(model, kind, arm, drafters)
+        again = [dataclasses.replace(f.state, prompt=f.state.prompt + f.state.output, output=(), logprobs=(),
+                                     params=dataclasses.replace(f.state.params, max_new_tokens=f.state.params.max_new_tokens
+                                                                - len(f.state.output)), handed_over=0)
+                 for f in aborted.values()]
+    else:
+        again = [f.state for f in aborted.values()]
+    new = dict(zip(aborted, eng.add(again)))
+    redone = {}
+    _run(eng, redone)
+    outs = []
+    for r in rids:
+        if r in done:
+            outs.append((done[r].state.output, done[r].state.logprobs))
+            continue
+        f = redone[new[r]]
+        if verl_style:  # the partial output, then what the resubmission generated
+            part = aborted[r].state
+            outs.append((part.output + f.state.output, part.logprobs + f.state.logprobs))
+        else:
+            outs.append((f.state.output, f.state.logprobs))
+    return outs
+
+
+@pytest.mark.parametrize("sampling", sorted(SAMPLING))
+@pytest.mark.parametrize("arm", sorted(ARMS))
+@pytest.mark.parametrize("kind", ["plain", "eagle", "eagle3", "ngram"])
+def test_join_leave_abort_are_token_identical(setup, warm_drafters, kind, arm, sampling):
+    if kind == "plain" and arm == "tree":
+        pytest.skip("plain decoding has no arm")  # the same test as plain/chain
+    model, tok, prompts = setup
+    states = _states(tok, prompts, sampling)
+    ref = _reference(model, states)
+    outs, eng = _join(model, kind, ARMS[arm], warm_drafters, states)
+    _check(outs, ref)
+    outs, (a, b) = _move(model, kind, ARMS[arm], warm_drafters, states)
+    _check(outs, ref)
+    _check(_abort(model, kind, ARMS[arm], warm_drafters, states, verl_style=False), ref)
+    _check(_abort(model, kind, ARMS[arm], warm_drafters, states, verl_style=True), ref)
+    if kind != "plain":  # drafts were accepted in the engines requests moved between
+        for e in (eng, a, b):
+            assert sum(e.accept_lengths_since(0)) > len(e.accept_lengths_since(0))
+
+
+@pytest.mark.parametrize("sampling", sorted(SAMPLING))
+def test_lifecycle_under_begmab_and_static_shapes(setup, warm_drafters, sampling):
+    model, tok, prompts = setup
+    states = _states(tok, prompts, sampling)
+    ref = _reference(model, states)
+    outs, eng = _join(model, "begmab", None, warm_drafters, states)
+    _check(outs, ref)
+    arms = {s.arm for s in eng.steps}
+    assert any(a.endswith("@suffix") for a in arms) and any(a.startswith("d") and "@" not in a for a in arms), arms
+    outs, _ = _move(model, "begmab", None, warm_drafters, states)
+    _check(outs, ref)
+    _check(_abort(model, "begmab", None, warm_drafters, states, verl_style=False), ref)
+    # static step shapes (what CUDA graphs need): padding follows the batch as requests join and leave
+    outs, eng = _join(model, "eagle", ARMS["tree"], warm_drafters, states, static=True)
+    _check(outs, ref)
+    assert eng.proposer.static_proposals > 0
+    outs, _ = _move(model, "eagle", ARMS["chain"], warm_drafters, states, static=True)
+    _check(outs, ref)
+
+
+class RecordingSink:
+    aux_layers = ()
+
+    def __init__(self):
+        self.samples = []  # (tokens, first trained position, hidden)
+
+    def add(self, tokens, prompt_len, hidden, aux):
+        self.samples.append((list(tokens), prompt_len, hidden))
+
+
+def test_departed_and_aborted_requests_reach_the_sink_once(setup, warm_drafters):
+    """A's sink gets a moved request's first part and B's the rest (the first part as context):
+    over both, every response position is trained on once, with the features an uninterrupted
+    run computes. An aborted request hands over what it has."""
+    model, tok, _ = setup
+    prompts = [tok.chat_prompt([{"role": "user", "content": p.prompt}])  # distinct: a sample names its request
+               for p in make_corpus(6, CorpusConfig(seed=10, median_steps=3))]
+    states = _states(tok, prompts, "t1")
+    whole = RecordingSink()
+    RolloutEngine(model, EngineConfig(max_batch=8, max_len=256), sink=whole).generate(
+        [s.prompt for s in states], [s.params for s in states], seeds=[s.seed for s in states])
+    sink_a, sink_b = RecordingSink(), RecordingSink()
+    a = RolloutEngine(model, EngineConfig(max_batch=8, max_len=256), sink=sink_a)
+    b = RolloutEngine(model, EngineConfig(max_batch=8, max_len=256), sink=sink_b)
+    rids = a.add(states)
+    for _ in range(6):
+        a.step()
+    moved = a.leave([r for r in rids[1::2] if r in a._rows])
+    assert moved and all(f.state.handed_over == len(f.state.output) - 1 for f in moved)
+    b.add([f.state for f in moved])
+    _run(b, {})
+    a.step()
+    aborted = a.abort()
+    assert aborted and a.lifecycle["aborted"] == len(aborted) and a.lifecycle["left"] == len(moved)
+    assert len(sink_b.samples) == len(moved)
+    assert len(sink_a.samples) >= len(moved) + len(aborted)  # and those that finished in A
+    trained: dict[int, list[int]] = {}  # per uninterrupted sample: every position trained on
+    for toks, start, hidden in sink_a.samples + sink_b.samples:
+        k = next(i for i, (t, _, _) in enumerate(whole.samples) if t[:len(toks)] == toks)
+        assert torch.allclose(hidden, whole.samples[k][2][:len(toks)], atol=1e-4)  # what an uninterrupted run computes
+        trained.setdefault(k, []).extend(range(start, len(toks)))
+    for positions in trained.values():
+        assert len(positions) == len(set(positions))  # never twice
+    for f in moved:  # a moved request: every response position, over both engines
+        k = next(i for i, (t, _, _) in enumerate(whole.samples) if t[:len(f.state.prompt) + len(f.state.output) - 1]
+                 == list(f.state.prompt + f.state.output[:-1]))
+        assert sorted(trained[k]) == list(range(len(f.state.prompt), len(whole.samples[k][0])))
+
+
+def test_lifecycle_errors_are_clear(setup):
+    model, tok, prompts = setup
+    eng = RolloutEngine(model, EngineConfig(max_batch=2, max_len=64))
+    p = SamplingParams(max_new_tokens=4)
+    with pytest.raises(ValueError, match="already ended"):
+        eng.add([RequestState((1, 2), p, 0, output=(5, 6, 7, 8), logprobs=(0.0,) * 4)])
+    with pytest.raises(ValueError, match="max_len"):
+        eng.add([RequestState(tuple(range(1, 70)), p, 0)])
+    with pytest.raises(ValueError, match="log-probs"):
+        RequestState((1,), p, 0, output=(3,))
+    with pytest.raises(ValueError, match="not running or waiting"):
+        eng.leave([123])
+    rids = eng.add([RequestState((1, 2, 3), p, s) for s in range(3)])  # one more than max_batch: it waits
+    eng.step()
+    assert eng.running == 2 and eng.active
+    with pytest.raises(RuntimeError, match="idle engine"):
+        eng.generate([[1, 2]], p)
+    gone = eng.abort([rids[2]])  # a waiting request leaves with nothing generated
+    assert gone[0].state.output == () and gone[0].reason == "aborted"
+    done = {}
+    _run(eng, done)
+    assert set(done) == set(rids[:2]) and all(len(f.state.output) == 4 for f in done.values())
