@@ -186,10 +186,11 @@ class RolloutEngine:
                  groups: Sequence[Hashable] | None = None, seeds: Sequence[int] | None = None) -> RolloutResult:
         """Responses for ``prompts`` (GRPO ``groups``: requests sharing a prompt group id; ``seeds``:
         one sampling seed per request, default ``cfg.seed * 1_000_003 + index``): :meth:`add` them
-        to an idle engine and :meth:`step` until they all finished."""
+        to an idle engine and :meth:`step` until they all finished (more than ``max_batch`` requests:
+        the rest join as rows free up)."""
         n = len(prompts)
-        if n == 0 or n > self.cfg.max_batch:
-            raise ValueError(f"need 1..{self.cfg.max_batch} prompts (EngineConfig.max_batch), got {n}")
+        if n == 0:
+            raise ValueError("generate needs at least one prompt")
         plist = list(params) if isinstance(params, Sequence) else [params] * n
         groups = list(groups) if groups is not None else list(range(n))
         if len(plist) != n or len(groups) != n:
@@ -217,18 +218,22 @@ class RolloutEngine:
         tokens so far goes on from them (prefilled over prompt + tokens, same seed: token-identical
         to never having stopped). Returns their ids, in order. All are checked before any is queued."""
         for i, st in enumerate(requests):
-            if not isinstance(st, RequestState):
-                raise TypeError(f"request {i}: a RequestState, got {type(st).__name__}")
-            if st.done:
-                raise ValueError(f"request {i} already ended ({len(st.output)} of max_new_tokens="
-                                 f"{st.params.max_new_tokens} tokens, last {st.output[-1:]}): nothing to generate")
-            if len(st.prompt) + st.params.max_new_tokens + 1 > self.cfg.max_len:
-                raise ValueError(f"request {i}: {len(st.prompt)} prompt tokens + max_new_tokens "
-                                 f"{st.params.max_new_tokens} exceed EngineConfig.max_len={self.cfg.max_len}")
+            self.check(st, f"request {i}")
         rids = list(range(self._next_rid, self._next_rid + len(requests)))
         self._next_rid += len(requests)
         self._queue.extend(zip(rids, requests))
         return rids
+
+    def check(self, st: RequestState, name: str = "the request") -> None:
+        """ValueError if this engine cannot run ``st`` (what :meth:`add` checks)."""
+        if not isinstance(st, RequestState):
+            raise TypeError(f"{name}: a RequestState, got {type(st).__name__}")
+        if st.done:
+            raise ValueError(f"{name} already ended ({len(st.output)} of max_new_tokens="
+                             f"{st.params.max_new_tokens} tokens, last {st.output[-1:]}): nothing to generate")
+        if len(st.prompt) + st.params.max_new_tokens + 1 > self.cfg.max_len:
+            raise ValueError(f"{name}: {len(st.prompt)} prompt tokens + max_new_tokens "
+                             f"{st.params.max_new_tokens} exceed EngineConfig.max_len={self.cfg.max_len}")
 
     @property
     def running(self) -> int:

@@ -157,3 +157,31 @@ def test_a_request_waits_for_the_kv_cache_and_the_stopped_session(server_check):
     assert server_check["order"] == [
         ["generate", "a"], ["release", kv], ["IDLE", 3], ["BUSY", 3], ["resume", kv], ["generate", "b"],
         ["release", kv], ["IDLE", 3], ["BUSY", 3], ["resume", kv], ["generate", "c"]], server_check["order"]
+
+
+@pytest.mark.parametrize("version", ["0.5.12", "0.5.23"])
+def test_one_request_aborts_with_its_partial_output_and_resumes_token_for_token(tmp_path, version):
+    """TLT's SGLang server actor aborts one request through SGLang's ``/abort_request`` (the body
+    parsed into the version's ``AbortReq``): its ``generate`` returns the partial output with its
+    log-probs as ``aborted``; resubmitted as verl's partial rollout does, it ends with the tokens of an
+    uninterrupted run (the stand-in decodes with coupled sampling; tests/sglang_env/abort_check.py)."""
+    site = ENVS / version
+    if not (site / ".complete").exists():
+        pytest.skip(f"SGLang {version} is not installed for the CPU tests: bash tests/sglang_env/install.sh")
+    from tlt.demo.target_factory import ensure_target
+
+    size = demo.QUICK
+    target = ensure_target(size.target, progress=False)
+    p = subprocess.run([sys.executable, "-m", "tests.sglang_env.abort_check", str(site), str(target),
+                        str(size.max_prompt + 200 + 8), str(tmp_path)], capture_output=True, text=True, timeout=600,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:] + (tmp_path / "log").read_text()[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    (ref, ref_lp, ref_reason), (part, part_lp, reason), (again, again_lp, _) = r["ref"], r["part"], r["again"]
+    assert r["answer"] == {"aborted": True, "request_id": "a"}
+    assert reason == "aborted" and 0 < len(part) < len(ref) and len(part_lp) == len(part)
+    assert part + again == ref and len(again_lp) == len(again)
+    assert len(ref_lp) == len(ref) and all(abs(a - b) < 1e-4 for a, b in zip(part_lp + again_lp, ref_lp))
+    aborts = [c for c in r["calls"] if c["endpoint"] == "abort_request"]
+    assert [c["body"] for c in aborts] == [{"rid": "a", "abort_all": False}]
+    assert not [c for c in r["calls"] if "error" in c]

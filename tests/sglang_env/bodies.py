@@ -17,6 +17,7 @@ def request_class(endpoint: str):
             "end_weight_update": getattr(io, "EndWeightUpdateReqInput", None),
             "pause_generation": io.PauseGenerationReqInput,
             "continue_generation": io.ContinueGenerationReqInput,
+            "abort_request": io.AbortReq,
             "release_memory_occupation": io.ReleaseMemoryOccupationReqInput,
             "resume_memory_occupation": io.ResumeMemoryOccupationReqInput,
             "get_weights_by_name": io.GetWeightsByNameReqInput,

@@ -40,7 +40,7 @@ class StandIn:
         self.max_len, self.corrupt, self.slow_s = max_len, corrupt, slow_s
         plain = TLTConfig.from_mapping({"speculation": {"enable": False}})
         self.engine = ReplicaEngine(self.model, plain, max_len=max_len, seed=0, rank=0).engine
-        self.batcher = RequestBatcher(self._run, lambda: None, window_s=0.02, max_batch=64, name="stand-in")
+        self.batcher = RequestBatcher(lambda: self.engine, window_s=0.02, max_batch=64, name="stand-in")
         self.log = open(out / "calls.jsonl", "a", buffering=1)
         self.released: set[str] = set()
         self.session: str | None = None
@@ -49,15 +49,6 @@ class StandIn:
 
     def record(self, endpoint: str, **fields) -> None:
         self.log.write(json.dumps({"t": time.time(), "endpoint": endpoint, **fields}) + "\n")
-
-    def _run(self, batch):
-        res = self.engine.generate([r.prompt for r in batch], [r.params for r in batch],
-                                   list(range(len(batch))), [r.seed for r in batch])
-        out = []
-        for r, toks, lps in zip(batch, res.outputs, res.logprobs):
-            stopped = bool(toks) and toks[-1] in r.params.stop_ids
-            out.append((toks, lps, "stop" if stopped else "length"))
-        return out
 
     async def generate(self, req) -> dict:
         from sglang.srt.sampling.sampling_params import SamplingParams
@@ -71,7 +62,12 @@ class StandIn:
         seed = sp.pop("sampling_seed", None)
         params, _ = engine_params(sp, prompt_len=len(req.input_ids), max_len=self.max_len,
                                   response_length=self.max_len, eos_ids=tuple(self.model.config.eos_ids or ()))
-        toks, lps, reason = await self.batcher.submit(list(req.input_ids), params, seed if seed is not None else 0)
+        from tlt.rollout.request import RequestState
+
+        fin = await self.batcher.submit(RequestState(tuple(req.input_ids), params, seed if seed is not None else 0,
+                                                     group=tuple(req.input_ids)), str(req.rid))
+        toks, lps = list(fin.state.output), list(fin.state.logprobs)
+        reason = "abort" if fin.reason == "aborted" else fin.reason
         await asyncio.sleep(self.slow_s)
         self.record("generate", rid=req.rid, tokens=len(toks))
         return {"output_ids": toks, "meta_info": {
@@ -122,6 +118,12 @@ async def main(site: str, model_path: str, max_len: str, out_dir: str, corrupt: 
                 return web.json_response(s.update(body, req))
             if endpoint == "get_weights_by_name":
                 return web.json_response(s.readback(req))
+            if endpoint == "tlt_status":  # the harness's own: requests decoding now
+                return web.json_response({"running": s.engine.running})
+            if endpoint == "abort_request":  # SGLang answers an empty 200; the request's /generate returns
+                await s.batcher.abort(req.rid)
+                s.record(endpoint, body=body)
+                return web.Response(status=200)
             if endpoint == "release_memory_occupation":
                 s.released |= set(req.tags or ["kv_cache", "weights"])
             elif endpoint == "resume_memory_occupation":

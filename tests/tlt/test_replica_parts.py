@@ -1,9 +1,10 @@
-"""The replica's parts without Ray: the request batcher, the policy copy, the drift probe and the step statistics."""
+"""The replica's parts without Ray: the request batcher (continuous batching, abort and resume), the policy copy, the drift probe and the step statistics."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from tlt.drafter.model_config import ModelConfig
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.target import TargetModel
 from tlt.integrations.verl.batcher import RequestBatcher
+from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.request import RequestState
 from tlt.integrations.verl.weight_sync import DriftProbe, copy_policy
 
 P = SamplingParams(temperature=0.0, max_new_tokens=4)
@@ -24,26 +27,78 @@ def _target(seed: int = 0) -> TargetModel:
     return TargetModel(cfg).eval()
 
 
-def test_batcher_groups_close_requests_isolates_failures_and_reports_idle():
-    batches, idle = [], []
+def _batcher_engine():
+    return RolloutEngine(_target(0), EngineConfig(max_batch=4, max_len=256))
 
-    def run(batch):
-        batches.append([r.prompt[0] for r in batch])
-        if any(r.prompt[0] == 99 for r in batch):
-            raise RuntimeError("bad batch")
-        return [(r.prompt, r.seed) for r in batch]
+
+def _state(i: int, n: int = 40) -> RequestState:
+    return RequestState((1 + i, 2, 3), SamplingParams(temperature=1.0, max_new_tokens=n), seed=100 + i, group=i)
+
+
+async def _until(cond, timeout_s: float = 30.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, "timed out"
+        await asyncio.sleep(0.001)
+
+
+def test_batcher_joins_running_generations_and_reports_idle():
+    """Requests arriving together start one generation; one arriving while it runs joins it at a
+    step boundary; more than max_batch wait for a free row. Every result equals an uninterrupted
+    run's (the same seeds); on_idle fires once per drain, opens and closes pair up."""
+    eng, idle, events = _batcher_engine(), [], []
+    ref = _batcher_engine().generate([_state(i).prompt for i in range(6)], [_state(i).params for i in range(6)],
+                                     seeds=[_state(i).seed for i in range(6)]).outputs
 
     async def main():
-        b = RequestBatcher(run, lambda: idle.append(len(batches)), window_s=0.05, max_batch=3)
-        first = await asyncio.gather(*(b.submit([i], P, seed=i) for i in range(5)))
-        assert first == [([i], i) for i in range(5)] and b.idle
-        with pytest.raises(RuntimeError, match="bad batch"):
-            await b.submit([99], P, seed=9)
-        assert await b.submit([7], P, seed=7) == ([7], 7)  # the loop survived the failure
+        b = RequestBatcher(lambda: eng, window_s=0.02, max_batch=4, on_idle=lambda: idle.append(len(eng.steps)),
+                           on_open=lambda: events.append("open"), on_close=lambda g: events.append(len(g.finished)))
+        first = [asyncio.ensure_future(b.submit(_state(i), f"r{i}")) for i in range(2)]
+        await _until(lambda: len(eng.steps) >= 3)
+        later = [asyncio.ensure_future(b.submit(_state(i), f"r{i}")) for i in range(2, 6)]  # 2 join, 2 wait
+        outs = await asyncio.gather(*first, *later)
+        assert [list(f.state.output) for f in outs] == ref
+        assert all(f.reason == "length" for f in outs) and b.idle
+        with pytest.raises(ValueError, match="max_len"):  # refused alone, before any generation
+            await b.submit(RequestState((1,) * 250, SamplingParams(max_new_tokens=8), 0), "bad")
+        again = await b.submit(_state(0), "r0")
+        assert list(again.state.output) == ref[0]
 
     asyncio.run(main())
-    assert batches[:2] == [[0, 1, 2], [3, 4]]  # arrived together: max_batch, then the rest
-    assert idle == [2, 3, 4]  # once per drain, after the last batch of it
+    assert eng.lifecycle["joined"] >= 2
+    assert events == ["open", 6, "open", 1] and len(idle) == 2
+
+
+def test_batcher_abort_returns_partial_outputs_holds_requests_until_resume_and_rejects():
+    eng = _batcher_engine()
+    ref = _batcher_engine().generate([_state(i, 120).prompt for i in range(3)], [_state(i, 120).params for i in range(3)],
+                                     seeds=[_state(i).seed for i in range(3)]).outputs
+
+    async def main():
+        b = RequestBatcher(lambda: eng, window_s=0.01, max_batch=4)
+        running = [asyncio.ensure_future(b.submit(_state(i, 120), f"r{i}")) for i in range(2)]
+        await _until(lambda: len(eng.steps) >= 5)
+        assert await b.abort("r1")  # one request: the other keeps decoding
+        one = await running[1]
+        assert one.reason == "aborted" and 0 < len(one.state.output) < 120
+        assert not await b.abort("nobody")
+        keys = await b.abort_all()
+        part = await running[0]
+        assert keys == ["r0"] and part.reason == "aborted" and 0 < len(part.state.output) < 120
+        held = asyncio.ensure_future(b.submit(_state(2, 120), "r2"))  # arrives while aborted: waits
+        await asyncio.sleep(0.1)
+        assert not held.done() and not eng.active
+        b.resume()
+        assert list((await held).state.output) == ref[2]
+        resumed = await asyncio.gather(b.submit(part.state, "r0"), b.submit(one.state, "r1"))  # going on
+        assert [list(f.state.output) for f in resumed] == ref[:2]  # as if never aborted
+        await b.abort_all(reject=True)
+        rejected = await b.submit(_state(2, 120), "r2")
+        assert rejected.reason == "aborted" and rejected.state.output == ()
+        b.resume()
+
+    asyncio.run(main())
+    assert eng.lifecycle["aborted"] == 2
 
 
 def test_policy_copy_checks_every_tensor_before_writing():

@@ -21,6 +21,10 @@ class ReplicaAPI(Protocol):
                        image_data=None, video_data=None, **kwargs) -> Any:
         """One request's tokens and log-probs (verl's ``TokenOutput``)."""
 
+    async def abort_request(self, request_id: str) -> dict[str, Any]:
+        """Abort one request: its ``generate`` returns its partial output with stop reason
+        ``aborted``. Returns ``{"aborted": bool, "request_id": ...}``."""
+
     def update_weights(self, state: dict, version: int | None = None) -> int:
         """Policy push: target weights only, never into the drafter; returns tensors written."""
 

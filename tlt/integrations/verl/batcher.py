@@ -1,10 +1,24 @@
-"""The replica's request batcher: verl's concurrent per-request ``generate`` calls -> engine batches.
+"""The replica's request batcher: verl's concurrent per-request ``generate`` calls -> one running engine.
 
-Owns the queue of pending requests, the in-flight count and the loop that forms batches: requests
-that arrive within ``window_s`` of each other decode together (up to ``max_batch``); later ones
-form the next batch. A batch runs in a worker thread (``run``); when the queue drains and nothing
-is in flight, ``on_idle`` is called (in the event loop: it must not block). A failing batch fails
-its own requests only; the loop never dies.
+Owns the queue of waiting requests, the generation that serves them and the gate that holds them.
+Continuous batching: requests that reach an idle engine within ``window_s`` of each other start a
+generation together (up to ``max_batch``); a request that arrives while it runs joins it at the next
+step boundary (:meth:`~tlt.rollout.engine.RolloutEngine.add`), into a free KV row. Each request's
+result (a :class:`~tlt.rollout.request.Finished`) is returned as soon as it finishes.
+
+Abort (verl's ``abort_all_requests`` and ``resume_generation``, and a single request's abort): the
+gate closes, so requests arriving meanwhile wait for :meth:`resume` (or, with ``reject``, return at
+once as aborted with no tokens); running and queued requests are aborted at the next step boundary
+and return their partial output (reason ``aborted``).
+
+Threads and ownership: the event loop owns the futures, the gate and the ``_serving`` flag; a
+generation runs in one worker thread, which owns the engine from its first step to its last
+(``on_open`` / ``on_close`` bracket it, e.g. the replica's serving lock). The two meet only in
+``_mu``-guarded fields: ``_pending`` (event loop appends, worker takes) and the abort requests
+(event loop posts, worker serves). A result is handed to the event loop with
+``call_soon_threadsafe``. The worker ends a generation only when, under ``_mu``, the engine is idle
+and nothing waits; a request queued after that is seen by the event loop, which starts the next.
+A generation that fails fails its own requests; the batcher keeps serving.
 """
 
 from __future__ import annotations
@@ -13,80 +27,221 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from tlt.rollout.generate import SamplingParams
+from tlt.rollout.engine import RolloutEngine, RolloutResult, StepRecord
+from tlt.rollout.request import Finished, RequestState
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class Request:
-    prompt: list[int]
-    params: SamplingParams
-    seed: int  # the request's seed (verl's sampling_params["seed"]), else unique to the replica
+    state: RequestState
+    key: str  # the caller's id (verl's request_id): what a single abort names
     future: asyncio.Future
+    rid: int | None = None  # the engine's id once admitted
+
+
+@dataclasses.dataclass
+class Generation:
+    """What one generation did (handed to ``on_close``)."""
+
+    finished: list[Finished]
+    steps: list[StepRecord]
+    started: float  # time.monotonic() at its first step
+    seconds: float
+    tokens: int  # generated in it (tokens requests brought with them excluded)
+
+    def result(self) -> RolloutResult:
+        return RolloutResult([list(f.state.output) for f in self.finished], self.steps, [], self.seconds)
 
 
 class RequestBatcher:
-    def __init__(self, run: Callable[[list[Request]], list[Any]], on_idle: Callable[[], None], *,
-                 window_s: float, max_batch: int, name: str = "replica") -> None:
-        self.run, self.on_idle = run, on_idle
+    def __init__(self, engine: Callable[[], RolloutEngine], *, window_s: float, max_batch: int,
+                 on_open: Callable[[], None] = lambda: None,
+                 on_close: Callable[[Generation], None] = lambda g: None,
+                 on_idle: Callable[[], None] = lambda: None, name: str = "replica") -> None:
+        """``engine()``: the engine to run (read at each generation's start); ``on_open`` and
+        ``on_close`` run in the worker thread around a generation, ``on_idle`` in the event loop
+        when every request was answered (it must not block)."""
+        self.engine, self.on_open, self.on_close, self.on_idle = engine, on_open, on_close, on_idle
         self.window_s, self.max_batch, self.name = window_s, max_batch, name
-        self.pending: collections.deque[Request] = collections.deque()
-        self.inflight = 0  # submitted and not answered yet (queued or decoding)
-        self._task: asyncio.Task | None = None
-        self._wake: asyncio.Event | None = None
+        self.inflight = 0  # submitted and not answered yet (waiting, queued or decoding)
+        self._mu = threading.Lock()
+        self._pending: list[Request] = []  # queued for the engine (guarded by _mu)
+        self._abort_all: list[asyncio.Future] = []  # abort-all requests for the worker (guarded by _mu)
+        self._abort_keys: set[str] = set()  # single aborts for the worker (guarded by _mu)
+        self._serving = False  # a generation is starting or running (event loop only)
+        self._open: asyncio.Event | None = None  # the gate (set: open), made in the event loop
+        self._rejecting = False
+        self._keys: collections.Counter[str] = collections.Counter()  # keys in flight (event loop)
 
-    async def submit(self, prompt: list[int], params: SamplingParams, seed: int) -> Any:
-        """Queue one request and wait for its result (what ``run`` returned for it)."""
-        if self._task is None:
-            self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+    # ------------------------------------------------------------------ event loop side
+    async def submit(self, state: RequestState, key: str = "") -> Finished:
+        """Queue one request and wait for it to finish (or be aborted). A request the engine cannot
+        run is refused here (ValueError), never inside a generation others share."""
+        self.engine().check(state)
+        gate = self._gate()
+        if not gate.is_set():
+            if self._rejecting:
+                return Finished(-1, state, "aborted")
+            await gate.wait()
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append(Request(prompt, params, seed, fut))
+        with self._mu:
+            self._pending.append(Request(state, key, fut))
         self.inflight += 1
-        self._wake.set()
+        self._keys[key] += 1
+        fut.add_done_callback(lambda _: self._answered(key))
+        if not self._serving:
+            self._serving = True
+            asyncio.get_running_loop().create_task(self._serve())
         return await fut
+
+    async def abort_all(self, reject: bool = False) -> list[str]:
+        """Close the gate (``reject``: later requests return at once as aborted, else they wait for
+        :meth:`resume`) and abort every queued and running request; returns their keys once they
+        have all returned."""
+        gate = self._gate()
+        gate.clear()
+        self._rejecting = reject
+        with self._mu:
+            keys = [r.key for r in self._pending]
+            waiting, self._pending = self._pending, []
+        for r in waiting:  # never admitted: nothing generated
+            _resolve(r.future, Finished(-1, r.state, "aborted"))
+        if not self._serving:
+            return keys
+        fut = asyncio.get_running_loop().create_future()
+        with self._mu:
+            self._abort_all.append(fut)
+        return keys + await fut
+
+    async def abort(self, key: str) -> bool:
+        """Abort the request ``key`` (queued or running: it returns its partial output); False if
+        no request of that key is in flight."""
+        if key not in self._keys:
+            return False
+        with self._mu:
+            mine = [r for r in self._pending if r.key == key]
+            self._pending = [r for r in self._pending if r.key != key]
+            self._abort_keys.add(key)  # admitted ones: at the worker's next step boundary
+        for r in mine:
+            _resolve(r.future, Finished(-1, r.state, "aborted"))
+        return True
+
+    def resume(self) -> None:
+        """Open the gate again: held requests go on."""
+        self._rejecting = False
+        self._gate().set()
 
     @property
     def idle(self) -> bool:
         return self.inflight == 0
 
-    async def _loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            try:
-                await self._serve_pending()
-            except Exception:  # never let the loop die: later requests would wait forever
-                log.exception("%s: batcher error", self.name)
+    def _gate(self) -> asyncio.Event:
+        if self._open is None:
+            self._open = asyncio.Event()
+            self._open.set()
+        return self._open
 
-    async def _serve_pending(self) -> None:
-        if not self.pending:
-            return
-        while True:  # wait until requests stop arriving for one window
-            n = len(self.pending)
-            await asyncio.sleep(self.window_s)
-            if len(self.pending) == n or n >= self.max_batch:
-                break
-        batch = [self.pending.popleft() for _ in range(min(len(self.pending), self.max_batch))]
+    def _answered(self, key: str) -> None:
+        self.inflight -= 1
+        self._keys[key] -= 1
+        if not self._keys[key]:
+            del self._keys[key]
+
+    async def _serve(self) -> None:
+        """Start generations while requests wait: the first after a window without arrivals."""
         try:
-            results = await asyncio.to_thread(self.run, batch)
-        except Exception as e:  # every waiter learns the error; the server keeps serving
-            log.exception("%s: batch of %d failed", self.name, len(batch))
-            results = [e] * len(batch)
+            while True:
+                while True:  # wait until requests stop arriving for one window
+                    n = len(self._pending)
+                    await asyncio.sleep(self.window_s)
+                    if len(self._pending) == n or n >= self.max_batch:
+                        break
+                if not self._pending:  # aborted while the window ran
+                    break
+                await asyncio.to_thread(self._generation, asyncio.get_running_loop())
+                if not self._pending:
+                    break
+        except Exception:  # never let serving die: later requests would wait forever
+            log.exception("%s: batcher error", self.name)
         finally:
-            self.inflight -= len(batch)
-        for req, res in zip(batch, results):
-            if req.future.done():  # the caller went away
-                continue
-            if isinstance(res, Exception):
-                req.future.set_exception(res)
-            else:
-                req.future.set_result(res)
-        if self.pending:
-            self._wake.set()
+            self._serving = False
+            with self._mu:  # abort-alls posted as the generation ended have nothing left to abort
+                late, self._abort_all = self._abort_all, []
+            for f in late:
+                _resolve(f, [])
+        if self._pending:
+            self._serving = True
+            asyncio.get_running_loop().create_task(self._serve())
         elif self.inflight == 0:
             self.on_idle()
+
+    # ------------------------------------------------------------------ worker thread
+    def _generation(self, loop: asyncio.AbstractEventLoop) -> None:
+        eng = self.engine()
+        live: dict[int, Request] = {}
+        done: list[Finished] = []
+        first, t0, tokens = len(eng.steps), time.monotonic(), 0
+        self.on_open()
+
+        def answer(outs: list[Finished]) -> None:
+            nonlocal tokens
+            for f in outs:
+                req = live.pop(f.rid)
+                tokens += len(f.state.output) - len(req.state.output)
+                done.append(f)
+                loop.call_soon_threadsafe(_resolve, req.future, f)
+
+        try:
+            while True:
+                with self._mu:
+                    aborts, self._abort_all = self._abort_all, []
+                    keys, self._abort_keys = self._abort_keys, set()
+                    room = self.max_batch - eng.running
+                    take, self._pending = self._pending[:max(room, 0)], self._pending[max(room, 0):]
+                    if not take and not eng.active:
+                        for f in aborts:
+                            loop.call_soon_threadsafe(_resolve, f, [])
+                        break
+                if aborts or keys:
+                    named = [rid for rid, r in live.items() if aborts or r.key in keys]
+                    gone = [live[rid].key for rid in named]
+                    answer(eng.abort(named))
+                    for f in aborts:
+                        loop.call_soon_threadsafe(_resolve, f, gone)
+                    aborts = []
+                for req in take:  # one by one: a request the engine refuses fails alone
+                    try:
+                        (rid,) = eng.add([req.state])
+                    except ValueError as e:
+                        loop.call_soon_threadsafe(_fail, req.future, e)
+                        continue
+                    req.rid, live[rid] = rid, req
+                if eng.active:
+                    answer(eng.step())
+        except Exception as e:  # the generation's requests learn the error; the engine is emptied
+            log.exception("%s: a generation of %d requests failed", self.name, len(live))
+            for req in live.values():
+                loop.call_soon_threadsafe(_fail, req.future, e)
+            try:
+                eng.abort()
+            except Exception:
+                log.exception("%s: emptying the engine after the failure failed too", self.name)
+        finally:
+            self.on_close(Generation(done, eng.steps[first:], t0, time.monotonic() - t0, tokens))
+
+
+def _resolve(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():  # the caller may have gone away
+        fut.set_result(value)
+
+
+def _fail(fut: asyncio.Future, e: Exception) -> None:
+    if not fut.done():
+        fut.set_exception(e)

@@ -36,6 +36,14 @@ def request_seed(*, data_seed: int, step: int, index: int, sample: int, validate
     return int.from_bytes(hashlib.blake2b(blob.encode(), digest_size=8).digest(), "little") >> 1
 
 
+def fallback_seed(server_seed: int, request_id: str) -> int:
+    """The seed of a request verl sent without one: from its request id (a uuid4 verl keeps when it
+    resubmits an aborted request), so a retried or resumed request keeps its seed. Bit 63 set: a
+    stream no :func:`request_seed` (63 bits) uses."""
+    blob = json.dumps(["fallback", int(server_seed), str(request_id)])
+    return (int.from_bytes(hashlib.blake2b(blob.encode(), digest_size=8).digest(), "little") >> 1) | (1 << 63)
+
+
 def plain(x: Any) -> Any:
     """A JSON-able copy of verl's raw prompt (lists of message dicts, possibly numpy arrays)."""
     if hasattr(x, "tolist"):

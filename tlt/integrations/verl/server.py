@@ -14,9 +14,17 @@ servers without a GPU reservation (``TLTReplica.rollout_worker_use_gpu`` is Fals
 today they run on CPU: the backend is for CPU runs, tests and small models; GPU clusters use the
 SGLang path (docs/verl.md).
 
-Ordering (one serving lock, ``_lock``): an engine batch, a policy copy, a drafter swap, a history
-update and a drift-probe forward never overlap. A spot session trains on its own copies of the
-frozen tensors, so it needs no lock; it is stopped before a batch runs (``agent.busy``).
+Ordering (one serving lock, ``_lock``): a generation (from the first request an idle engine takes
+to the last that leaves it; requests join it while it runs), a policy copy, a drafter swap, a
+history update and a drift-probe forward never overlap. A spot session trains on its own copies of the
+frozen tensors, so it needs no lock; it is stopped before a generation runs (``agent.busy``).
+
+Requests (verl's ``generate``): each is a :class:`~tlt.rollout.request.RequestState` with its seed
+(verl's, else :func:`~tlt.integrations.verl.requests.fallback_seed` of its request id, which verl keeps
+when it retries). verl's ``abort_all_requests`` returns every running request's partial output; the
+replica keeps the aborted states, and a resubmission (verl's partial rollout sends prompt + partial
+output under the same request id) goes on from its state: same seed and GRPO group, the features
+this replica's DataBuffer already received not trained on twice.
 
 Why here and not in the actor worker: this is the process that idles when its requests drain, it
 serves the drafter it trains (no copy for its own updates), and it has no default process group of
@@ -40,17 +48,21 @@ import torch
 from tlt.drafter.buffer import BufferConfig, DataBuffer
 from tlt.drafter.eagle import Drafter, DrafterConfig
 from tlt.drafter.resume_state import prefetch, warmup_state
+from tlt.rollout.request import RequestState
 from tlt.rollout.target import TargetModel
 from tlt.integrations.verl.assembly import ReplicaEngine
-from tlt.integrations.verl.batcher import Request, RequestBatcher
+from tlt.integrations.verl.batcher import Generation, RequestBatcher
 from tlt.integrations.verl.config import TLTConfig
 from tlt.integrations.verl.history_log import HISTORY_FILE, read_history
-from tlt.integrations.verl.requests import engine_params
+from tlt.integrations.verl.requests import engine_params, fallback_seed
 from tlt.integrations.verl.spot_wiring import BufferFeed, spot_config, start_spot_agent
 from tlt.integrations.verl.step_stats import StepStats
 from tlt.integrations.verl.weight_sync import DriftProbe, copy_policy, load_spot_drafter
 
 log = logging.getLogger(__name__)
+
+
+STOP_REASONS = {"stop": "completed", "length": "length", "aborted": "aborted", "left": "aborted"}
 
 
 def server_name(replica_rank: int) -> str:
@@ -124,10 +136,14 @@ class TLTServer:
         if self.stale and self.history_file is not None and self.history_file.is_file():
             self._reload_history()
         self.weight_version = 0  # verl's global step of the policy being served
-        self._seeds = itertools.count()  # one sampling seed per request, never reused
-        self._lock = threading.Lock()  # held while the engine runs a batch (weights swap between)
-        self.batcher = RequestBatcher(self._run_batch, self._went_idle, window_s=self.cfg.engine.batch_window_ms / 1000,
-                                      max_batch=self.cfg.engine.max_batch, name=f"replica {replica_rank}")
+        self._lock = threading.Lock()  # held while the engine runs a generation (weights swap between)
+        # aborted requests' states by verl request id: a resubmission (prompt + partial output, as
+        # verl's partial rollout sends it) goes on from there; the oldest are dropped past a bound
+        self._partial: dict[str, RequestState] = {}
+        self.batcher = RequestBatcher(lambda: self.engine, window_s=self.cfg.engine.batch_window_ms / 1000,
+                                      max_batch=self.cfg.engine.max_batch, on_open=self._open_generation,
+                                      on_close=self._close_generation, on_idle=self._went_idle,
+                                      name=f"replica {replica_rank}")
         self.stats = StepStats()
         self.probe = DriftProbe(self.model, self._lock)
         self.agent = None
@@ -184,11 +200,20 @@ class TLTServer:
         params, seed = engine_params(dict(sampling_params), prompt_len=len(prompt_ids), max_len=self.max_len,
                                      response_length=self.response_length,
                                      eos_ids=tuple(self.model.config.eos_ids or ()))
-        if seed is None:  # no identity from verl: a stream no other request of this run uses
-            seed = ((self.seed * 1_000_003 + self.rank) * 1_000_003 + next(self._seeds)) | (1 << 63)
-        tokens, lps, reason = await self.batcher.submit(list(prompt_ids), params, seed)
-        return TokenOutput(token_ids=tokens, log_probs=lps if sampling_params.get("logprobs") else None,
-                           stop_reason=reason, extra_fields={"global_steps": self.weight_version})
+        if seed is None:  # no seed from verl: one from the request id, which verl keeps across retries
+            seed = fallback_seed(self.seed, request_id)
+        state = self._partial.pop(request_id, None)
+        if state is None or list(prompt_ids) != list(state.prompt + state.output):
+            state = RequestState(tuple(prompt_ids), params, seed, group=tuple(prompt_ids))
+        fin = await self.batcher.submit(state, request_id)
+        if fin.reason == "aborted" and not fin.state.done:
+            self._partial[request_id] = fin.state
+            while len(self._partial) > 4 * self.cfg.engine.max_batch:
+                self._partial.pop(next(iter(self._partial)))
+        new = len(state.output)  # a resubmission returns what it added to the partial output verl holds
+        return TokenOutput(token_ids=list(fin.state.output[new:]),
+                           log_probs=list(fin.state.logprobs[new:]) if sampling_params.get("logprobs") else None,
+                           stop_reason=STOP_REASONS[fin.reason], extra_fields={"global_steps": self.weight_version})
 
     async def _healthy_peer(self):
         """Another replica serving the current policy (replicas are named 0, 1, ... in order)."""
@@ -215,23 +240,23 @@ class TLTServer:
     def is_stale(self) -> bool:
         return self.stale
 
-    def _run_batch(self, batch: list[Request]):
-        with self._lock:  # after any IDLE the idle thread sent under this lock, never before it
+    def _open_generation(self) -> None:
+        """A generation starts (the batcher's worker thread): it holds the serving lock until it
+        ends, so weights and drafters swap between generations, never inside one."""
+        self._lock.acquire()  # after any IDLE the idle thread sent under this lock, never before it
+        try:
             if self.agent is not None:
                 self.agent.busy(self.step)  # stops a training session (checkpointed) before decoding
-            prompts = [r.prompt for r in batch]
-            ids: dict[tuple[int, ...], int] = {}
-            groups = [ids.setdefault(tuple(p), len(ids)) for p in prompts]
-            t0 = time.monotonic()
-            res = self.engine.generate(prompts, [r.params for r in batch], groups, [r.seed for r in batch])
-            gen_s = time.monotonic() - t0
-            self.probe.record([r.prompt + toks for r, toks in zip(batch[:self.probe.size], res.outputs)])
-        self.stats.batch(res, started=t0, gen_s=gen_s, requests=len(batch))
-        out = []
-        for r, toks, lps in zip(batch, res.outputs, res.logprobs):
-            stopped = bool(toks) and toks[-1] in r.params.stop_ids
-            out.append((toks, lps, "completed" if stopped else "length"))
-        return out
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _close_generation(self, gen: Generation) -> None:
+        try:
+            self.probe.record([list(f.state.prompt + f.state.output) for f in gen.finished[:self.probe.size]])
+        finally:
+            self._lock.release()
+        self.stats.batch(gen.result(), started=gen.started, gen_s=gen.seconds, requests=len(gen.finished))
 
     def _went_idle(self) -> None:
         """Every request answered (event loop): the drift probe's old-policy forward and, if there
@@ -261,7 +286,8 @@ class TLTServer:
     def step_stats(self) -> dict[str, Any]:
         st = self.stats.snapshot()
         st.update(drafter_version=self.drafter_version, proposer=self.proposer_name, drift_top1=self.probe.top1,
-                  buffer=self.buffer.stats(), replica=self.rank)
+                  buffer=self.buffer.stats(), replica=self.rank, running=self.engine.running,
+                  lifecycle=dict(self.engine.lifecycle))
         return st
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:
@@ -341,12 +367,25 @@ class TLTServer:
     def pid(self) -> int:
         return os.getpid()
 
+    async def abort_all_requests(self, reject_request: bool = False) -> dict[str, Any]:
+        """verl's abort: running and queued requests return their partial output (``aborted``);
+        requests arriving until :meth:`resume_generation` wait for it (``reject_request``: they
+        return at once as aborted, with no tokens)."""
+        keys = await self.batcher.abort_all(reject=reject_request)
+        log.info("replica %d: aborted %d requests", self.rank, len(keys))
+        return {"aborted_count": len(keys), "request_ids": keys}
+
+    async def resume_generation(self) -> None:
+        self.batcher.resume()
+
+    async def abort_request(self, request_id: str) -> dict[str, Any]:
+        """Abort one request (it returns its partial output, ``aborted``)."""
+        return {"aborted": await self.batcher.abort(request_id), "request_id": request_id}
+
     # verl's control plane: nothing is freed between steps (the replica holds its own copy of the
-    # target beside the actor's); requests are never aborted mid-batch.
+    # target beside the actor's).
     async def wake_up(self): return None
     async def sleep(self): return None
-    async def abort_all_requests(self, reject_request: bool = False): return None
-    async def resume_generation(self): return None
     async def clear_kv_cache(self): return None
     async def release_kv_cache(self): return None
     async def resume_kv_cache(self): return None

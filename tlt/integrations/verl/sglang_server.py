@@ -169,11 +169,24 @@ class TLTSGLangServer(SGLangHttpServer):
         tokens = list(out.get("output_ids", []))
         self.stats.request(tokens=len(tokens), verifies=int(meta.get("spec_verify_ct", 0) or 0), eagle=self.eagle)
         lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []] if logprob else None
+        reason = (meta.get("finish_reason") or {}).get("type")
+        if reason == "abort":  # verl's name (its retry loop takes both); the partial output goes back
+            reason = "aborted"
+            if logprob and len(lps) < len(tokens):  # an abort may cut the log-probs short: keep what has one
+                tokens = tokens[:len(lps)]
         if logprob and len(lps) != len(tokens):
             raise RuntimeError(f"request {request_id}: {len(lps)} log-probs for {len(tokens)} tokens")
-        reason = (meta.get("finish_reason") or {}).get("type")
         return TokenOutput(token_ids=tokens, log_probs=lps, stop_reason=reason,
                            extra_fields={"global_steps": self.global_steps})
+
+    async def abort_request(self, request_id: str) -> dict[str, Any]:
+        """Abort one request (SGLang's ``/abort_request``): its ``generate`` returns the tokens it has,
+        with their log-probs, as ``aborted`` (verl's partial rollout resubmits it as prompt +
+        partial output). verl's ``abort_all_requests`` (pause with ``mode="abort"``) is unchanged."""
+        if self.http is None:
+            return {"aborted": False, "request_id": request_id}
+        await self.http.abort_request(rid=request_id)
+        return {"aborted": True, "request_id": request_id}
 
     async def _idle(self) -> None:
         """0 requests in flight: release the KV cache, then report IDLE (if there is data to train on)."""
