@@ -1,10 +1,15 @@
 """The reference rollout engine: batched generation with elastic, tuned speculative decoding.
 
-Owns the step loop over a shrinking batch (the long tail): right-padded prefill, then steps that
-each run one target pass over ``[last committed token] + draft tree`` per running request on the
-static KV cache, verify losslessly, compact the accepted nodes' keys/values into place and retire
-finished requests (swap-remove of cache rows: survivors from the end fill the holes). Plain
-decoding is the same step with an empty tree. Speculation is elastic: the BEG-MAB tuner picks
+Owns the step loop over the running requests and their lifecycle. Requests join between steps
+(:meth:`RolloutEngine.add`: prefilled, right-padded, into the free KV rows after the running ones,
+possibly with tokens they made elsewhere), each step runs one target pass over ``[last committed
+token] + draft tree`` per running request on the static KV cache, verifies losslessly and compacts
+the accepted nodes' keys/values into place, and requests leave between steps: finished (a stop
+token or their budget), aborted, or moved elsewhere with their state
+(:class:`~tlt.rollout.request.RequestState`), by swap-remove of cache rows (survivors from the end
+fill the holes). ``generate`` is add + step until done. Plain decoding is the same step with an
+empty tree. Single-threaded: one thread owns an engine (the verl backend's batcher thread while a
+generation runs). Speculation is elastic: the BEG-MAB tuner picks
 the strategy per step, its "off" arm included at every batch size (so where speculation stops
 paying is learned), optionally capped by ``elastic_threshold``; or a fixed arm. Nothing is handed
 to the proposer while speculation is off: the engine keeps each request's tokens and writes the
@@ -25,9 +30,12 @@ leaving requests (row compaction) upload their indices; they are no step's cost
 
 Sampling is coupled (:mod:`tlt.rollout.sampling`): a request's token at a position is a function of its
 seed, the position and the target's logits, so speculative and plain decoding sample the same
-tokens. A :class:`FeatureSink` receives every finished request's tokens and the target features
-its own rollout computed (last hidden state, and EAGLE-3 layers), whatever proposer is active:
-the drafter's training data from the policy that is rolling out.
+tokens, and a request that leaves after ``k`` tokens and joins again (here or in another engine,
+same seed) goes on with the tokens it would have drawn. A :class:`FeatureSink` receives every
+leaving request's tokens and the target features this engine computed for them (last hidden state,
+and EAGLE-3 layers), whatever proposer is active: the drafter's training data from the policy that
+is rolling out. A request that joined with tokens another engine's sink already received is handed
+over with those as context only (:attr:`RequestState.handed_over`): trained on once.
 """
 
 from __future__ import annotations
@@ -65,13 +73,16 @@ class Tuner(Protocol):
 
 
 class FeatureSink(Protocol):
-    """Receives each finished request with the target features its rollout computed."""
+    """Receives each leaving request (finished, aborted or moved) with the target features its
+    rollout computed here."""
 
     aux_layers: tuple[int, ...]  # target layers whose inputs are captured beside the last hidden state
 
     def add(self, tokens: list[int], prompt_len: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
         """tokens: prompt + response minus the last token (whose feature no forward computed);
-        hidden: [T, H] post-norm last hidden state at each of those positions; aux: [T, A*H] or None."""
+        prompt_len: the first position to train on (the prompt, and response tokens another sink
+        already received, before it); hidden: [T, H] post-norm last hidden state at each of those
+        positions; aux: [T, A*H] or None."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tlt.integrations.verl.requests import duplicate_requests, engine_params, plain, request_seed
+from tlt.integrations.verl.requests import duplicate_requests, engine_params, fallback_seed, plain, request_seed
 from tlt.integrations.verl.trainer import canonical_order
 
 MSG = [{"role": "user", "content": "Compute 1 + 2."}]
@@ -27,6 +27,14 @@ def test_seeds_depend_on_every_part_of_a_requests_identity_and_nothing_else():
     assert len(set(siblings)) == 64
     # verl hands the agent loop numpy arrays of message dicts: the same prompt, the same seed
     assert _seed(prompt=plain(np.array(MSG, dtype=object))) == s
+
+
+def test_a_request_without_a_seed_keeps_one_per_request_id():
+    """verl keeps a request's uuid when it retries or resubmits it: the fallback seed follows the id,
+    and never falls in request_seed's 63-bit range."""
+    a = fallback_seed(3, "5f0e-uuid")
+    assert a == fallback_seed(3, "5f0e-uuid") and a >> 63 == 1
+    assert len({a, fallback_seed(3, "5f0e-uuie"), fallback_seed(4, "5f0e-uuid")}) == 3
 
 
 def test_duplicate_index_and_prompt_is_found():

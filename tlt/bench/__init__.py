@@ -15,7 +15,7 @@ from typing import Callable
 BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs": "graphs",
            "coordinator": "coordinator", "checkpoint": "checkpoint", "preempt": "preempt",
            "sglang-policy": "sglang_policy", "headroom": "headroom",
-           "step-cost": "step_cost", "drafters": "drafters", "resume": "resume"}
+           "step-cost": "step_cost", "drafters": "drafters", "resume": "resume", "lifecycle": "lifecycle"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:

@@ -128,7 +128,8 @@ class RequestBatcher:
         with self._mu:
             mine = [r for r in self._pending if r.key == key]
             self._pending = [r for r in self._pending if r.key != key]
-            self._abort_keys.add(key)  # admitted ones: at the worker's next step boundary
+            if self._keys[key] > len(mine):  # admitted ones: at the worker's next step boundary
+                self._abort_keys.add(key)
         for r in mine:
             _resolve(r.future, Finished(-1, r.state, "aborted"))
         return True
@@ -188,6 +189,8 @@ class RequestBatcher:
         live: dict[int, Request] = {}
         done: list[Finished] = []
         first, t0, tokens = len(eng.steps), time.monotonic(), 0
+        with self._mu:  # aborts posted before now named requests that had finished: none of this generation's
+            self._abort_keys.clear()
         self.on_open()
 
         def answer(outs: list[Finished]) -> None:
