@@ -64,7 +64,7 @@ def test_batcher_joins_running_generations_and_reports_idle():
         again = await b.submit(_state(0), "r0")
         assert list(again.state.output) == ref[0]
 
-    asyncio.run(main())
+    asyncio.run(asyncio.wait_for(main(), 120))  # a lost answer fails, never hangs
     assert eng.lifecycle["joined"] >= 2
     assert events == ["open", 6, "open", 1] and len(idle) == 2
 
@@ -97,8 +97,41 @@ def test_batcher_abort_returns_partial_outputs_holds_requests_until_resume_and_r
         assert rejected.reason == "aborted" and rejected.state.output == ()
         b.resume()
 
-    asyncio.run(main())
+    asyncio.run(asyncio.wait_for(main(), 120))  # a lost answer fails, never hangs
     assert eng.lifecycle["aborted"] == 2
+
+
+def test_a_generation_that_cannot_start_or_fails_fails_its_requests_and_serving_goes_on():
+    eng = _batcher_engine()
+    opens = []
+
+    def on_open():
+        opens.append(1)
+        if len(opens) == 1:
+            raise RuntimeError("the spot agent did not stop")
+
+    real = eng.step
+    fail = [True]
+
+    def step():
+        if fail[0] and eng.running:
+            fail[0] = False
+            raise RuntimeError("a step broke")
+        return real()
+
+    eng.step = step
+
+    async def main():
+        b = RequestBatcher(lambda: eng, window_s=0.01, max_batch=4, on_open=on_open)
+        with pytest.raises(RuntimeError, match="did not stop"):
+            await b.submit(_state(0), "a")
+        with pytest.raises(RuntimeError, match="a step broke"):
+            await b.submit(_state(1), "b")
+        assert not eng.active  # the failed generation's requests left the engine
+        done = await b.submit(_state(2), "c")
+        assert done.reason == "length" and b.idle
+
+    asyncio.run(asyncio.wait_for(main(), 120))  # a lost answer fails, never hangs
 
 
 def test_policy_copy_checks_every_tensor_before_writing():

@@ -191,7 +191,15 @@ class RequestBatcher:
         first, t0, tokens = len(eng.steps), time.monotonic(), 0
         with self._mu:  # aborts posted before now named requests that had finished: none of this generation's
             self._abort_keys.clear()
-        self.on_open()
+        try:
+            self.on_open()
+        except Exception as e:  # the requests waiting for this generation learn why it never ran
+            log.exception("%s: a generation could not start", self.name)
+            with self._mu:
+                waiting, self._pending = self._pending, []
+            for req in waiting:
+                loop.call_soon_threadsafe(_fail, req.future, e)
+            return
 
         def answer(outs: list[Finished]) -> None:
             nonlocal tokens
