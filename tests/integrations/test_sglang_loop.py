@@ -177,10 +177,10 @@ def test_one_request_aborts_with_its_partial_output_and_resumes_token_for_token(
                        cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:] + (tmp_path / "log").read_text()[-2000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    (ref, ref_lp, ref_reason), (part, part_lp, reason), (again, again_lp, _) = r["ref"], r["part"], r["again"]
+    (ref, ref_lp, ref_reason), (part, part_lp, reason), (again, again_lp, again_reason) = r["ref"], r["part"], r["again"]
     assert r["answer"] == {"aborted": True, "request_id": "a"}
     assert reason == "aborted" and 0 < len(part) < len(ref) and len(part_lp) == len(part)
-    assert part + again == ref and len(again_lp) == len(again)
+    assert part + again == ref and len(again_lp) == len(again) and again_reason == ref_reason
     assert len(ref_lp) == len(ref) and all(abs(a - b) < 1e-4 for a, b in zip(part_lp + again_lp, ref_lp))
     aborts = [c for c in r["calls"] if c["endpoint"] == "abort_request"]
     assert [c["body"] for c in aborts] == [{"rid": "a", "abort_all": False}]

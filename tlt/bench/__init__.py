@@ -8,7 +8,9 @@ machine drifts; ratios are always measured within one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+from collections.abc import Iterator
 from typing import Callable
 
 # name -> module under tlt.bench (imported lazily: some need optional packages)
@@ -20,3 +22,18 @@ BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:
     return importlib.import_module(f"tlt.bench.{BENCHES[name]}").run
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` (0: left as they are) for the block, then restored
+    (a bench may run inside a longer process: the tests)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from tlt.bench import torch_threads
 from tlt.bench.rollout import _drafter_dir, paired_ci90
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.eagle_proposer import EagleProposer
@@ -190,13 +191,8 @@ def eagle_start(model: TargetModel, drafter: Drafter, reqs: list[RequestState], 
 
 
 def run(args: argparse.Namespace) -> dict:
-    before = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _run(args)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _run(args: argparse.Namespace) -> dict:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from tlt.bench import torch_threads
 from tlt.drafter.eagle import Drafter
 from tlt.drafter.offline_train import TrainConfig
 from tlt.rollout.eagle_proposer import EagleProposer
@@ -111,13 +112,8 @@ def fixed_batch(model: TargetModel, drafter: Drafter, prompts: list[list[int]], 
 
 
 def run(args: argparse.Namespace) -> dict:
-    before = torch.get_num_threads()
-    if args.threads:  # restored after: the bench may run inside a longer process (tests)
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _run(args)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _run(args: argparse.Namespace) -> dict:

@@ -21,6 +21,7 @@ import platform
 
 import torch
 
+from tlt.bench import torch_threads
 from tlt.drafter.eagle import Drafter, DrafterConfig
 from tlt.drafter.model_config import ModelConfig
 from tlt.rollout.strategy import Arm
@@ -49,13 +50,8 @@ def demo_shape() -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    before = torch.get_num_threads()
-    if getattr(args, "threads", 0):
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(getattr(args, "threads", 0)):
         return _run(args)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _run(args: argparse.Namespace) -> dict:

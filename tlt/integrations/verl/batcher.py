@@ -236,14 +236,14 @@ class RequestBatcher:
                     req.rid, live[rid] = rid, req
                 if eng.active:
                     answer(eng.step())
-        except Exception as e:  # the generation's requests learn the error; the engine is emptied
+        except Exception as e:  # the engine is emptied, then the generation's requests learn the error
             log.exception("%s: a generation of %d requests failed", self.name, len(live))
-            for req in live.values():
-                loop.call_soon_threadsafe(_fail, req.future, e)
             try:
                 eng.abort()
             except Exception:
                 log.exception("%s: emptying the engine after the failure failed too", self.name)
+            for req in live.values():
+                loop.call_soon_threadsafe(_fail, req.future, e)
         finally:
             self.on_close(Generation(done, eng.steps[first:], t0, time.monotonic() - t0, tokens))
 

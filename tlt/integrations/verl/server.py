@@ -39,7 +39,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
