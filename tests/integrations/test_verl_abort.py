@@ -82,7 +82,7 @@ def test_abort_returns_partials_holds_arrivals_and_resumes_token_for_token(serve
         assert outs[i].token_ids + o.token_ids == ref[i].token_ids
         assert o.stop_reason == ref[i].stop_reason
     st = ray.get(s.step_stats.remote())
-    assert st["lifecycle"].get("aborted", 0) == len(cut) and st["running"] == 0
+    assert st["engine_lifecycle"].get("aborted", 0) == len(cut) and st["running"] == 0
 
     ray.get(s.abort_all_requests.remote(reject_request=True))
     rejected = ray.get(s.generate.remote("x", _prompt(1), _sampling(1)), timeout=30)
@@ -93,7 +93,7 @@ def test_abort_returns_partials_holds_arrivals_and_resumes_token_for_token(serve
 def test_a_request_arriving_mid_generation_joins_it(server):
     s = server
     ref = ray.get(s.generate.remote("solo", _prompt(3), _sampling(3, 40)), timeout=120)
-    joined = ray.get(s.step_stats.remote())["lifecycle"].get("joined", 0)
+    joined = ray.get(s.step_stats.remote())["engine_lifecycle"].get("joined", 0)
     long = [s.generate.remote(f"long{i}", _prompt(i), _sampling(i)) for i in range(2)]
     _wait_running(s)
     late = ray.get(s.generate.remote("solo2", _prompt(3), _sampling(3, 40)), timeout=120)
@@ -101,7 +101,7 @@ def test_a_request_arriving_mid_generation_joins_it(server):
     done = ray.wait(long, num_returns=2, timeout=0)[0]
     assert len(done) < 2  # the late request finished while the long ones still ran: it joined them
     ray.get(long, timeout=300)
-    assert ray.get(s.step_stats.remote())["lifecycle"].get("joined", 0) > joined
+    assert ray.get(s.step_stats.remote())["engine_lifecycle"].get("joined", 0) > joined
 
 
 def test_a_request_without_a_seed_keeps_one_per_request_id(server):

@@ -133,3 +133,21 @@ def test_eagle_ratios_leave_the_suffix_drafter_out_and_match_strategies():
     # records without per-arm counters (older runs): no EAGLE figures, no error
     old = {a: [_step(s, 10, 20, s - 1) for s in range(1, 4)] for a in "BC"}
     assert demo.summarize(old)["eagle_accept_length_ratio_spot_vs_stale"] is None
+
+
+def test_replica_seconds_per_step_and_their_means():
+    """Per replica and RL step: decoding, idle and spot-training seconds and requests moved, as the
+    trainer records them; the arm's figure is the per-step sum over replicas, averaged over steps 2+."""
+    def rec(step, gen, idle, train, moved):
+        return {**_step(step, 10, 20, 0), "replica_gen_s": gen, "replica_idle_s": idle, "replica_train_s": train,
+                "replica_moved": moved}
+
+    records = {"C": [rec(1, [9.0, 9.0], [0.0, 0.0], [0.0, 0.0], [0, 0]),  # step 1: set-up, left out
+                     rec(2, [4.0, 2.0], [0.0, 2.0], [0.0, 1.5], [0, 1]),
+                     rec(3, [5.0, 1.0], [0.5, 4.0], [0.0, 3.5], [0, 3])]}
+    s = demo.summarize(records)
+    assert s["replica_seconds_by_step"]["C"][3] == {"decoding_s": [5.0, 1.0], "idle_s": [0.5, 4.0],
+                                                    "training_s": [0.0, 3.5], "moved": [0, 3]}
+    assert s["replica_seconds_by_arm"]["C"] == {"decoding_s": 6.0, "idle_s": 3.25, "training_s": 2.5, "moved": 2.0}
+    line = next(x for x in demo.summary_lines({**s, "seconds": 1.0}) if x.startswith("replicas C"))
+    assert "decoding 6.0 s, idle 3.2 s, spot-training 2.5 s, requests moved 2.0" in line

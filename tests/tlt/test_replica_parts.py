@@ -201,13 +201,17 @@ def test_step_stats_time_the_replicas_decoding_span():
 
     st = StepStats()
     assert (st.snapshot()["first_at"], st.snapshot()["done_at"]) == (None, None)
-    for started, gen_s in ((10.0, 2.0), (12.5, 1.0)):
-        st.batch(types.SimpleNamespace(tokens=1, steps=[]), started=started, gen_s=gen_s, requests=1)
+    for started, gen_s, counts in ((10.0, 2.0, {"left": 2, "joined": 1}), (12.5, 1.0, {"aborted": 1, "left": 1})):
+        st.batch(types.SimpleNamespace(tokens=1, steps=[]), started=started, gen_s=gen_s, requests=1, lifecycle=counts)
+    st.session(types.SimpleNamespace(result=types.SimpleNamespace(
+        tokens_per_s=None, preempt_latency_s=None, phase_s=(0.1, 0.2, 1.5, 0.0), rank=1)))  # 1.5 s training
     snap = st.snapshot()
     assert (snap["first_at"], snap["done_at"], snap["batches"]) == (10.0, 13.5, 2)
     idle = StepStats().snapshot()  # a replica that decoded nothing this step
     fields = replica_fields([snap, idle], began=9.5, ended=14.0)
     assert fields["replica_lead_s"] == [0.5, None] and fields["replica_trail_s"] == [0.5, None]
     assert fields["replica_gen_s"] == [3.0, 0.0] and fields["replica_batches"] == [2, 0]
+    assert fields["replica_train_s"] == [1.5, 0.0]
+    assert fields["replica_moved"] == [3, 0] and fields["replica_aborted"] == [1, 0]
     st.reset()
     assert st.snapshot()["first_at"] is None

@@ -117,6 +117,10 @@ def identical_share(responses: dict[str, list[dict]], a: str, b: str) -> dict | 
             "by_step": {s: same[s] / total[s] for s in sorted(total)}}
 
 
+REPLICA_KEYS = (("decoding_s", "replica_gen_s"), ("idle_s", "replica_idle_s"), ("training_s", "replica_train_s"),
+                ("moved", "replica_moved"))
+
+
 def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] | None = None) -> dict:
     by = {a: {r["step"]: r for r in recs} for a, recs in records.items()}
     steps = sorted(set.intersection(*(set(v) for v in by.values()))) if by else []
@@ -160,6 +164,11 @@ def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] |
         out["rollout_s_by_arm"] = {a: sum(by[a][s].get("tlt/rollout_s", 0.0) for s in later) for a in by}
     out["response_length_mean_by_arm"] = {a: _mean(by[a][s].get("response_length/mean") for s in later)
                                           for a in by}
+    # per replica and RL step: what its time went to, and the requests that left it for another
+    out["replica_seconds_by_step"] = {a: {s: {name: list(by[a][s].get(key) or []) for name, key in REPLICA_KEYS}
+                                          for s in steps} for a in by}
+    out["replica_seconds_by_arm"] = {a: {name: _mean(sum(by[a][s].get(key) or []) for s in later)
+                                         for name, key in REPLICA_KEYS} for a in by}
     out["arm_share_by_arm"] = {a: _arm_shares(by[a][s] for s in later) for a in by if a != "A"}
     out["proposer_share_by_arm"] = {a: _shares((by[a][s] for s in later), "tlt/proposer_share/")
                                     for a in by if a != "A"}
@@ -270,6 +279,11 @@ def summary_lines(s: dict) -> list[str]:
     if s.get("response_length_mean_by_arm"):
         lens = ", ".join(f"{a} {f(v, '.0f')}" for a, v in s["response_length_mean_by_arm"].items())
         lines.append(f"mean response {lens} tokens (steps 2+)")
+    for a, v in (s.get("replica_seconds_by_arm") or {}).items():
+        if v and v.get("decoding_s") is not None:
+            lines.append(f"replicas {a}   per RL step, summed over replicas (steps 2+): decoding "
+                         f"{f(v['decoding_s'], '.1f')} s, idle {f(v['idle_s'], '.1f')} s, spot-training "
+                         f"{f(v['training_s'], '.1f')} s, requests moved {f(v['moved'], '.1f')}")
     for a, shares in (s.get("arm_share_by_arm") or {}).items():
         if shares:
             by_proposer = s.get("proposer_share_by_arm", {}).get(a) or {}

@@ -55,6 +55,7 @@ class Generation:
     started: float  # time.monotonic() at its first step
     seconds: float
     tokens: int  # generated in it (tokens requests brought with them excluded)
+    lifecycle: dict[str, int] = dataclasses.field(default_factory=dict)  # its engine's joined / left / aborted
 
     def result(self) -> RolloutResult:
         return RolloutResult([list(f.state.output) for f in self.finished], self.steps, [], self.seconds)
@@ -188,7 +189,7 @@ class RequestBatcher:
         eng = self.engine()
         live: dict[int, Request] = {}
         done: list[Finished] = []
-        first, t0, tokens = len(eng.steps), time.monotonic(), 0
+        first, t0, tokens, counts = len(eng.steps), time.monotonic(), 0, collections.Counter(eng.lifecycle)
         with self._mu:  # aborts posted before now named requests that had finished: none of this generation's
             self._abort_keys.clear()
         try:
@@ -245,7 +246,8 @@ class RequestBatcher:
             for req in live.values():
                 loop.call_soon_threadsafe(_fail, req.future, e)
         finally:
-            self.on_close(Generation(done, eng.steps[first:], t0, time.monotonic() - t0, tokens))
+            self.on_close(Generation(done, eng.steps[first:], t0, time.monotonic() - t0, tokens,
+                                     dict(collections.Counter(eng.lifecycle) - counts)))
 
 
 def _resolve(fut: asyncio.Future, value: Any) -> None:

@@ -255,7 +255,8 @@ class TLTServer:
             self.probe.record([list(f.state.prompt + f.state.output) for f in gen.finished[:self.probe.size]])
         finally:
             self._lock.release()
-        self.stats.batch(gen.result(), started=gen.started, gen_s=gen.seconds, requests=len(gen.finished))
+        self.stats.batch(gen.result(), started=gen.started, gen_s=gen.seconds, requests=len(gen.finished),
+                         lifecycle=gen.lifecycle)
 
     def _went_idle(self) -> None:
         """Every request answered (event loop): the drift probe's old-policy forward and, if there
@@ -286,7 +287,7 @@ class TLTServer:
         st = self.stats.snapshot()
         st.update(drafter_version=self.drafter_version, proposer=self.proposer_name, drift_top1=self.probe.top1,
                   buffer=self.buffer.stats(), replica=self.rank, running=self.engine.running,
-                  lifecycle=dict(self.engine.lifecycle))
+                  engine_lifecycle=dict(self.engine.lifecycle))
         return st
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:

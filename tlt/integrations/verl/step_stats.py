@@ -20,7 +20,7 @@ def _empty() -> dict[str, Any]:
             "arm_committed": collections.Counter(), "idle_at": None, "idle_s": 0.0, "sessions": 0,
             "failed_sessions": 0, "train_steps": 0, "losses": [], "preempt_s": [], "batches": 0,
             "requests": 0, "gen_s": 0.0, "phases": [], "eagle_verifies": 0, "eagle_committed": 0,
-            "heldout": [], "first_at": None, "done_at": None}
+            "heldout": [], "first_at": None, "done_at": None, "lifecycle": collections.Counter()}
 
 
 class StepStats:
@@ -37,8 +37,10 @@ class StepStats:
         with self._lock:
             self._st["idle_at"] = time.monotonic()
 
-    def batch(self, res, *, started: float, gen_s: float, requests: int) -> None:
-        """One engine batch (a ``GenerateResult``) that started at ``started`` (monotonic)."""
+    def batch(self, res, *, started: float, gen_s: float, requests: int,
+              lifecycle: dict[str, int] | None = None) -> None:
+        """One engine generation (a ``RolloutResult``) that started at ``started`` (monotonic);
+        ``lifecycle``: its requests that joined it running, left it (moved) or were aborted."""
         self.resumed(started)
         with self._lock:
             st = self._st
@@ -49,6 +51,7 @@ class StepStats:
             st["batches"] += 1
             st["requests"] += requests
             st["tokens"] += res.tokens
+            st["lifecycle"].update(lifecycle or {})
             for s in res.steps:
                 if s.sd:
                     st["verifies"] += s.batch
@@ -107,7 +110,7 @@ class StepStats:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             st = dict(self._st)
-            for k in ("arms", "arm_verifies", "arm_committed"):
+            for k in ("arms", "arm_verifies", "arm_committed", "lifecycle"):
                 st[k] = dict(st[k])
             for k in ("losses", "preempt_s", "phases", "heldout"):
                 st[k] = list(st[k])
@@ -117,13 +120,17 @@ class StepStats:
 
 
 def replica_fields(stats: list[dict[str, Any]], began: float, ended: float) -> dict[str, list]:
-    """Per replica, in order, from their snapshots: idle and decoding seconds, engine batches, and
+    """Per replica, in order, from their snapshots: idle, decoding and spot-training seconds,
+    engine generations, requests that left it to go on elsewhere (moved) and that were aborted, and
     the rollout outside their decoding (``began``/``ended``: the rollout's monotonic bounds on the
     driver; monotonic clocks are machine-wide): seconds before the first batch, after the last."""
     def since(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else b - a
 
     return {"replica_idle_s": [s["idle_s"] for s in stats], "replica_gen_s": [s["gen_s"] for s in stats],
+            "replica_train_s": [sum(p[2] for p in s["phases"] if len(p) > 2) for s in stats],
+            "replica_moved": [s.get("lifecycle", {}).get("left", 0) for s in stats],
+            "replica_aborted": [s.get("lifecycle", {}).get("aborted", 0) for s in stats],
             "replica_batches": [s["batches"] for s in stats],
             "replica_lead_s": [since(began, s.get("first_at")) for s in stats],
             "replica_trail_s": [since(s.get("done_at"), ended) for s in stats]}
