@@ -46,6 +46,7 @@ from tlt.drafter.packing import FeatureSample
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = tuple(sorted(_DTYPES))  # the storage dtypes: the one list tlt.buffer.dtype is checked against
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -122,6 +122,18 @@ def test_bad_value_names_key_and_value(dotted, value):
     assert "\n" not in msg
 
 
+def test_every_buffer_dtype_the_config_accepts_the_buffer_stores():
+    """One list: a dtype the driver's check lets through must not fail later in every replica's actor
+    (float16 once did: the config allowed it, the DataBuffer did not)."""
+    from tlt.drafter.buffer import BufferConfig
+
+    with pytest.raises(ValueError, match="tlt.buffer.dtype='float16'"):
+        TLTConfig.from_mapping({"buffer": {"dtype": "float16"}})
+    for dtype in ("float32", "bfloat16"):
+        cfg = TLTConfig.from_mapping({"buffer": {"dtype": dtype}})
+        BufferConfig(dtype=cfg.buffer.dtype, max_bytes=cfg.buffer.max_mb << 20)  # the replica's construction
+
+
 def test_valid_values_parse():
     cfg = TLTConfig.from_mapping({"speculation": {"arm": "4,1,4"}, "spot": {"lr": 1, "base_port": 20000}})
     assert cfg.speculation.parsed_arm() == Arm(4, 1, 4)

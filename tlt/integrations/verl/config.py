@@ -114,7 +114,7 @@ class SpotSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BufferSection:
     max_mb: int = 1024             # host memory for hidden states, per replica
-    dtype: str = "float32"         # float32 | bfloat16 | float16
+    dtype: str = "float32"         # float32 | bfloat16 (the DataBuffer's storage dtypes)
     # where the drafter's training features come from: the rollout's own forwards (the policy
     # being rolled out), verl's old-log-prob forward (one step later), or nowhere
     capture: Literal["rollout", "old_log_prob", "off"] = "rollout"
@@ -122,8 +122,10 @@ class BufferSection:
     def check(self, p: str) -> None:
         if self.max_mb < 1:
             raise _bad(f"{p}.max_mb", self.max_mb, "use an int >= 1 (MiB)")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise _bad(f"{p}.dtype", self.dtype, "use float32, bfloat16 or float16")
+        from tlt.drafter.buffer import DTYPES  # the buffer's own list: the two checks cannot drift
+
+        if self.dtype not in DTYPES:
+            raise _bad(f"{p}.dtype", self.dtype, "use " + " or ".join(DTYPES))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
