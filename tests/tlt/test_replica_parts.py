@@ -61,8 +61,10 @@ def test_batcher_joins_running_generations_and_reports_idle():
         assert all(f.reason == "length" for f in outs) and b.idle
         with pytest.raises(ValueError, match="max_len"):  # refused alone, before any generation
             await b.submit(RequestState((1,) * 250, SamplingParams(max_new_tokens=8), 0), "bad")
+        await _until(lambda: len(idle) == 1)  # the drain ends just after its last answer
         again = await b.submit(_state(0), "r0")
         assert list(again.state.output) == ref[0]
+        await _until(lambda: len(idle) == 2)
 
     asyncio.run(asyncio.wait_for(main(), 120))  # a lost answer fails, never hangs
     assert eng.lifecycle["joined"] >= 2
@@ -215,3 +217,18 @@ def test_step_stats_time_the_replicas_decoding_span():
     assert fields["replica_moved"] == [3, 0] and fields["replica_aborted"] == [1, 0]
     st.reset()
     assert st.snapshot()["first_at"] is None
+
+
+def test_captured_features_feed_the_buffer():
+    from tlt.drafter.buffer import BufferConfig, DataBuffer
+    from tlt.integrations.verl.server import TLTServer
+    from tlt.integrations.verl.spot_wiring import add_captured
+
+    buf = DataBuffer(BufferConfig(dtype="float32", max_bytes=1 << 20))
+    ids, mask = torch.arange(6), torch.tensor([0, 0, 1, 1, 1, 1], dtype=torch.bool)
+    assert add_captured(buf, 3, [(ids, mask, torch.randn(6, 8), None)] * 2) == 2
+    with pytest.raises(ValueError, match="captured sample 0: .* got 3 fields"):
+        add_captured(buf, 3, [(ids, mask, torch.randn(6, 8))])
+    server = object.__new__(TLTServer)  # its add_samples is the feed (SGLang's server delegates the same way)
+    server.buffer = DataBuffer(BufferConfig(dtype="float32", max_bytes=1 << 20))
+    assert server.add_samples(1, [(ids, mask, torch.randn(6, 8), None)]) == 1

@@ -16,7 +16,8 @@ generation runs in one worker thread, which owns the engine from its first step 
 (``on_open`` / ``on_close`` bracket it, e.g. the replica's serving lock). The two meet only in
 ``_mu``-guarded fields: ``_pending`` (event loop appends, worker takes) and the abort requests
 (event loop posts, worker serves). A result is handed to the event loop with
-``call_soon_threadsafe``. The worker ends a generation only when, under ``_mu``, the engine is idle
+``call_soon_threadsafe`` (FIFO with the worker's end, so every answer is delivered, and counted
+out of ``inflight``, before the event loop sees the generation end). The worker ends a generation only when, under ``_mu``, the engine is idle
 and nothing waits; a request queued after that is seen by the event loop, which starts the next.
 A generation that fails fails its own requests; the batcher keeps serving.
 """
@@ -96,7 +97,6 @@ class RequestBatcher:
             self._pending.append(Request(state, key, fut))
         self.inflight += 1
         self._keys[key] += 1
-        fut.add_done_callback(lambda _: self._answered(key))
         if not self._serving:
             self._serving = True
             asyncio.get_running_loop().create_task(self._serve())
@@ -113,7 +113,7 @@ class RequestBatcher:
             keys = [r.key for r in self._pending]
             waiting, self._pending = self._pending, []
         for r in waiting:  # never admitted: nothing generated
-            _resolve(r.future, Finished(-1, r.state, "aborted"))
+            self._answer(r, Finished(-1, r.state, "aborted"))
         if not self._serving:
             return keys
         fut = asyncio.get_running_loop().create_future()
@@ -132,7 +132,7 @@ class RequestBatcher:
             if self._keys[key] > len(mine):  # admitted ones: at the worker's next step boundary
                 self._abort_keys.add(key)
         for r in mine:
-            _resolve(r.future, Finished(-1, r.state, "aborted"))
+            self._answer(r, Finished(-1, r.state, "aborted"))
         return True
 
     def resume(self) -> None:
@@ -150,11 +150,19 @@ class RequestBatcher:
             self._open.set()
         return self._open
 
-    def _answered(self, key: str) -> None:
+    def _answer(self, req: Request, value: Finished | Exception) -> None:
+        """Deliver a request's result (event loop). The in-flight count drops here, with the
+        delivery, so the idle check after a generation never sees a request already answered."""
         self.inflight -= 1
-        self._keys[key] -= 1
-        if not self._keys[key]:
-            del self._keys[key]
+        self._keys[req.key] -= 1
+        if not self._keys[req.key]:
+            del self._keys[req.key]
+        if req.future.done():  # the caller went away
+            return
+        if isinstance(value, Exception):
+            req.future.set_exception(value)
+        else:
+            req.future.set_result(value)
 
     async def _serve(self) -> None:
         """Start generations while requests wait: the first after a window without arrivals."""
@@ -199,7 +207,7 @@ class RequestBatcher:
             with self._mu:
                 waiting, self._pending = self._pending, []
             for req in waiting:
-                loop.call_soon_threadsafe(_fail, req.future, e)
+                loop.call_soon_threadsafe(self._answer, req, e)
             return
 
         def answer(outs: list[Finished]) -> None:
@@ -208,7 +216,7 @@ class RequestBatcher:
                 req = live.pop(f.rid)
                 tokens += len(f.state.output) - len(req.state.output)
                 done.append(f)
-                loop.call_soon_threadsafe(_resolve, req.future, f)
+                loop.call_soon_threadsafe(self._answer, req, f)
 
         try:
             while True:
@@ -232,7 +240,7 @@ class RequestBatcher:
                     try:
                         (rid,) = eng.add([req.state])
                     except ValueError as e:
-                        loop.call_soon_threadsafe(_fail, req.future, e)
+                        loop.call_soon_threadsafe(self._answer, req, e)
                         continue
                     req.rid, live[rid] = rid, req
                 if eng.active:
@@ -244,17 +252,14 @@ class RequestBatcher:
             except Exception:
                 log.exception("%s: emptying the engine after the failure failed too", self.name)
             for req in live.values():
-                loop.call_soon_threadsafe(_fail, req.future, e)
+                loop.call_soon_threadsafe(self._answer, req, e)
         finally:
             self.on_close(Generation(done, eng.steps[first:], t0, time.monotonic() - t0, tokens,
                                      dict(collections.Counter(eng.lifecycle) - counts)))
 
 
 def _resolve(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():  # the caller may have gone away
+    """An abort-all's answer (its caller may have gone away)."""
+    if not fut.done():
         fut.set_result(value)
 
-
-def _fail(fut: asyncio.Future, e: Exception) -> None:
-    if not fut.done():
-        fut.set_exception(e)

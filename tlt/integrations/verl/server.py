@@ -54,7 +54,7 @@ from tlt.integrations.verl.batcher import Generation, RequestBatcher
 from tlt.integrations.verl.config import TLTConfig
 from tlt.integrations.verl.history_log import HISTORY_FILE, read_history
 from tlt.integrations.verl.requests import engine_params, fallback_seed
-from tlt.integrations.verl.spot_wiring import BufferFeed, spot_config, start_spot_agent
+from tlt.integrations.verl.spot_wiring import BufferFeed, add_captured, spot_config, start_spot_agent
 from tlt.integrations.verl.step_stats import StepStats
 from tlt.integrations.verl.weight_sync import DriftProbe, copy_policy, load_spot_drafter
 
@@ -358,11 +358,7 @@ class TLTServer:
 
     def add_samples(self, step: int, samples: list[tuple]) -> int:
         """Features captured by this replica's actor worker (``tlt.buffer.capture=old_log_prob``)."""
-        from tlt.drafter.packing import FeatureSample
-
-        for ids, mask, hidden, aux in samples:
-            self.buffer.add(FeatureSample(ids, mask, hidden, aux), step)
-        return len(self.buffer)
+        return add_captured(self.buffer, step, samples)
 
     def pid(self) -> int:
         return os.getpid()

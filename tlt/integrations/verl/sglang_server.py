@@ -60,7 +60,7 @@ from tlt.integrations.verl.config import TLTConfig
 from tlt.integrations.verl.sglang_drafts import CANARY, drafter_config
 from tlt.integrations.verl.server import replica_actor_name
 from tlt.integrations.verl.sglang_push import TLTHttpEngine
-from tlt.integrations.verl.spot_wiring import start_spot_agent
+from tlt.integrations.verl.spot_wiring import add_captured, start_spot_agent
 from tlt.integrations.verl.step_stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -284,11 +284,8 @@ class TLTSGLangServer(SGLangHttpServer):
         return getattr(torch, str(self.config.dtype).removeprefix("torch."), torch.bfloat16)
 
     def add_samples(self, step: int, samples: list[tuple]) -> int:
-        from tlt.drafter.packing import FeatureSample
-
-        for ids, mask, hidden, aux in samples:
-            self.buffer.add(FeatureSample(ids, mask, hidden, aux), step)
-        return len(self.buffer)
+        """Features captured by this replica's actor worker (``tlt.buffer.capture=old_log_prob``)."""
+        return add_captured(self.buffer, step, samples)
 
     async def add_history(self, step: int, pairs: list[tuple[list[int], list[int]]]) -> int:
         """NGRAM runs: step ``step``'s responses become the server's external corpus (global to the

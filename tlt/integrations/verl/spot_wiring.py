@@ -37,6 +37,17 @@ class BufferFeed:
         self.buffer.add(FeatureSample(torch.tensor(tokens), mask, hidden, aux), self._step())
 
 
+def add_captured(buffer: DataBuffer, step: int, samples: list[tuple]) -> int:
+    """Features the actor workers captured (``tlt.buffer.capture=old_log_prob``) into ``buffer``, as
+    step ``step``'s: each sample is (ids [n], loss mask [n], hidden [n, H], aux [n, A*H] or None).
+    Returns the samples the buffer holds. The one feed of both backends' ``add_samples``."""
+    for k, sample in enumerate(samples):
+        if len(sample) != 4:
+            raise ValueError(f"captured sample {k}: (ids, mask, hidden, aux) expected, got {len(sample)} fields")
+        buffer.add(FeatureSample(*sample), step)
+    return len(buffer)
+
+
 def session_weights(model: TargetModel, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The frozen embedding and LM head a spot session trains against: its own copies (on
     ``device``, where the session trains; default: where the model's are), so a policy push (which
