@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from tlt.drafter.seeds import derive
 from tlt.drafter.checkpoint import load_weights
 from tlt.drafter.eagle import Drafter
 from tlt.drafter.packing import FeatureSample, pack, pack_by_budget
@@ -80,7 +81,7 @@ class EpochBatches:
 
     def _epoch(self, e: int) -> list[list[FeatureSample]]:
         shuffled = list(self.samples)
-        random.Random(self.seed * 1_000_003 + e).shuffle(shuffled)
+        random.Random(derive(self.seed, e)).shuffle(shuffled)
         return pack_by_budget(shuffled, self.token_budget)
 
     def __call__(self, want: int) -> list[FeatureSample]:

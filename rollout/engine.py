@@ -49,6 +49,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from tlt.drafter.seeds import derive
 from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, GraphPlanConfig
@@ -196,7 +197,7 @@ class RolloutEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  groups: Sequence[Hashable] | None = None, seeds: Sequence[int] | None = None) -> RolloutResult:
         """Responses for ``prompts`` (GRPO ``groups``: requests sharing a prompt group id; ``seeds``:
-        one sampling seed per request, default ``cfg.seed * 1_000_003 + index``): :meth:`add` them
+        one sampling seed per request, default ``derive(cfg.seed, index)`` of :mod:`tlt.drafter.seeds`): :meth:`add` them
         to an idle engine and :meth:`step` until they all finished (more than ``max_batch`` requests:
         the rest join as rows free up)."""
         n = len(prompts)
@@ -211,7 +212,7 @@ class RolloutEngine:
         if self.active:
             raise RuntimeError(f"generate needs an idle engine: {self.running} requests run, {len(self._queue)} "
                                "wait (step them, or abort them)")
-        seeds = list(seeds) if seeds is not None else [self.cfg.seed * 1_000_003 + i for i in range(n)]
+        seeds = list(seeds) if seeds is not None else [derive(self.cfg.seed, i) for i in range(n)]
         t_start = time.perf_counter()
         rids = self.add([RequestState(tuple(p), sp, sd, g) for p, sp, sd, g in zip(prompts, plist, seeds, groups)])
         first = len(self.steps)

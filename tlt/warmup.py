@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from tlt.drafter.seeds import derive
 from tlt.drafter.eagle import Drafter, DrafterConfig, METHODS, read_config
 from tlt.drafter.packing import FeatureSample
 from tlt.drafter.checkpoint import latest
@@ -100,7 +101,7 @@ def collect_rollouts(cfg: WarmupConfig, model: TargetModel, tok: TextTokenizer,
     bs = cfg.gen_batch_size
     for s in tqdm(range(0, len(order), bs), desc="generate rollouts", disable=not progress):
         idx = order[s: s + bs]
-        seeds = [cfg.train.seed * 1_000_003 + i for i in idx]  # one sampling seed per job
+        seeds = [derive(cfg.train.seed, i) for i in idx]  # one sampling seed per job
         for i, resp in zip(idx, generate(model, [jobs[i] for i in idx], params, seeds=seeds)):
             out[i] = {"prompt": jobs[i], "response": resp}
     return out

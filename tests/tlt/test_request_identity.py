@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tlt.integrations.verl.requests import duplicate_requests, engine_params, fallback_seed, plain, request_seed
+from tlt.drafter.seeds import fallback_seed, request_seed
+from tlt.integrations.verl.requests import duplicate_requests, engine_params, plain
 from tlt.integrations.verl.trainer import canonical_order
 
 MSG = [{"role": "user", "content": "Compute 1 + 2."}]

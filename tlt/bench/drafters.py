@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from tlt.drafter.seeds import derive
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
                                 tuner=tuner)
             committed = verifies = 0
             for epoch in range(epochs):
-                seeds = [args.seed * 1_000_003 + epoch * 10_007 + i for i in range(len(reqs))]
+                seeds = [derive(args.seed, epoch * 10_007 + i) for i in range(len(reqs))]
                 res = eng.generate(reqs, params, groups, seeds)
                 if len(ref) == epoch:
                     ref.append(res.outputs)

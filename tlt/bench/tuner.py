@@ -47,6 +47,7 @@ import math
 import random
 from collections.abc import Callable
 
+from tlt.drafter.seeds import derive, replica_seed
 from tlt.rollout.strategy import Arm
 from tlt.rollout.tuner import BegMab, TunerConfig, describe
 
@@ -246,7 +247,7 @@ def run(args: argparse.Namespace) -> dict:
                "oracle_grid": oracle(surf, grid)}  # stateless apart from their caches
     result: dict = {
         "bench": "tuner", "quick": bool(args.quick), "seed": seed, "rollouts": rollouts,
-        "requests": n_req, "tuner_seeds": [seed * 7919 + k for k in range(tuner_seeds)],
+        "requests": n_req, "tuner_seeds": [replica_seed(seed, k) for k in range(tuner_seeds)],  # tuner k seeded as replica k
         "lengths": {"median": median_len, "sigma": sigma, "cap": cap, "prompt": prompt,
                     "total_tokens_per_rollout": [sum(L) for L in sets]},
         "surface": dataclasses.asdict(surf), "elastic_threshold_ablation": ELASTIC,
@@ -263,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
         per_seed: list[dict[str, list[float]]] = [{} for _ in range(tuner_seeds)]
         bandits = []
         for k in range(tuner_seeds):
-            tcfg = dataclasses.replace(cfg, seed=seed * 7919 + k)
+            tcfg = dataclasses.replace(cfg, seed=replica_seed(seed, k))
             bandits.append({
                 "begmab": bandit(tcfg), "begmab_elastic32": bandit(tcfg, elastic=ELASTIC),
                 "begmab_uniform_explore": bandit(dataclasses.replace(tcfg, explore_gap=math.inf)),
@@ -271,7 +272,7 @@ def run(args: argparse.Namespace) -> dict:
                 "begmab_raw_goodput": bandit(tcfg, raw_goodput=True)})
         for r, lengths in enumerate(sets):
             sim = functools.partial(simulate, lengths, prompt, surf=surf, alphas=alphas,
-                                    seed=seed * 1_000_003 + r * 101 + 17)  # same noise for all
+                                    seed=derive(seed, r * 101 + 17))  # same noise for all
             for key, choose in oracles.items():
                 _add(totals, key, sim(choose, _no_record))
             for k, group in enumerate(bandits):

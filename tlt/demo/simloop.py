@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tlt.drafter.seeds import derive
 from tlt.coordinator import (
     Coordinator,
     CoordinatorConfig,
@@ -123,7 +124,7 @@ def _worker(i: int, cfg: SimConfig, coord_addr: str, port: int, root: str, ctl, 
 
     def batches(f):
         calls = itertools.count()  # the same seeded draws on every rank of the formation
-        return lambda budget: buf.sample_batch(budget, seed=f.epoch * 1_000_003 + next(calls))
+        return lambda budget: buf.sample_batch(budget, seed=derive(f.epoch, next(calls)))
 
     def on_record(rec: FormationRecord) -> None:
         out.put(("record", wid, rec.formation.rl_step, dataclasses.asdict(rec)))

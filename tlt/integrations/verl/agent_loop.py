@@ -2,7 +2,7 @@
 
 Owns :class:`TLTAgentLoop` (``actor_rollout_ref.rollout.agent.default_agent_loop=tlt_agent``, set
 by the ``tlt_grpo`` configs). verl 0.9.1 gives a rollout request no seed, so TLT derives one from
-the request's identity (:func:`tlt.integrations.verl.requests.request_seed`: ``data.seed``, the
+the request's identity (:func:`tlt.drafter.seeds.request_seed`: ``data.seed``, the
 global step, the prompt's dataset index, the sample's index in its group, training vs validation,
 the prompt) and carries it in ``sampling_params["seed"]``, which the tlt rollout honours: the same
 request samples the same tokens whether speculation is on or off. Training batches carry a marker
@@ -17,7 +17,8 @@ from typing import Any
 from verl.experimental.agent_loop.agent_loop import register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-from tlt.integrations.verl.requests import plain, request_seed
+from tlt.drafter.seeds import request_seed
+from tlt.integrations.verl.requests import plain
 
 log = logging.getLogger(__name__)
 NAME = "tlt_agent"

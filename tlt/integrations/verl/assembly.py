@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
+from tlt.drafter.seeds import replica_seed
 from tlt.drafter.digest import module_digest
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.eagle_proposer import EagleProposer
@@ -40,7 +41,7 @@ class ReplicaEngine:
         self.on = spec.enable and cfg.enable
         self.engine_cfg = EngineConfig(max_batch=cfg.engine.max_batch, max_len=max_len,
                                        max_draft_tokens=spec.max_draft_tokens, elastic_threshold=spec.elastic_threshold,
-                                       arm=spec.parsed_arm(), seed=seed * 7919 + rank)
+                                       arm=spec.parsed_arm(), seed=replica_seed(seed, rank))
         hist = spec.history_config()
         self.history = ResponseHistory(hist) if self.on and spec.ngram and hist is not None else None
         self.suffix = NgramProposer(history=self.history) if self.on and spec.ngram else None

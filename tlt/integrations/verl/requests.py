@@ -2,9 +2,10 @@
 
 Owns the translation of verl's ``sampling_params`` into the engine's
 :class:`~tlt.rollout.generate.SamplingParams` (keys the engine honours, keys whose neutral value is the
-only lossless one, anything else refused rather than dropped), and the request seed of coupled
-sampling. verl 0.9.1 sends no seed and no stable request identity (``request_id`` is a uuid4), so
-the seed is derived from what identifies a request in an RL run: the data seed, the global step,
+only lossless one, anything else refused rather than dropped), and the check that no two requests of
+a batch share an identity. verl 0.9.1 sends no seed and no stable request identity (``request_id`` is
+a uuid4), so the seed (:func:`tlt.drafter.seeds.request_seed`) is derived from what identifies a
+request in an RL run: the data seed, the global step,
 the prompt's dataset index, the sample's index in its GRPO group, training vs validation, and the
 prompt itself. Two arms of a comparison (or a rerun) then sample the same tokens for the same
 request, with speculation on or off, and siblings never share a seed.
@@ -12,7 +13,6 @@ request, with speculation on or off, and siblings never share a seed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from typing import Any
@@ -27,21 +27,6 @@ SERVED = {"temperature", "top_p", "top_k", "logprobs", "max_tokens", "max_new_to
 NEUTRAL = {"repetition_penalty": (1, 1.0, None), "min_p": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
            "frequency_penalty": (0, 0.0, None), "ignore_eos": (False, None), "stop": (None, (), []),
            "n": (1, None)}
-
-
-def request_seed(*, data_seed: int, step: int, index: int, sample: int, validate: bool, prompt: Any) -> int:
-    """A 63-bit seed from a request's identity (``prompt``: the chat messages, JSON-able)."""
-    blob = json.dumps([int(data_seed), int(step), int(index), int(sample), bool(validate), prompt],
-                      sort_keys=True, default=str)
-    return int.from_bytes(hashlib.blake2b(blob.encode(), digest_size=8).digest(), "little") >> 1
-
-
-def fallback_seed(server_seed: int, request_id: str) -> int:
-    """The seed of a request verl sent without one: from its request id (a uuid4 verl keeps when it
-    resubmits an aborted request), so a retried or resumed request keeps its seed. Bit 63 set: a
-    stream no :func:`request_seed` (63 bits) uses."""
-    blob = json.dumps(["fallback", int(server_seed), str(request_id)])
-    return (int.from_bytes(hashlib.blake2b(blob.encode(), digest_size=8).digest(), "little") >> 1) | (1 << 63)
 
 
 def plain(x: Any) -> Any:

@@ -20,7 +20,7 @@ history update and a drift-probe forward never overlap. A spot session trains on
 frozen tensors, so it needs no lock; it is stopped before a generation runs (``agent.busy``).
 
 Requests (verl's ``generate``): each is a :class:`~tlt.rollout.request.RequestState` with its seed
-(verl's, else :func:`~tlt.integrations.verl.requests.fallback_seed` of its request id, which verl keeps
+(verl's, else :func:`~tlt.drafter.seeds.fallback_seed` of its request id, which verl keeps
 when it retries). verl's ``abort_all_requests`` returns every running request's partial output; the
 replica keeps the aborted states, and a resubmission (verl's partial rollout sends prompt + partial
 output under the same request id) goes on from its state: same seed and GRPO group, the features
@@ -47,13 +47,14 @@ import torch
 from tlt.drafter.buffer import BufferConfig, DataBuffer
 from tlt.drafter.eagle import Drafter, DrafterConfig
 from tlt.drafter.resume_state import prefetch, warmup_state
+from tlt.drafter.seeds import fallback_seed
 from tlt.rollout.request import RequestState
 from tlt.rollout.target import TargetModel
 from tlt.integrations.verl.assembly import ReplicaEngine
 from tlt.integrations.verl.batcher import Generation, RequestBatcher
 from tlt.integrations.verl.config import TLTConfig
 from tlt.integrations.verl.history_log import HISTORY_FILE, read_history
-from tlt.integrations.verl.requests import engine_params, fallback_seed
+from tlt.integrations.verl.requests import engine_params
 from tlt.integrations.verl.spot_wiring import BufferFeed, add_captured, spot_config, start_spot_agent
 from tlt.integrations.verl.step_stats import StepStats
 from tlt.integrations.verl.weight_sync import DriftProbe, copy_policy, load_spot_drafter

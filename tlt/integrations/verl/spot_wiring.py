@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from tlt.drafter.seeds import derive
 from tlt.drafter.buffer import DataBuffer
 from tlt.drafter.eagle import DrafterConfig
 from tlt.drafter.packing import FeatureSample
@@ -82,7 +83,7 @@ def start_spot_agent(*, cfg: TLTConfig, rank: int, seed: int, model: TargetModel
 
     def batches(f):
         calls = itertools.count()
-        return lambda budget: buffer.sample_batch(budget, seed=f.epoch * 1_000_003 + next(calls))
+        return lambda budget: buffer.sample_batch(budget, seed=derive(f.epoch, next(calls)))
 
     cc = cfg.coordinator
     worker = WorkerConfig(address=coordinator, worker_id=f"replica-{rank}",
