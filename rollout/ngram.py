@@ -64,7 +64,7 @@ proposal rather than per step), and requests that left the running rows are fini
 join a running generation are started at the first proposal that sees them, in their own group
 (a request moved here from another engine keeps its group key, so its siblings here are its
 siblings, and its prompt's history is this proposer's). The index
-API below is public for replays (:mod:`tlt.rollout.ngram_eval`): ``start`` indexes the prompt
+API below is public for replays (the tests' ``tests/rollout/ngram_eval.py``): ``start`` indexes the prompt
 (siblings with equal prompts share one prompt index); ``accept``
 indexes each committed token (``max_n - min_n + 1`` dict appends per token); ``finish`` freezes
 a request, whose sequence stays a source for its siblings. When the last running request of a

@@ -10,7 +10,7 @@ import torch
 
 from tlt.rollout.draft_tree import DraftTree, ProposerInput
 from tlt.rollout.ngram import NgramConfig, NgramProposer
-from tlt.rollout.ngram_eval import greedy_accept, measure_accept_length
+from tests.rollout.ngram_eval import greedy_accept, measure_accept_length
 from tlt.rollout.strategy import Arm
 
 CHAIN3 = Arm(3, 1, 3)

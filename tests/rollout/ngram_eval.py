@@ -1,4 +1,4 @@
-"""Offline accept-length measurement of the n-gram drafter on known rollouts.
+"""Offline accept-length measurement of the n-gram drafter on known rollouts (a test helper).
 
 Owns :func:`measure_accept_length` and :class:`AcceptStats`. Given, per GRPO group, the prompt and
 the sibling responses the target produced (greedy or sampled), it replays decoding with an
