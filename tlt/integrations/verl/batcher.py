@@ -17,7 +17,7 @@ generation runs in one worker thread, which owns the engine from its first step 
 ``_mu``-guarded fields: ``_pending`` (event loop appends, worker takes) and the abort requests
 (event loop posts, worker serves). A result is handed to the event loop with
 ``call_soon_threadsafe`` (FIFO with the worker's end, so every answer is delivered, and counted
-out of ``inflight``, before the event loop sees the generation end). The worker ends a generation only when, under ``_mu``, the engine is idle
+out of the in-flight count, before the event loop sees the generation end). The worker ends a generation only when, under ``_mu``, the engine is idle
 and nothing waits; a request queued after that is seen by the event loop, which starts the next.
 A generation that fails fails its own requests; the batcher keeps serving.
 """
@@ -72,7 +72,6 @@ class RequestBatcher:
         when every request was answered (it must not block)."""
         self.engine, self.on_open, self.on_close, self.on_idle = engine, on_open, on_close, on_idle
         self.window_s, self.max_batch, self.name = window_s, max_batch, name
-        self.inflight = 0  # submitted and not answered yet (waiting, queued or decoding)
         self._mu = threading.Lock()
         self._pending: list[Request] = []  # queued for the engine (guarded by _mu)
         self._abort_all: list[asyncio.Future] = []  # abort-all requests for the worker (guarded by _mu)
@@ -80,7 +79,8 @@ class RequestBatcher:
         self._serving = False  # a generation is starting or running (event loop only)
         self._open: asyncio.Event | None = None  # the gate (set: open), made in the event loop
         self._rejecting = False
-        self._keys: collections.Counter[str] = collections.Counter()  # keys in flight (event loop)
+        # requests submitted and not answered yet (waiting, queued or decoding), by key (event loop)
+        self._keys: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------------ event loop side
     async def submit(self, state: RequestState, key: str = "") -> Finished:
@@ -95,7 +95,6 @@ class RequestBatcher:
         fut = asyncio.get_running_loop().create_future()
         with self._mu:
             self._pending.append(Request(state, key, fut))
-        self.inflight += 1
         self._keys[key] += 1
         if not self._serving:
             self._serving = True
@@ -141,6 +140,10 @@ class RequestBatcher:
         self._gate().set()
 
     @property
+    def inflight(self) -> int:
+        return sum(self._keys.values())
+
+    @property
     def idle(self) -> bool:
         return self.inflight == 0
 
@@ -153,7 +156,6 @@ class RequestBatcher:
     def _answer(self, req: Request, value: Finished | Exception) -> None:
         """Deliver a request's result (event loop). The in-flight count drops here, with the
         delivery, so the idle check after a generation never sees a request already answered."""
-        self.inflight -= 1
         self._keys[req.key] -= 1
         if not self._keys[req.key]:
             del self._keys[req.key]

@@ -62,7 +62,7 @@ from tlt.integrations.verl.weight_sync import DriftProbe, copy_policy, load_spot
 log = logging.getLogger(__name__)
 
 
-STOP_REASONS = {"stop": "completed", "length": "length", "aborted": "aborted", "left": "aborted"}
+STOP_REASONS = {"stop": "completed", "length": "length", "aborted": "aborted"}
 
 
 def server_name(replica_rank: int) -> str:
