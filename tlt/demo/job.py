@@ -73,9 +73,12 @@ DEFAULT = DemoSize(target=TargetSpec(hidden_size=64, intermediate_size=176, num_
                    prompts=32, batch=8, n=4, steps=8, max_response=320, warmup_steps=60, actor_lr=3e-4,
                    kl_coef=0.1,  # without the KL anchor the policy falls into "by step by step" loops by step 4
                    spot_nice=19)  # two shared cores: the scale model of a GPU the long tail left idle
+# Quick: the untrained target writes to the 64-token cap on both replicas, so each step's idle window
+# is a fraction of a second and one spot step fits it only sometimes; four steps make a run without
+# any spot step (no drafter pushed) unlikely on a slow machine, at about a second per extra step.
 QUICK = DemoSize(target=TargetSpec(hidden_size=64, num_layers=2, intermediate_size=128, train_steps=10,
                                    batch_size=4, seq_len=128, corpus=DEMO_CORPUS),
-                 prompts=8, batch=4, n=2, steps=2, max_response=64, warmup_steps=5, timeout_s=600)
+                 prompts=8, batch=4, n=2, steps=4, max_response=64, warmup_steps=5, timeout_s=600)
 
 ARMS = {  # arm -> verl overrides (D is not in the default run: `tlt demo --arms ACD` measures the
     # model-free drafter's contribution)

@@ -260,16 +260,18 @@ class TLTServer:
                          lifecycle=gen.lifecycle)
 
     def _went_idle(self) -> None:
-        """Every request answered (event loop): the drift probe's old-policy forward and, if there
-        is anything to train on, the spot agent's IDLE, in a thread of their own."""
+        """Every request answered (event loop): if there is anything to train on, the spot agent's
+        IDLE, then the drift probe's old-policy forward, in a thread of their own. IDLE goes first:
+        the idle window is often a fraction of a second, and the probe's forward would delay the
+        session's start by its own length."""
         self.stats.went_idle()
         threading.Thread(target=self._idle_work, name=f"tlt-idle-{self.rank}", daemon=True).start()
 
     def _idle_work(self) -> None:
-        self.probe.before()
         with self._lock:  # ordered with _run_batch's BUSY: a batch queued meanwhile keeps it busy
             if self.agent is not None and self.batcher.idle and len(self.buffer):
                 self.agent.idle(self.step)
+        self.probe.before()  # before the next policy copy: update_weights comes after the rollout
 
     # ------------------------------------------------------------------ control (driver / workers)
     def begin_step(self, step: int) -> None:
