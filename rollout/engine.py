@@ -252,6 +252,10 @@ class RolloutEngine:
         """Requests decoding now (one KV row each)."""
         return len(self._rows)
 
+    def progress(self) -> dict[int, int]:
+        """Response tokens so far of each running request, by id (between steps)."""
+        return {rid: len(self._reqs[rid].seq) - len(self._reqs[rid].state.prompt) for rid in self._rows}
+
     @property
     def active(self) -> bool:
         """Requests run or wait for a row."""

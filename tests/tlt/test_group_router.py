@@ -18,7 +18,7 @@ from tlt.integrations.verl.router import GroupRouter  # noqa: E402
 
 def test_siblings_share_a_replica_and_groups_spread_by_load():
     router = GroupRouter({"r0": "h0", "r1": "h1"}, {"router_class": "x", "max_groups": 64})
-    assert router.require_acquire_fields() == ["prompt_ids"]
+    assert router.require_acquire_fields() == ["prompt_ids", "tlt_to"]  # tlt_to: a moved request's destination
     placed = collections.defaultdict(set)
     for g in range(8):
         for s in range(4):

@@ -6,7 +6,8 @@ the request's identity (:func:`tlt.drafter.seeds.request_seed`: ``data.seed``, t
 global step, the prompt's dataset index, the sample's index in its group, training vs validation,
 the prompt) and carries it in ``sampling_params["seed"]``, which the tlt rollout honours: the same
 request samples the same tokens whether speculation is on or off. Training batches carry a marker
-(:data:`TRAIN_KEY`, set by the tlt trainer); validation batches do not.
+(:data:`TRAIN_KEY`, set by the tlt trainer); validation batches do not. Its server client follows a
+request the tail policy moves between replicas (:class:`~tlt.integrations.verl.moves.MovingClient`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from verl.experimental.agent_loop.agent_loop import register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
 from tlt.drafter.seeds import request_seed
+from tlt.integrations.verl.moves import MovingClient
 from tlt.integrations.verl.requests import plain
 
 log = logging.getLogger(__name__)
@@ -36,5 +38,7 @@ class TLTAgentLoop(SingleTurnAgentLoop):
             sampling_params = {**sampling_params, "seed": seed}
         else:  # verl's legacy (non-TransferQueue) agent loop has no sample index: no seed
             log.warning("tlt_agent: request without session_id/index/global_steps: sampled without a seed")
+        if not isinstance(self.server_manager, MovingClient):  # a request the tail policy moves: one answer
+            self.server_manager = MovingClient(self.server_manager)
         return await super().run(sampling_params, **kwargs)
 

@@ -9,13 +9,17 @@ result (a :class:`~tlt.rollout.request.Finished`) is returned as soon as it fini
 Abort (verl's ``abort_all_requests`` and ``resume_generation``, and a single request's abort): the
 gate closes, so requests arriving meanwhile wait for :meth:`resume` (or, with ``reject``, return at
 once as aborted with no tokens); running and queued requests are aborted at the next step boundary
-and return their partial output (reason ``aborted``).
+and return their partial output (reason ``aborted``). :meth:`leave` is the same for named requests
+without the gate, with reason ``left``: the request goes on elsewhere from its state (a tail move).
+
+Load (:meth:`load`): after each step the worker publishes the running requests' progress and the
+step's cost by batch size, which the tail policy reads (:mod:`tlt.coordinator.tail`).
 
 Threads and ownership: the event loop owns the futures, the gate and the ``_serving`` flag; a
 generation runs in one worker thread, which owns the engine from its first step to its last
 (``on_open`` / ``on_close`` bracket it, e.g. the replica's serving lock). The two meet only in
 ``_mu``-guarded fields: ``_pending`` (event loop appends, worker takes) and the abort requests
-(event loop posts, worker serves). A result is handed to the event loop with
+(event loop posts, worker serves), and the published load (worker writes, anyone reads). A result is handed to the event loop with
 ``call_soon_threadsafe`` (FIFO with the worker's end, so every answer is delivered, and counted
 out of the in-flight count, before the event loop sees the generation end). The worker ends a generation only when, under ``_mu``, the engine is idle
 and nothing waits; a request queued after that is seen by the event loop, which starts the next.
@@ -45,6 +49,17 @@ class Request:
     key: str  # the caller's id (verl's request_id): what a single abort names
     future: asyncio.Future
     rid: int | None = None  # the engine's id once admitted
+    steps: int = 0  # engine steps it ran in here (its tokens beyond one per step were accepted drafts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """What the worker publishes after each step (:meth:`RequestBatcher.load`)."""
+
+    requests: tuple[tuple[str, int, int, int], ...]  # running: (key, tokens so far, accepted here, max new)
+    step_s: dict[int, float]  # batch size -> seconds per step (running mean of this replica's steps)
+    join_s: float | None  # seconds a joining request added to its step (mean), None: none measured
+    tokens_per_step: float  # tokens committed per request per step (recent mean)
 
 
 @dataclasses.dataclass
@@ -75,7 +90,11 @@ class RequestBatcher:
         self._mu = threading.Lock()
         self._pending: list[Request] = []  # queued for the engine (guarded by _mu)
         self._abort_all: list[asyncio.Future] = []  # abort-all requests for the worker (guarded by _mu)
-        self._abort_keys: set[str] = set()  # single aborts for the worker (guarded by _mu)
+        self._exits: dict[str, str] = {}  # key -> "aborted" / "left", for the worker (guarded by _mu)
+        self._load = Load((), {}, None, 1.0)  # published by the worker (guarded by _mu)
+        self._step_s: dict[int, tuple[float, int]] = {}  # batch -> (mean seconds, count) (worker)
+        self._join: tuple[float, int] = (0.0, 0)  # (mean extra seconds per joining request, count) (worker)
+        self._tps: float = 1.0  # tokens per request per step, running mean (worker)
         self._serving = False  # a generation is starting or running (event loop only)
         self._open: asyncio.Event | None = None  # the gate (set: open), made in the event loop
         self._rejecting = False
@@ -123,16 +142,28 @@ class RequestBatcher:
     async def abort(self, key: str) -> bool:
         """Abort the request ``key`` (queued or running: it returns its partial output); False if
         no request of that key is in flight."""
-        if key not in self._keys:
-            return False
+        return bool(self._exit([key], "aborted"))
+
+    def leave(self, keys: list[str]) -> list[str]:
+        """The requests ``keys`` leave (queued ones at once, running ones at the next step boundary),
+        each answered with its state (reason ``left``); returns the keys that were in flight."""
+        return self._exit(keys, "left")
+
+    def _exit(self, keys: list[str], reason: str) -> list[str]:
+        keys = [k for k in dict.fromkeys(keys) if k in self._keys]
         with self._mu:
-            mine = [r for r in self._pending if r.key == key]
-            self._pending = [r for r in self._pending if r.key != key]
-            if self._keys[key] > len(mine):  # admitted ones: at the worker's next step boundary
-                self._abort_keys.add(key)
+            mine = [r for r in self._pending if r.key in keys]
+            self._pending = [r for r in self._pending if r.key not in keys]
+            for key in keys:
+                if self._keys[key] > sum(r.key == key for r in mine):  # admitted: at the next step boundary
+                    self._exits.setdefault(key, reason)
         for r in mine:
-            self._answer(r, Finished(-1, r.state, "aborted"))
-        return True
+            self._answer(r, Finished(-1, r.state, reason))
+        return keys
+
+    def load(self) -> Load:
+        with self._mu:
+            return self._load
 
     def resume(self) -> None:
         """Open the gate again: held requests go on."""
@@ -200,8 +231,8 @@ class RequestBatcher:
         live: dict[int, Request] = {}
         done: list[Finished] = []
         first, t0, tokens, counts = len(eng.steps), time.monotonic(), 0, collections.Counter(eng.lifecycle)
-        with self._mu:  # aborts posted before now named requests that had finished: none of this generation's
-            self._abort_keys.clear()
+        with self._mu:  # exits posted before now named requests that had finished: none of this generation's
+            self._exits.clear()
         try:
             self.on_open()
         except Exception as e:  # the requests waiting for this generation learn why it never ran
@@ -224,20 +255,25 @@ class RequestBatcher:
             while True:
                 with self._mu:
                     aborts, self._abort_all = self._abort_all, []
-                    keys, self._abort_keys = self._abort_keys, set()
+                    exits, self._exits = self._exits, {}
                     room = self.max_batch - eng.running
                     take, self._pending = self._pending[:max(room, 0)], self._pending[max(room, 0):]
                     if not take and not eng.active:
+                        self._load = dataclasses.replace(self._load, requests=())
                         for f in aborts:
                             loop.call_soon_threadsafe(_resolve, f, [])
                         break
-                if aborts or keys:
-                    named = [rid for rid, r in live.items() if aborts or r.key in keys]
-                    gone = [live[rid].key for rid in named]
-                    answer(eng.abort(named))
+                if aborts:
+                    gone = [r.key for r in live.values()]
+                    answer(eng.abort(list(live)))
                     for f in aborts:
                         loop.call_soon_threadsafe(_resolve, f, gone)
                     aborts = []
+                for reason in ("aborted", "left"):
+                    named = [rid for rid, r in live.items() if exits.get(r.key) == reason]
+                    if named:
+                        answer(eng.abort(named) if reason == "aborted" else eng.leave(named))
+                joined = 0
                 for req in take:  # one by one: a request the engine refuses fails alone
                     try:
                         (rid,) = eng.add([req.state])
@@ -245,8 +281,18 @@ class RequestBatcher:
                         loop.call_soon_threadsafe(self._answer, req, e)
                         continue
                     req.rid, live[rid] = rid, req
+                    joined += 1
                 if eng.active:
-                    answer(eng.step())
+                    running_before = eng.running  # requests decoding before this step's joins
+                    stepping = list(live.values())
+                    n_steps, t_step = len(eng.steps), time.monotonic()
+                    outs = eng.step()
+                    if len(eng.steps) > n_steps:  # a decode step ran (its prefill of joining requests included)
+                        self._measure(eng.steps[-1], time.monotonic() - t_step, joined if running_before else 0)
+                    for req in stepping:
+                        req.steps += 1
+                    answer(outs)
+                    self._publish(live, eng.progress())
         except Exception as e:  # the engine is emptied, then the generation's requests learn the error
             log.exception("%s: a generation of %d requests failed", self.name, len(live))
             try:
@@ -258,6 +304,37 @@ class RequestBatcher:
         finally:
             self.on_close(Generation(done, eng.steps[first:], t0, time.monotonic() - t0, tokens,
                                      dict(collections.Counter(eng.lifecycle) - counts)))
+
+
+    def _measure(self, rec: StepRecord, seconds: float, joined: int) -> None:
+        """One step's cost (``seconds``: the whole ``step()``) into the curve (steps without joins)
+        or the join cost (a step in which ``joined`` requests joined running ones: its excess over
+        the curve at that batch, per joining request)."""
+        if rec.batch < 1:
+            return
+        if joined:
+            base = self._step_s.get(rec.batch)
+            if base is not None:
+                mean, n = self._join
+                self._join = ((mean * n + max(seconds - base[0], 0.0) / joined) / (n + 1), n + 1)
+            return
+        mean, n = self._step_s.get(rec.batch, (0.0, 0))
+        n = min(n, 63)  # a running mean over about the last 64 steps at this batch size
+        self._step_s[rec.batch] = ((mean * n + seconds) / (n + 1), n + 1)
+        tps = rec.committed / rec.batch
+        self._tps = 0.9 * self._tps + 0.1 * tps
+
+    def _publish(self, live: dict[int, Request], progress: dict[int, int]) -> None:
+        reqs = []
+        for rid, r in live.items():
+            have = progress.get(rid)
+            if have is not None:  # running (not waiting for a row)
+                made = have - len(r.state.output)  # here, from ``steps`` steps: the rest were accepted drafts
+                reqs.append((r.key, have, max(made - r.steps, 0), r.state.params.max_new_tokens))
+        mean, n = self._join
+        load = Load(tuple(reqs), {b: s for b, (s, _) in self._step_s.items()}, mean if n else None, self._tps)
+        with self._mu:
+            self._load = load
 
 
 def _resolve(fut: asyncio.Future, value: Any) -> None:

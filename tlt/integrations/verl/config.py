@@ -189,6 +189,48 @@ class SGLangSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ConsolidateSection:
+    """``tlt.tail.consolidate``: requests move between replicas in the rollout's tail
+    (:mod:`tlt.coordinator.tail`; the project's engine only)."""
+
+    # off | reallocate (RLHFSpec: balance) | consolidate (RLHFuse: the tail onto few replicas) |
+    # auto (the cost model picks per decision)
+    mode: Literal["off", "reallocate", "consolidate", "auto"] = "off"
+    interval_s: float = 0.1        # seconds between decisions during a rollout
+    knee: float = 0.9              # reallocation's theta: smallest batch reaching this share of peak throughput
+    remaining_share: float = 0.2   # consolidate once at most this share of the step's requests run
+    train_value: float = 0.5       # rollout seconds one replica-second freed for spot training is worth
+    move_s: float | None = None    # a move's cost in seconds; null: measured by the replicas
+
+    def check(self, p: str) -> None:
+        if not 0.005 <= self.interval_s <= 60:
+            raise _bad(f"{p}.interval_s", self.interval_s, "use 0.005..60 seconds")
+        if not 0 < self.knee <= 1:
+            raise _bad(f"{p}.knee", self.knee, "use a float in (0, 1]")
+        if not 0 <= self.remaining_share <= 1:
+            raise _bad(f"{p}.remaining_share", self.remaining_share, "use a float in [0, 1]")
+        if self.train_value < 0:
+            raise _bad(f"{p}.train_value", self.train_value, "use a float >= 0 (0: freeing replicas is worth nothing)")
+        if self.move_s is not None and self.move_s < 0:
+            raise _bad(f"{p}.move_s", self.move_s, "use null (measured) or seconds >= 0")
+
+    def policy(self, max_batch: int):
+        """The tail policy's settings (its ``move_s`` is set per decision)."""
+        from tlt.coordinator.tail import TailConfig
+
+        return TailConfig(mode=self.mode, knee=self.knee, remaining_share=self.remaining_share,
+                          max_batch=max_batch, train_value=self.train_value, move_s=self.move_s or 0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TailSection:
+    consolidate: ConsolidateSection = ConsolidateSection()
+
+    def check(self, p: str) -> None:
+        self.consolidate.check(f"{p}.consolidate")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TLTConfig:
     enable: bool = True            # false: none of TLT's hooks run (plain sync trainer)
     drafter: DrafterSection = DrafterSection()
@@ -198,6 +240,7 @@ class TLTConfig:
     coordinator: CoordinatorSection = CoordinatorSection()
     engine: EngineSection = EngineSection()
     sglang: SGLangSection = SGLangSection()
+    tail: TailSection = TailSection()
     record_path: str | None = None  # JSON lines, one per RL step; default <default_local_dir>/tlt_steps.jsonl
     route_groups: bool = True      # a GRPO group's samples go to one replica (all siblings visible to drafts)
     replay_poll_s: float = 0.05    # verl's replay buffer polls every 2.0 s (hard-coded): lowered

@@ -21,6 +21,7 @@ import ray
 
 from tlt.integrations.verl import runtime
 from tlt.integrations.verl.server import TLTServer, replica_of_this_rank, server_name
+from tlt.integrations.verl.tail_mover import server_address
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def _replica_class():
             await server.pid.remote()  # constructed: model loaded, agent connected
             self.servers = [server]
             self._server_handle = server
-            self._server_address = f"tlt://replica-{self.replica_rank}"
+            self._server_address = server_address(self.replica_rank)  # what the router calls it
 
     class TLTRolloutAdapter(BaseRollout):
         def __init__(self, config, model_config, device_mesh, *args, **kwargs):

@@ -14,6 +14,10 @@ every prompt's earlier responses, so nothing is gained by going back, and a memo
 once put all eight groups of a step on one replica. Ties between equally loaded replicas are broken
 by a hash of the prompt, not at random, so two runs that send the same groups in the same order
 place them alike.
+
+A request the tail policy moved (:mod:`.moves`) is resubmitted with ``tlt_to``, its destination's
+server id: it goes there, and the in-flight counts follow it (its source's count dropped when the
+source answered). Its group stays placed where it was.
 """
 
 from __future__ import annotations
@@ -36,12 +40,21 @@ class GroupRouter(GlobalRequestLoadBalancer):
         self._request_group: LRUCache = LRUCache(maxsize=int(config.get("max_groups", 100_000)))
 
     def require_acquire_fields(self) -> list[str]:
-        return ["prompt_ids"]
+        return ["prompt_ids", "tlt_to"]
 
     def require_release_fields(self) -> list[str]:
         return ["request_id"]
 
-    def acquire_server(self, request_id: str, prompt_ids: list[int] | None = None, **extra) -> tuple[str, Any]:
+    def acquire_server(self, request_id: str, prompt_ids: list[int] | None = None, tlt_to: str | None = None,
+                       **extra) -> tuple[str, Any]:
+        if tlt_to is not None and tlt_to in self._inflight_requests:  # a moved request: its destination
+            self._request_id_to_server[request_id] = tlt_to
+            self._inflight_requests[tlt_to] += 1
+            if prompt_ids is not None:
+                key = tuple(int(t) for t in prompt_ids)
+                self._group_inflight[key] += 1
+                self._request_group[request_id] = key
+            return tlt_to, self._servers[tlt_to]
         if prompt_ids is None or request_id in self._request_id_to_server:
             return super().acquire_server(request_id)
         key = tuple(int(t) for t in prompt_ids)

@@ -39,6 +39,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ from tlt.integrations.verl.assembly import ReplicaEngine
 from tlt.integrations.verl.batcher import Generation, RequestBatcher
 from tlt.integrations.verl.config import TLTConfig
 from tlt.integrations.verl.history_log import HISTORY_FILE, read_history
+from tlt.integrations.verl.moves import MOVED, MOVED_KEY, moved_in
 from tlt.integrations.verl.requests import engine_params
 from tlt.integrations.verl.spot_wiring import BufferFeed, add_captured, spot_config, start_spot_agent
 from tlt.integrations.verl.step_stats import StepStats
@@ -140,6 +142,11 @@ class TLTServer:
         # aborted requests' states by verl request id: a resubmission (prompt + partial output, as
         # verl's partial rollout sends it) goes on from there; the oldest are dropped past a bound
         self._partial: dict[str, RequestState] = {}
+        self._moving: dict[str, str] = {}  # request id -> destination server, while it leaves (event loop)
+        self._mu = threading.Lock()  # guards _expected (event loop and the idle thread)
+        self._expected: list[float] = []  # moves on their way here: deadlines (time.monotonic())
+        self._idle_sent = False  # IDLE went to the spot agent since the last generation (guarded by _mu)
+        self.moved_out = 0  # requests moved away this step
         self.batcher = RequestBatcher(lambda: self.engine, window_s=self.cfg.engine.batch_window_ms / 1000,
                                       max_batch=self.cfg.engine.max_batch, on_open=self._open_generation,
                                       on_close=self._close_generation, on_idle=self._went_idle,
@@ -186,34 +193,46 @@ class TLTServer:
     # ------------------------------------------------------------------ verl server interface
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
                        image_data=None, video_data=None, **kwargs):
+        """verl's request; ``kwargs["tlt_state"]``: a request moved here from another replica (the
+        client of :mod:`.moves` resubmits it with its state), which goes on from its tokens so far."""
         from verl.workers.rollout.replica import TokenOutput
 
         if image_data or video_data:
             raise ValueError("the tlt rollout serves text-only models (image/video data given)")
+        tlt_state = kwargs.pop("tlt_state", None)
         if self.stale:  # never sample stale weights: a healthy replica serves the request
             peer = await self._healthy_peer()
             if peer is None:
                 raise RuntimeError(f"replica {self.rank} restarted and has not received the current policy "
                                    "yet, and no other replica has it; refusing to sample from stale weights")
             return await peer.generate.remote(request_id, prompt_ids, sampling_params, image_data=image_data,
-                                              video_data=video_data, **kwargs)
+                                              video_data=video_data, tlt_state=tlt_state, **kwargs)
         params, seed = engine_params(dict(sampling_params), prompt_len=len(prompt_ids), max_len=self.max_len,
                                      response_length=self.response_length,
                                      eos_ids=tuple(self.model.config.eos_ids or ()))
         if seed is None:  # no seed from verl: one from the request id, which verl keeps across retries
             seed = fallback_seed(self.seed, request_id)
-        state = self._partial.pop(request_id, None)
-        if state is None or list(prompt_ids) != list(state.prompt + state.output):
-            state = RequestState(tuple(prompt_ids), params, seed, group=tuple(prompt_ids))
+        if tlt_state is not None:
+            state = moved_in(tlt_state, prompt_ids)
+            self._arrived()
+        else:
+            state = self._partial.pop(request_id, None)
+            if state is None or list(prompt_ids) != list(state.prompt + state.output):
+                state = RequestState(tuple(prompt_ids), params, seed, group=tuple(prompt_ids))
         fin = await self.batcher.submit(state, request_id)
         if fin.reason == "aborted" and not fin.state.done:
             self._partial[request_id] = fin.state
             while len(self._partial) > 4 * self.cfg.engine.max_batch:
                 self._partial.pop(next(iter(self._partial)))
         new = len(state.output)  # a resubmission returns what it added to the partial output verl holds
+        extra = {"global_steps": self.weight_version}
+        if fin.reason == "left":  # moved: the client goes on at the destination with this state
+            extra[MOVED_KEY] = {"to": self._moving.pop(request_id), "state": fin.state}
+            self.moved_out += 1
         return TokenOutput(token_ids=list(fin.state.output[new:]),
                            log_probs=list(fin.state.logprobs[new:]) if sampling_params.get("logprobs") else None,
-                           stop_reason=STOP_REASONS[fin.reason], extra_fields={"global_steps": self.weight_version})
+                           stop_reason=MOVED if fin.reason == "left" else STOP_REASONS[fin.reason],
+                           extra_fields=extra)
 
     async def _healthy_peer(self):
         """Another replica serving the current policy (replicas are named 0, 1, ... in order)."""
@@ -247,6 +266,8 @@ class TLTServer:
         try:
             if self.agent is not None:
                 self.agent.busy(self.step)  # stops a training session (checkpointed) before decoding
+            with self._mu:
+                self._idle_sent = False
         except BaseException:
             self._lock.release()
             raise
@@ -257,7 +278,8 @@ class TLTServer:
         finally:
             self._lock.release()
         self.stats.batch(gen.result(), started=gen.started, gen_s=gen.seconds, requests=len(gen.finished),
-                         lifecycle=gen.lifecycle)
+                         lifecycle=gen.lifecycle,
+                         lengths=[len(f.state.output) for f in gen.finished if f.reason in ("stop", "length")])
 
     def _went_idle(self) -> None:
         """Every request answered (event loop): if there is anything to train on, the spot agent's
@@ -269,9 +291,51 @@ class TLTServer:
 
     def _idle_work(self) -> None:
         with self._lock:  # ordered with _run_batch's BUSY: a batch queued meanwhile keeps it busy
-            if self.agent is not None and self.batcher.idle and len(self.buffer):
+            with self._mu:  # ordered with reserve(): a move on its way here keeps it busy
+                now = time.monotonic()
+                self._expected = [t for t in self._expected if t > now]
+                send = self.agent is not None and self.batcher.idle and len(self.buffer) and not self._expected
+                self._idle_sent = self._idle_sent or bool(send)
+            if send:
                 self.agent.idle(self.step)
         self.probe.before()  # before the next policy copy: update_weights comes after the rollout
+
+    # ------------------------------------------------------------------ tail moves (driver's TailMover)
+    async def tail_load(self) -> dict[str, Any]:
+        """This replica's load for the tail policy: running requests, step cost by batch, the cost
+        of a joining request, and whether it is in a spot session."""
+        load = self.batcher.load()
+        return {"rank": self.rank, "requests": list(load.requests), "step_s": dict(load.step_s),
+                "join_s": load.join_s, "tokens_per_step": load.tokens_per_step,
+                "training": bool(self.agent is not None and self.agent.training)}
+
+    def reserve(self, n: int, ttl_s: float) -> bool:
+        """A move's destination: False if this replica told its spot agent it is idle (a session
+        may run or be about to: never a destination); else it expects ``n`` requests within
+        ``ttl_s`` and sends no IDLE until they arrived (the two decisions are ordered by ``_mu``)."""
+        with self._mu:
+            if self._idle_sent or (self.agent is not None and self.agent.training):
+                return False
+            now = time.monotonic()
+            self._expected = [t for t in self._expected if t > now] + [now + ttl_s] * n
+        return True
+
+    def _arrived(self) -> None:
+        with self._mu:
+            if self._expected:
+                self._expected.pop(0)
+
+    async def move_out(self, request_ids: list[str], to: str) -> list[str]:
+        """The requests ``request_ids`` leave this replica for server ``to`` at the next step
+        boundary: each one's ``generate`` returns its state (stop reason ``tlt_moved``), and the
+        client goes on there. Returns the ids that were in flight here."""
+        keys = [k for k in request_ids if k not in self._moving]
+        for k in keys:
+            self._moving[k] = to
+        left = self.batcher.leave(keys)
+        for k in set(keys) - set(left):
+            self._moving.pop(k, None)
+        return left
 
     # ------------------------------------------------------------------ control (driver / workers)
     def begin_step(self, step: int) -> None:
@@ -279,6 +343,7 @@ class TLTServer:
         if self.agent is not None and self.agent.training:
             self.agent.busy(step)
         self.step = step
+        self.moved_out = 0
         self.stats.reset()
 
     async def end_rollout(self) -> None:
@@ -289,7 +354,7 @@ class TLTServer:
     def step_stats(self) -> dict[str, Any]:
         st = self.stats.snapshot()
         st.update(drafter_version=self.drafter_version, proposer=self.proposer_name, drift_top1=self.probe.top1,
-                  buffer=self.buffer.stats(), replica=self.rank, running=self.engine.running,
+                  buffer=self.buffer.stats(), replica=self.rank, running=self.engine.running, moved_out=self.moved_out,
                   engine_lifecycle=dict(self.engine.lifecycle))
         return st
 

@@ -20,7 +20,8 @@ def _empty() -> dict[str, Any]:
             "arm_committed": collections.Counter(), "idle_at": None, "idle_s": 0.0, "sessions": 0,
             "failed_sessions": 0, "train_steps": 0, "losses": [], "preempt_s": [], "batches": 0,
             "requests": 0, "gen_s": 0.0, "phases": [], "eagle_verifies": 0, "eagle_committed": 0,
-            "heldout": [], "first_at": None, "done_at": None, "lifecycle": collections.Counter()}
+            "heldout": [], "first_at": None, "done_at": None, "lifecycle": collections.Counter(),
+            "lengths": []}
 
 
 class StepStats:
@@ -38,9 +39,10 @@ class StepStats:
             self._st["idle_at"] = time.monotonic()
 
     def batch(self, res, *, started: float, gen_s: float, requests: int,
-              lifecycle: dict[str, int] | None = None) -> None:
+              lifecycle: dict[str, int] | None = None, lengths: list[int] | None = None) -> None:
         """One engine generation (a ``RolloutResult``) that started at ``started`` (monotonic);
-        ``lifecycle``: its requests that joined it running, left it (moved) or were aborted."""
+        ``lifecycle``: its requests that joined it running, left it (moved) or were aborted;
+        ``lengths``: the response lengths of those that ended in it (a stop token or the budget)."""
         self.resumed(started)
         with self._lock:
             st = self._st
@@ -52,6 +54,7 @@ class StepStats:
             st["requests"] += requests
             st["tokens"] += res.tokens
             st["lifecycle"].update(lifecycle or {})
+            st["lengths"] += list(lengths or ())
             for s in res.steps:
                 if s.sd:
                     st["verifies"] += s.batch
@@ -112,7 +115,7 @@ class StepStats:
             st = dict(self._st)
             for k in ("arms", "arm_verifies", "arm_committed", "lifecycle"):
                 st[k] = dict(st[k])
-            for k in ("losses", "preempt_s", "phases", "heldout"):
+            for k in ("losses", "preempt_s", "phases", "heldout", "lengths"):
                 st[k] = list(st[k])
         if st["idle_at"] is not None:
             st["idle_s"] += time.monotonic() - st["idle_at"]

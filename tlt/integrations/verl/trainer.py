@@ -49,6 +49,7 @@ from tlt.integrations.verl.drafter_push import DrafterPusher
 from tlt.integrations.verl.history_log import HISTORY_FILE, HistoryLog
 from tlt.integrations.verl.spot_wiring import PORT_SPAN
 from tlt.integrations.verl.step_stats import replica_fields
+from tlt.integrations.verl.tail_mover import TailMover
 from tlt.integrations.verl.verl_checks import check_verl_config, raise_if_registration_failed
 from tlt.ports import free_port
 from tlt.push_guard import GuardConfig
@@ -83,8 +84,16 @@ def trainer_class():
             self._aux_layers = None
             self._uid_index: dict[str, int] = {}  # prompt uid -> dataset index, this step's batch
             self._history_log: HistoryLog | None = None  # the replicas' draft history, for restarts
+            self._mover: TailMover | None = None
+            self._tail: dict = {}
+            self._lengths: list[int] = []  # the last rollout's response lengths (the mover's estimate)
             if not self.tlt.enable:
                 return
+            tc = self.tlt.tail.consolidate
+            if tc.mode != "off":
+                self._mover = TailMover(self._servers, tc.policy(self.tlt.engine.max_batch),
+                                        interval_s=tc.interval_s, move_s=tc.move_s)
+                self._step_requests = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
             self.replay_buffer.poll_interval = self.tlt.replay_poll_s
             self._setup_runtime(config)
 
@@ -209,6 +218,8 @@ def trainer_class():
                                 "without drafter adaptation", step)
                 ray.get([s.begin_step.remote(step) for s in self._servers()])
                 self._t_rollout = time.monotonic()
+                if self._mover is not None:
+                    self._mover.start(self._step_requests, self._lengths)
             return super().prepare_step()
 
         def on_sample_end(self):
@@ -216,6 +227,7 @@ def trainer_class():
                 step = self.global_steps
                 self._t_rollout_end = time.monotonic()
                 self._rollout_s = self._t_rollout_end - self._t_rollout
+                self._tail = self._mover.stop() if self._mover is not None else {}
                 with marked_timer("tlt_preempt", self.timing_raw):
                     self._outcome = (self._driver.rollout_done(step) if self._driver is not None else None)
                 if self._outcome is not None and not self._outcome.reachable:
@@ -223,6 +235,7 @@ def trainer_class():
                                 "drafter training could not be stopped through it", step)
                 self._end_rollout()
                 self._stats = self._collect_stats()
+                self._lengths = [n for s in self._stats for n in s.get("lengths", ())]
             return super().on_sample_end()
 
         def _end_rollout(self) -> None:
@@ -289,6 +302,7 @@ def trainer_class():
                 "tlt/buffer_samples": float(sum(s["buffer"]["samples"] for s in st)),
                 "tlt/rollout_s": self._rollout_s,
                 "tlt/sessions": float(sum(s["sessions"] for s in st)),
+                "tlt/tail_moves": float(self._tail.get("moves", 0)),
             }
             drift = [s["drift_top1"] for s in st if s["drift_top1"] is not None]
             if drift:  # 1 - top-1 agreement of the policies before and after the last update
@@ -307,7 +321,7 @@ def trainer_class():
                                 bool(o.reachable) if o else False,
                                 "preempt_s": [x for s in st for x in s["preempt_s"]],
                                 "spot_phase_s": [list(x) for s in st for x in s["phases"]],
-                                "proposers": [s["proposer"] for s in st],
+                                "proposers": [s["proposer"] for s in st], "tail": self._tail,
                                 **replica_fields(st, self._t_rollout, self._t_rollout_end)}
             return m
 

@@ -9,6 +9,8 @@ imports neither the plugin nor the trainer, which both import it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tlt.integrations.verl.config import TLTConfig
 
 _failure: str | None = None
@@ -36,6 +38,8 @@ def check_verl_config(config, tlt: TLTConfig) -> None:
                          "its own engine (tlt) or SGLang (sglang)")
     if ro.name == "sglang":
         _check_sglang(config, tlt)
+    if tlt.tail.consolidate.mode != "off":
+        _check_moves(config, tlt)
     backend = ro.checkpoint_engine.backend
     if backend != "naive":
         raise ValueError(f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend!r}: the tlt rollout "
@@ -83,6 +87,25 @@ def _check_sglang(config, tlt: TLTConfig) -> None:
         if len(tlt.sglang.attached()) != replicas:
             raise ValueError(f"tlt.sglang.attach={tlt.sglang.attach!r} names {len(tlt.sglang.attached())} servers "
                              f"for {replicas} replicas; give one HOST:PORT per replica")
+
+
+def _check_moves(config, tlt: TLTConfig) -> None:
+    """What moving requests between replicas needs (tlt.integrations.verl.moves)."""
+    ro = config.actor_rollout_ref.rollout
+    mode = tlt.tail.consolidate.mode
+    if ro.name != "tlt":
+        raise ValueError(f"tlt.tail.consolidate.mode={mode}: requests move between replicas of the project's "
+                         f"engine only (actor_rollout_ref.rollout.name=tlt, not {ro.name}); set mode=off")
+    router = ro.get("router_config_path")
+    if not tlt.route_groups or (router and Path(router).name != "tlt_router.yaml"):
+        raise ValueError(f"tlt.tail.consolidate.mode={mode}: a moved request is routed to its destination by "
+                         "TLT's router; set tlt.route_groups=true and leave actor_rollout_ref.rollout."
+                         "router_config_path unset")
+    agent = ro.get("agent", {}).get("default_agent_loop")
+    if agent != "tlt_agent":
+        raise ValueError(f"tlt.tail.consolidate.mode={mode}: verl's client follows a moved request only in "
+                         f"TLT's agent loop; set actor_rollout_ref.rollout.agent.default_agent_loop=tlt_agent "
+                         f"(it is {agent!r})")
 
 
 def _replica_world(rollout) -> int:

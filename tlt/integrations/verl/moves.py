@@ -1,0 +1,86 @@
+"""A request that moves between replicas mid-decode, as verl's agent loop sees it: one answer.
+
+Owns the move's protocol on the client side (:class:`MovingClient`, wrapped around verl's
+``LLMServerClient`` by the ``tlt_agent`` loop) and the markers the replica side uses.
+
+The protocol (the driver's :mod:`.tail_mover` decides; replicas and this client carry it out):
+1. the destination reserves a slot (``TLTServer.reserve``: it refuses while a spot session may
+   run there, and sends no IDLE until the request arrived);
+2. the source lets the request go at its next step boundary (``TLTServer.move_out``): its
+   ``generate`` returns the tokens made there with stop reason :data:`MOVED` and, in
+   ``extra_fields[MOVED_KEY]``, the destination's server id and the request's
+   :class:`~tlt.rollout.request.RequestState` (seed, GRPO group, tokens so far, log-probs, features
+   already handed to the source's DataBuffer);
+3. this client resubmits the request to that server (the router pins it there: ``tlt_to``, so the
+   in-flight counts follow the move) with the state (``tlt_state``); the destination goes on from
+   it, token for token (coupled sampling), and returns only what it added;
+4. the client returns the tokens of every hop as one answer.
+
+Owner and order: the client holds the request between hops, so once the source has answered, the
+source can die without losing it. Before that, the source's death fails its ``generate`` call;
+Ray retries it on the restarted replica (``max_task_retries=-1``), which forwards it to a healthy
+one: the request starts over with its original seed and so draws the same tokens. The
+destination's death is the same: the retried call carries the state and goes on from it.
+Every request is answered once, by whichever replica finishes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tlt.rollout.request import RequestState
+
+log = logging.getLogger(__name__)
+
+MOVED = "tlt_moved"  # a moved request's stop reason at its source
+MOVED_KEY = "tlt_moved"  # extra_fields key: {"to": destination server id, "state": RequestState}
+MAX_HOPS = 8  # a request moved more often than this is a policy bug: refuse rather than loop
+
+
+def moved_in(state: RequestState, prompt_ids: list[int]) -> RequestState:
+    """The state a moved request arrives with, checked against the prompt the client sent."""
+    if not isinstance(state, RequestState):
+        raise ValueError(f"tlt_state must be a RequestState, got {type(state).__name__}")
+    if list(state.prompt) != list(prompt_ids):
+        raise ValueError("tlt_state: the moved request's prompt differs from prompt_ids (a resubmission "
+                         "sends the original prompt; the state carries the tokens so far)")
+    return state
+
+
+class MovingClient:
+    """verl's ``LLMServerClient`` with moves followed: ``generate`` returns one ``TokenOutput``
+    whatever replicas served it. Everything else is the wrapped client's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def generate(self, request_id, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs):
+        out = await self.inner.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
+                                        **kwargs)
+        move = out.extra_fields.pop(MOVED_KEY, None)
+        if move is None:
+            return out
+        tokens, logprobs = list(out.token_ids), list(out.log_probs) if out.log_probs is not None else None
+        hops = 0
+        while move is not None:
+            hops += 1
+            if hops > MAX_HOPS:
+                raise RuntimeError(f"request {request_id} moved {hops} times in one rollout; the tail policy "
+                                   "moves a request at most once per step")
+            state: RequestState = move["state"]
+            if list(state.output) != tokens:
+                raise RuntimeError(f"request {request_id}: the moved state's {len(state.output)} tokens are not "
+                                   f"the {len(tokens)} the client received")
+            out = await self.inner.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
+                                            tlt_to=move["to"], tlt_state=state, **kwargs)
+            move = out.extra_fields.pop(MOVED_KEY, None)
+            tokens += out.token_ids
+            if logprobs is not None and out.log_probs is not None:
+                logprobs += out.log_probs
+        out.token_ids, out.log_probs = tokens, logprobs
+        out.extra_fields["tlt_hops"] = hops
+        return out
