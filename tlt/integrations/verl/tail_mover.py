@@ -31,7 +31,6 @@ import collections
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
