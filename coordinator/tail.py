@@ -29,12 +29,16 @@ Rules
 - Choice (``mode="auto"``): each plan (none, reallocation, consolidation) is scored by what it
   frees and what it costs: ``train_value x`` the replica-seconds replicas sit idle before the
   rollout ends (what spot training can use) ``- replicas x`` the seconds it adds to the rollout (every
-  replica and the trainer wait for the tail). The best score wins; ties go to fewer moves.
+  replica and the trainer wait for the tail). The best score wins; ties go to fewer moves. Here
+  consolidation is a candidate at every decision, not only below ``remaining_share`` (RLHFuse's
+  fixed trigger, which ``mode="consolidate"`` keeps): the score decides when the tail is short
+  enough for it to pay.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -216,8 +220,9 @@ def decide(replicas: Sequence[ReplicaLoad], step_requests: int, cfg: TailConfig)
     candidates = [none]
     if cfg.mode in ("reallocate", "auto"):
         candidates.append(_evaluate("reallocate", replicas, reallocate(replicas, cfg), cfg))
-    if cfg.mode in ("consolidate", "auto"):
-        candidates.append(_evaluate("consolidate", replicas, consolidate(replicas, step_requests, cfg), cfg))
+    if cfg.mode in ("consolidate", "auto"):  # auto: whenever it fits; the cost model says when it pays
+        gate = cfg if cfg.mode == "consolidate" else dataclasses.replace(cfg, remaining_share=1.0)
+        candidates.append(_evaluate("consolidate", replicas, consolidate(replicas, step_requests, gate), cfg))
     n = len(replicas)
     scored = [(cfg.train_value * (p.idle_s - none.idle_s) - n * (p.tail_s - none.tail_s), p) for p in candidates
               if p.kind == "none" or p.moves]

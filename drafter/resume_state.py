@@ -7,8 +7,9 @@ an accelerator's memory goes back to rollout), the same snapshot read from a che
 session (:func:`prefetch`: a replica that loads a newer drafter to serve also readies it for its next
 session, so that session does not spend its short idle window reading the checkpoint), and its
 restoration into the next session's freshly sharded drafter, by parameter name (a one-rank state
-is cut into any session's FSDP2 shards). ``tlt.drafter.spot`` decides when a
-snapshot may be used (every rank agrees nothing changed); this module only copies.
+is cut into any session's FSDP2 shards), and the :class:`WarmStore` its owner passes to each
+session. ``tlt.drafter.spot`` decides when a snapshot may be used (every rank agrees nothing
+changed); this module only copies.
 
 Also what a first session (no checkpoint yet) resumes from: a ``tlt warmup`` drafter directory
 holds its training state (``trainer_state/``) beside its weights, and when that state is the step
@@ -45,7 +46,22 @@ class Warm:
     samples: int
 
 
-WARM: dict[str, Warm] = {}  # checkpoint root -> this process's last session state
+class WarmStore:
+    """Warm states by checkpoint root: what its owner (a replica, a simulated run) keeps between its
+    sessions and hands to each :class:`~tlt.drafter.spot.SpotTrainer` it builds. Two owners in one
+    process never share one (a module global once let them)."""
+
+    def __init__(self) -> None:
+        self._by_root: dict[str, Warm] = {}
+
+    def get(self, root: str | Path) -> Warm | None:
+        return self._by_root.get(str(root))
+
+    def put(self, root: str | Path, w: Warm) -> None:
+        self._by_root[str(root)] = w
+
+    def clear(self) -> None:
+        self._by_root.clear()
 
 
 def snapshot(d: nn.Module, opt: torch.optim.Optimizer, step: int, world_size: int, rank: int,
@@ -103,20 +119,21 @@ def restore(w: Warm, d: nn.Module, opt: torch.optim.Optimizer, world_size: int, 
                             else v.to(local.device, copy=True) for k, v in state.items()}
 
 
-def prefetch(root: str | Path, drafter_config: DrafterConfig, embed_weight: torch.Tensor,
+def prefetch(store: WarmStore, root: str | Path, drafter_config: DrafterConfig, embed_weight: torch.Tensor,
              head_weight: torch.Tensor, *, lr: float, betas: tuple[float, float],
              weight_decay: float, step: int | None = None) -> Warm | None:
-    """Read checkpoint ``step`` (default: the newest) under ``root`` into this process's warm
-    state, as a one-rank state (optimizer settings as the spot trainer builds them). None, reading
-    nothing, if there is no checkpoint or this process already holds that step as a one-rank state."""
-    step, have = (latest(root) if step is None else step), WARM.get(str(root))
+    """Read checkpoint ``step`` (default: the newest) under ``root`` into ``store``, as a one-rank
+    state (optimizer settings as the spot trainer builds them). None, reading nothing, if there is
+    no checkpoint or ``store`` already holds that step as a one-rank state."""
+    step, have = (latest(root) if step is None else step), store.get(root)
     if step is None or (have is not None and (have.step, have.world_size) == (step, 1)):
         return None
     d = Drafter(drafter_config, embed_weight, head_weight)
     opt = torch.optim.AdamW(list(d.parameters()), lr=lr, betas=betas, weight_decay=weight_decay)
     state = TrainState(d, opt, frozen=(embed_weight, head_weight), progress={"world_size": 1, "samples": 0})
     load(root, {"train": state}, step=step, alone=True)
-    WARM[str(root)] = w = snapshot(d, opt, step, 1, 0, state.progress["samples"])
+    w = snapshot(d, opt, step, 1, 0, state.progress["samples"])
+    store.put(root, w)
     return w
 
 

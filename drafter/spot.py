@@ -44,7 +44,8 @@ First session: with no checkpoint yet, a session starts from ``init_from``; a wa
 optimizer state comes with it (:mod:`tlt.drafter.resume_state`).
 
 Warm resume: a session's end keeps this rank's shards (weights and optimizer state) in process
-memory (:mod:`tlt.drafter.resume_state`; a replica that loads a newer drafter prefetches it the same way). The
+memory (a :class:`~tlt.drafter.resume_state.WarmStore` its owner passes in; a replica that loads a
+newer drafter prefetches it into the same store). The
 next session resumes from them instead of reading the checkpoint when every rank agrees they are
 the newest complete checkpoint and fit (same world size and rank, or a one-rank state each rank cuts
 its shard from). That skips the DCP read, the largest fixed cost of a short session on a CPU. A
@@ -73,7 +74,7 @@ from tlt.drafter.packing import FeatureSample, empty_like, pack, shard_samples, 
 from tlt.drafter.rendezvous import RendezvousAborted, rendezvous
 from tlt.drafter.session import STOP_REASONS, NextBatch, PreemptFlag, SessionResult, SessionSpec, SpotConfig
 from tlt.drafter.ttt import TTTConfig, ttt_forward
-from tlt.drafter.resume_state import WARM, restore, snapshot, usable, warmup_state
+from tlt.drafter.resume_state import WarmStore, restore, snapshot, usable, warmup_state
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,11 @@ class SpotTrainer:
     def __init__(self, *, spec: SessionSpec, config: SpotConfig, drafter_config: DrafterConfig,
                  embed_weight: torch.Tensor, head_weight: torch.Tensor, checkpoint_root: str | Path,
                  init_from: str | Path | Mapping[str, torch.Tensor] | None = None,
-                 tokens_per_s: float | None = None) -> None:
+                 tokens_per_s: float | None = None, warm_store: WarmStore | None = None) -> None:
+        """``warm_store``: where this rank's state is kept between its owner's sessions (None: no
+        warm resume; every session reads the checkpoint)."""
         self.spec, self.cfg, self.drafter_config = spec, config, drafter_config
+        self.warm_store = warm_store
         self.tokens_per_s = tokens_per_s  # chunk sizing; e.g. the previous session's measurement
         self.embed_weight, self.head_weight = embed_weight, head_weight
         self.root = Path(checkpoint_root)
@@ -172,7 +176,7 @@ class SpotTrainer:
         """The newest checkpoint under ``root`` into ``d``, ``opt`` and ``state``: from this
         process's memory when every rank holds it (one all-reduce), else read. Returns its step
         (None: no checkpoint) and whether it came from memory."""
-        w, s = WARM.get(str(root)), self.spec
+        w, s = (self.warm_store.get(root) if self.warm_store is not None else None), self.spec
         agree = torch.tensor([float(usable(w, d, latest(root), s.world_size, s.rank))])
         dist.all_reduce(agree, op=dist.ReduceOp.MIN)
         if not agree[0]:
@@ -394,10 +398,11 @@ class SpotTrainer:
         durable = time.monotonic()
         # What the next session here may resume from memory; but a one-rank state of this same
         # step (prefetched, or this session's start) fits any membership, this session's shards not.
-        have = WARM.get(str(self.root))
+        have = self.warm_store.get(self.root) if self.warm_store is not None else None
         keep = have is not None and (have.step, have.world_size) == (step, 1)
-        if latest(self.root) == step and not keep:
-            WARM[str(self.root)] = snapshot(d, opt, step, spec.world_size, spec.rank, state.progress["samples"])
+        if self.warm_store is not None and latest(self.root) == step and not keep:
+            self.warm_store.put(self.root, snapshot(d, opt, step, spec.world_size, spec.rank,
+                                                    state.progress["samples"]))
         set_at = getattr(should_stop, "set_at", None) if reason == "preempted" else None
         return SessionResult(
             session_id=spec.session_id, rank=spec.rank, world_size=spec.world_size,
@@ -415,8 +420,9 @@ class SpotTrainer:
 def run_session(*, spec: SessionSpec, config: SpotConfig, drafter_config: DrafterConfig,
                 embed_weight: torch.Tensor, head_weight: torch.Tensor, checkpoint_root: str | Path,
                 next_batch: NextBatch, should_stop: Callable[[], bool],
-                init_from: str | Path | Mapping[str, torch.Tensor] | None = None) -> SessionResult:
+                init_from: str | Path | Mapping[str, torch.Tensor] | None = None,
+                warm_store: WarmStore | None = None) -> SessionResult:
     """Convenience: build a :class:`SpotTrainer` for this rank and run one session."""
     return SpotTrainer(spec=spec, config=config, drafter_config=drafter_config,
-                       embed_weight=embed_weight, head_weight=head_weight,
-                       checkpoint_root=checkpoint_root, init_from=init_from).run(next_batch, should_stop)
+                       embed_weight=embed_weight, head_weight=head_weight, checkpoint_root=checkpoint_root,
+                       init_from=init_from, warm_store=warm_store).run(next_batch, should_stop)

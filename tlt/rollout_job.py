@@ -1,7 +1,7 @@
 """``tlt rollout`` and ``tlt report``: a GRPO-style rollout from a prompt file, and its plot.
 
-Owns assembling the engine for a user (target, optional drafter or the n-gram fallback, BEG-MAB
-tuner or a fixed strategy), writing the responses (JSONL) and the per-rollout record (JSON), and
+Owns the rollout job (target, optional drafter or the suffix drafter, BEG-MAB tuner or a fixed
+strategy, assembled by :mod:`tlt.rollout.assembly` as a replica's engine is), writing the responses (JSONL) and the per-rollout record (JSON), and
 rendering a record as a PNG.
 """
 
@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 
 from tlt.drafter.eagle import Drafter, read_config
-from tlt.rollout.eagle_proposer import EagleProposer
+from tlt.rollout import assembly
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.ngram import NgramProposer
 from tlt.rollout.record import rollout_record
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
-from tlt.rollout.tuner import BegMab, TunerConfig
+from tlt.rollout.tuner import BegMab
 from tlt.data import load_prompts
 from tlt.tokenizer import TextTokenizer
 
@@ -53,19 +53,19 @@ class RolloutJob:
 
 def build_engine(job: RolloutJob, model: TargetModel, batch: int, max_len: int
                  ) -> tuple[RolloutEngine, BegMab | None]:
-    cfg = EngineConfig(max_batch=batch, max_len=max_len, elastic_threshold=job.elastic_threshold,
-                       arm=job.arm, seed=job.seed)
+    """The engine ``tlt rollout`` runs (:mod:`tlt.rollout.assembly`'s conventions, as a replica's):
+    the EAGLE drafter given, else the suffix drafter; BEG-MAB unless a strategy is fixed."""
+    cfg = EngineConfig(max_batch=batch, max_len=max_len, elastic_threshold=job.elastic_threshold, seed=job.seed)
     if job.no_sd:
-        return RolloutEngine(model, cfg), None
+        return RolloutEngine(model, dataclasses.replace(cfg, arm=job.arm)), None
     if job.drafter is not None:
         read_config(job.drafter).check_target(model.config)
-        drafter = Drafter.load(job.drafter, model.embed_weight, model.lm_head.weight)
-        proposer = EagleProposer(drafter, max_batch=batch, max_len=max_len + 512)
+        named = assembly.proposers(cfg, drafter=Drafter.load(job.drafter, model.embed_weight, model.lm_head.weight))
     else:
-        proposer = NgramProposer()
-    tuner = None if job.arm is not None else BegMab(
-        TunerConfig.for_device(model.embed_weight.device.type, seed=job.seed))
-    return RolloutEngine(model, cfg, proposer=proposer, tuner=tuner), tuner
+        named = assembly.proposers(cfg, suffix=NgramProposer())
+    arm = assembly.fixed_arm(job.arm, named)
+    tuner = assembly.tuner(named, device=model.embed_weight.device.type, seed=job.seed, fixed=arm)
+    return RolloutEngine(model, dataclasses.replace(cfg, arm=arm), proposers=named, tuner=tuner), tuner
 
 
 def run_rollout(job: RolloutJob, out: Path | None, record_path: Path | None) -> dict:

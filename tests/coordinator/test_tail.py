@@ -93,6 +93,17 @@ def test_no_move_when_the_step_cost_grows_with_the_batch_moves_when_it_is_flat()
     assert decide([_replica(0, 3, FLAT), _replica(1, 1, FLAT)], 32, TailConfig(mode="off")).moves == ()
 
 
+def test_auto_consolidates_before_rlhfuses_trigger_when_it_pays():
+    """12 of a 32-request step still run (37%: above RLHFuse's 20% trigger). On a flat curve,
+    moving B's 2 requests (5 tokens left) onto A (10 requests, 20 tokens left) costs nothing
+    and frees B for A's 20 s: auto moves them, the fixed rule waits."""
+    a, b = _replica(0, 10, FLAT, remaining=20.0), _replica(1, 2, FLAT, remaining=5.0)
+    auto = decide([a, b], 32, TailConfig(mode="auto", train_value=0.5))
+    # none: A 20 s, B 5 s, idle 15; moved: A 20 s, B idle 20: 0.5 x (20 - 15) - 2 x 0 = 2.5
+    assert auto.kind == "consolidate" and auto.score == pytest.approx(2.5) and len(auto.moves) == 2
+    assert decide([a, b], 32, TailConfig(mode="consolidate")).moves == ()  # 12 > 0.2 x 32
+
+
 def test_config_errors_name_the_key():
     for kw, key in [({"mode": "x"}, "mode"), ({"knee": 0}, "knee"), ({"remaining_share": 2}, "remaining_share"),
                     ({"max_batch": 0}, "max_batch"), ({"kv_request_bytes": 1}, "kv_request_bytes"),

@@ -115,7 +115,7 @@ def test_empty_training_set_is_an_error():
         train(make_drafter("eagle"), [], _cfg(), None, progress=False)
 
 
-def _first_spot_session(warm_dir, root, samples, drafter):
+def _first_spot_session(warm_dir, root, samples, drafter, store=None):
     """One spot step from the warm-up directory ``warm_dir`` into an empty ``root``; returns the
     Adam step count of the checkpoint it wrote and the schedule's step."""
     import dataclasses
@@ -131,7 +131,7 @@ def _first_spot_session(warm_dir, root, samples, drafter):
     cfg = dataclasses.replace(_cfg().spot_config(), max_steps=1, interval=1)
     SpotTrainer(spec=SessionSpec(rank=0, world_size=1, master_port=port, session_id="spot"), config=cfg,
                 drafter_config=drafter.config, embed_weight=drafter.embed_weight,
-                head_weight=drafter.target_head_weight, checkpoint_root=root,
+                head_weight=drafter.target_head_weight, checkpoint_root=root, warm_store=store,
                 init_from=warm_dir).run(EpochBatches(samples, cfg.token_budget, 0), lambda: False)
     d = Drafter(drafter.config, drafter.embed_weight, drafter.target_head_weight)
     opt = torch.optim.AdamW(d.parameters())
@@ -149,7 +149,7 @@ def test_a_first_spot_session_continues_the_warmups_optimizer(tmp_path, monkeypa
     import json
 
     import tlt.drafter.spot as spot
-    from tlt.drafter.resume_state import WARM, prefetch, warmup_state
+    from tlt.drafter.resume_state import WarmStore, prefetch, warmup_state
 
     samples = make_samples(8)
     warm = make_drafter("eagle")
@@ -161,14 +161,15 @@ def test_a_first_spot_session_continues_the_warmups_optimizer(tmp_path, monkeypa
 
     # prefetched into this process (a replica does it at start): the same step, no checkpoint read
     cfg = _cfg().spot_config()
-    prefetch(init, warm.config, warm.embed_weight, warm.target_head_weight, lr=cfg.lr, betas=cfg.betas,
+    store = WarmStore()
+    prefetch(store, init, warm.config, warm.embed_weight, warm.target_head_weight, lr=cfg.lr, betas=cfg.betas,
              weight_decay=cfg.weight_decay)
     read, real_load = [], spot.load
     monkeypatch.setattr(spot, "load", lambda root, *a, **k: read.append(Path(root)) or real_load(root, *a, **k))
     try:
-        adam_steps, step, again = _first_spot_session(tmp_path / "warm", tmp_path / "spot2", samples, warm)
+        adam_steps, step, again = _first_spot_session(tmp_path / "warm", tmp_path / "spot2", samples, warm, store)
     finally:
-        WARM.pop(str(init), None)
+        store.clear()
     assert init not in read and adam_steps == {4} and step == 1
     for name, a in weights.items():
         torch.testing.assert_close(again[name], a, rtol=0, atol=0, msg=name)

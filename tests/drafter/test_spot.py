@@ -24,6 +24,7 @@ import torch
 from tlt.drafter.checkpoint import TrainState, complete_steps, latest, load, step_dir
 from tlt.drafter.eagle import Drafter, DrafterConfig
 from tlt.drafter.packing import pack, shard_samples, split_chunks
+from tlt.drafter.resume_state import WarmStore
 from tlt.drafter.spot import PreemptFlag, SessionResult, SessionSpec, SpotConfig, SpotTrainer, run_session
 from tlt.drafter.ttt import TTTConfig, ttt_forward
 from tests.drafter.test_packing import make_samples, tiny_target_cfg
@@ -127,12 +128,15 @@ def _spawn(fn, nprocs: int, *args, timeout: float = 90) -> None:
     assert [p.exitcode for p in procs] == [0] * nprocs
 
 
+STORE = WarmStore()  # this process's warm states, as a replica holds its own (each spawned rank has one)
+
+
 def _session(rank, world, port, sid, root, cfg, stream, stop=lambda: False, target=None,
-             method="eagle"):
+             method="eagle", store=STORE):
     dcfg, embed, head = target or _target(method)
     spec = SessionSpec(rank=rank, world_size=world, master_port=port, session_id=sid)
-    return run_session(spec=spec, config=cfg, drafter_config=dcfg, embed_weight=embed,
-                       head_weight=head, checkpoint_root=root, next_batch=stream, should_stop=stop)
+    return run_session(spec=spec, config=cfg, drafter_config=dcfg, embed_weight=embed, head_weight=head,
+                       checkpoint_root=root, next_batch=stream, should_stop=stop, warm_store=store)
 
 
 # ---------------------------------------------------------------- workers (spawned processes)
@@ -379,12 +383,12 @@ def test_warm_resume_equals_a_checkpoint_resume(tmp_path, method):
         a = _session(0, 1, _free_port(), "a", root, _cfg(max_steps=2, interval=100), _Stream(aux=method == "eagle3"),
                      target=target)
         if mode != "warm":
-            warm.WARM.clear()
+            STORE.clear()
         if mode == "prefetched":
             cfg = _cfg()
-            got = warm.prefetch(root, *target, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+            got = warm.prefetch(STORE, root, *target, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
             assert got is not None and got.step == 2
-            assert warm.prefetch(root, *target, lr=cfg.lr, betas=cfg.betas, weight_decay=0.0) is None  # held
+            assert warm.prefetch(STORE, root, *target, lr=cfg.lr, betas=cfg.betas, weight_decay=0.0) is None  # held
         b = _session(0, 1, _free_port(), "b", root, _cfg(max_steps=4, interval=100),
                      _Stream(start=2, aux=method == "eagle3"), target=target)
         assert (a.warm, b.warm) == (False, mode != "cold") and b.start_step == 2 and b.end_step == 4
@@ -393,6 +397,20 @@ def test_warm_resume_equals_a_checkpoint_resume(tmp_path, method):
         assert results[mode][0] == results["cold"][0], mode
         for k, v in results["cold"][1].items():
             torch.testing.assert_close(results[mode][1][k], v, rtol=0, atol=0, msg=f"{mode} {k}")
+
+
+def test_warm_state_belongs_to_its_store(tmp_path):
+    """Two owners in one process (two replicas' agents, a simulation's workers) keep their own warm
+    states: a session resumes from memory only from the store its own owner's sessions filled."""
+    target, root = _target("eagle"), tmp_path / "r"
+    mine, other = WarmStore(), WarmStore()
+    _session(0, 1, _free_port(), "a", root, _cfg(max_steps=2, interval=100), _Stream(), target=target, store=mine)
+    b = _session(0, 1, _free_port(), "b", root, _cfg(max_steps=3, interval=100), _Stream(start=2), target=target,
+                 store=other)
+    c = _session(0, 1, _free_port(), "c", root, _cfg(max_steps=4, interval=100), _Stream(start=3), target=target,
+                 store=other)
+    assert (b.warm, c.warm) == (False, True) and (b.start_step, c.start_step) == (2, 3)
+    assert mine.get(root).step == 2 and other.get(root).step == 4
 
 
 def _two_from_one(rank, ports, root, out, prefetched):
@@ -405,16 +423,16 @@ def _two_from_one(rank, ports, root, out, prefetched):
     target = _target()
     cfg = _cfg()
     if prefetched:
-        assert warm.prefetch(root, *target, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay).step == 2
+        assert warm.prefetch(STORE, root, *target, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay).step == 2
     r = _session(rank, 2, ports[0], "two", root, _cfg(max_steps=4, interval=100), _Stream(start=2), target=target)
     assert r.warm == prefetched and (r.start_step, r.end_step) == (2, 4)
     _dump(r, f"{out}/two-{rank}.json")
     if prefetched:
-        assert (warm.WARM[root].step, warm.WARM[root].world_size) == (4, 2)  # this session's shards
-        assert warm.prefetch(root, *target, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay).step == 4
+        assert (STORE.get(root).step, STORE.get(root).world_size) == (4, 2)  # this session's shards
+        assert warm.prefetch(STORE, root, *target, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay).step == 4
         idle = _session(rank, 2, ports[1], "idle", root, _cfg(max_steps=4, interval=100), _Stream(), target=target)
         assert idle.warm and (idle.start_step, idle.end_step, idle.stop_reason) == (4, 4, "max_steps")
-        assert (warm.WARM[root].step, warm.WARM[root].world_size) == (4, 1)
+        assert (STORE.get(root).step, STORE.get(root).world_size) == (4, 1)
 
 
 def test_a_one_rank_warm_state_resumes_a_two_rank_session(tmp_path):
@@ -434,14 +452,12 @@ def test_a_one_rank_warm_state_resumes_a_two_rank_session(tmp_path):
 def _two_twice(rank, ports, root, out, warm_start):
     """Two back-to-back 2-rank sessions in the same processes: the second resumes this rank's own
     shards from memory (``warm_start``) or, its warm state cleared, from the checkpoint."""
-    from tlt.drafter import resume_state as warm
-
     torch.set_num_threads(1)
     target = _target()
     _session(rank, 2, ports[0], "first", root, _cfg(max_steps=2, interval=100), _Stream(), target=target)
-    assert (warm.WARM[root].step, warm.WARM[root].world_size, warm.WARM[root].rank) == (2, 2, rank)
+    assert (STORE.get(root).step, STORE.get(root).world_size, STORE.get(root).rank) == (2, 2, rank)
     if not warm_start:
-        warm.WARM.clear()
+        STORE.clear()
     r = _session(rank, 2, ports[1], "second", root, _cfg(max_steps=4, interval=100), _Stream(start=2),
                  target=target)
     assert r.warm == warm_start and (r.start_step, r.end_step) == (2, 4)

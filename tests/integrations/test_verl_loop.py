@@ -72,6 +72,7 @@ def test_full_tlt_arm_adapts(quick_demo):
     for r in recs:
         assert r["training/rollout_probs_diff_max"] < 1e-4  # rollout log-probs == actor's, fp32
         assert r["coordinator_reachable"]
+        assert r["tlt/history_push_failures"] == r["tlt/response_record_failures"] == r["tlt/feeds_dropped"] == 0
 
 
 def test_arms_differ_only_in_speculation(quick_demo):

@@ -1,5 +1,6 @@
 """The integration packages' layout: no import cycle between their modules (function-local imports
-included) and no module over the project's size limit."""
+included), and every module says in its docstring what it owns (one concept per module: a module
+whose docstring cannot name what it owns holds two). Size follows concepts: there is no line cap."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tlt" / "integrations"
-MAX_LINES = 420  # DEVELOPERS.md: files under ~400 lines
 
 
 def _module(path: Path) -> str:
@@ -67,7 +67,8 @@ def test_the_cycle_check_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
-def test_module_size(path):
-    n = len(path.read_text().splitlines())
-    assert n <= MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines: split it by job"
+@pytest.mark.parametrize("path", sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_module_says_what_it_owns(path):
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    assert "Owns" in doc, f"{path.relative_to(ROOT)}: its docstring does not say what the module owns"

@@ -17,7 +17,8 @@ from typing import Callable
 BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs": "graphs",
            "coordinator": "coordinator", "checkpoint": "checkpoint", "preempt": "preempt",
            "sglang-policy": "sglang_policy", "headroom": "headroom",
-           "step-cost": "step_cost", "drafters": "drafters", "resume": "resume", "lifecycle": "lifecycle"}
+           "step-cost": "step_cost", "drafters": "drafters", "resume": "resume", "lifecycle": "lifecycle",
+           "consolidation": "consolidation"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:

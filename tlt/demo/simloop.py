@@ -43,6 +43,7 @@ from tlt.drafter.buffer import BufferConfig, DataBuffer
 from tlt.drafter.eagle import DrafterConfig
 from tlt.drafter.model_config import ModelConfig
 from tlt.drafter.packing import FeatureSample
+from tlt.drafter.resume_state import WarmStore
 from tlt.drafter.spot import SpotConfig, SpotTrainer
 from tlt.drafter.ttt import TTTConfig
 from tlt.ports import free_port
@@ -117,10 +118,11 @@ def _worker(i: int, cfg: SimConfig, coord_addr: str, port: int, root: str, ctl, 
     wid, long_tail = f"w{i}", i == len(cfg.durations) - 1
     dcfg, embed, head = target()
     buf = DataBuffer(BufferConfig(dtype="float32", max_bytes=64 << 20))
+    warm = WarmStore()  # this worker's sessions resume from memory, as a replica's do
 
     def make_trainer(spec):
         return SpotTrainer(spec=spec, config=cfg.spot, drafter_config=dcfg, embed_weight=embed,
-                           head_weight=head, checkpoint_root=root)
+                           head_weight=head, checkpoint_root=root, warm_store=warm)
 
     def batches(f):
         calls = itertools.count()  # the same seeded draws on every rank of the formation

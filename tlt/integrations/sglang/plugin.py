@@ -1,6 +1,6 @@
 """The ``sglang.srt.plugins`` entry point: TLT's hooks in every SGLang process.
 
-SGLang calls :func:`load` in each process it starts (HTTP server, scheduler / TP workers), then
+Owns :func:`load`, the one function SGLang's plugin loader calls. SGLang calls :func:`load` in each process it starts (HTTP server, scheduler / TP workers), then
 applies the hook registry. SGLang only logs a plugin that raises, so a failure here prints its
 traceback to stderr and ends the process (``SystemExit`` passes SGLang's ``except Exception``):
 a server must not come up half-hooked, serving with SGLang's own policy or without the lossless

@@ -1,6 +1,7 @@
 """The engine one replica serves with: target, proposers, tuner and feature sink (no Ray, no verl).
 
-Owns :class:`ReplicaEngine`, which the replica's Ray actor wraps. Proposers are arms, not
+Owns :class:`ReplicaEngine`, which the replica's Ray actor wraps (proposers, tuner and a fixed
+strategy assembled by :mod:`tlt.rollout.assembly`, as ``tlt rollout`` assembles its engine). Proposers are arms, not
 fallbacks: the model-free suffix drafter (the prompt, the live GRPO group, the same prompt's
 responses from its last ``tlt.speculation.history_visits`` rollouts and a global pool of recent
 responses; :mod:`tlt.rollout.history`) is an arm from the first step, and the EAGLE drafter joins it
@@ -14,22 +15,23 @@ keep theirs. Not thread-safe: the replica calls it between batches (under its se
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 
 from tlt.drafter.seeds import replica_seed
 from tlt.drafter.digest import module_digest
 from tlt.drafter.eagle import Drafter
-from tlt.rollout.eagle_proposer import EagleProposer
+from tlt.rollout import assembly
+from tlt.rollout.assembly import SUFFIX
 from tlt.rollout.engine import EngineConfig, FeatureSink, RolloutEngine
 from tlt.rollout.history import ResponseHistory
 from tlt.rollout.ngram import NgramProposer
 from tlt.rollout.target import TargetModel
-from tlt.rollout.tuner import BegMab, TunerConfig
+from tlt.rollout.tuner import BegMab
 from tlt.integrations.verl.config import TLTConfig
 
 log = logging.getLogger(__name__)
-SUFFIX = "suffix"  # the model-free drafter's proposer name in arms
 
 
 class ReplicaEngine:
@@ -41,29 +43,23 @@ class ReplicaEngine:
         self.on = spec.enable and cfg.enable
         self.engine_cfg = EngineConfig(max_batch=cfg.engine.max_batch, max_len=max_len,
                                        max_draft_tokens=spec.max_draft_tokens, elastic_threshold=spec.elastic_threshold,
-                                       arm=spec.parsed_arm(), seed=replica_seed(seed, rank))
+                                       seed=replica_seed(seed, rank))
         hist = spec.history_config()
         self.history = ResponseHistory(hist) if self.on and spec.ngram and hist is not None else None
         self.suffix = NgramProposer(history=self.history) if self.on and spec.ngram else None
         self.drafter = drafter
         proposers = self._proposers()
+        # a fixed strategy drafts with EAGLE when it is served from the start, else with the suffix drafter
+        self.engine_cfg = dataclasses.replace(self.engine_cfg, arm=assembly.fixed_arm(spec.parsed_arm(), proposers))
         self.engine = RolloutEngine(model, self.engine_cfg, proposers=proposers, tuner=self._tuner(proposers),
                                     sink=sink)
 
     # ------------------------------------------------------------------ assembly
     def _proposers(self) -> dict:
-        out = {}
-        if self.on and self.drafter is not None:
-            out[""] = EagleProposer(self.drafter, max_batch=self.cfg.engine.max_batch,
-                                    max_len=self.max_len + self.cfg.speculation.max_draft_tokens + 8)
-        if self.suffix is not None:
-            out[SUFFIX] = self.suffix
-        return out
+        return assembly.proposers(self.engine_cfg, drafter=self.drafter if self.on else None, suffix=self.suffix)
 
     def _tuner(self, proposers: dict) -> BegMab | None:
-        if not proposers or self.cfg.speculation.arm is not None:
-            return None
-        return BegMab(TunerConfig.for_device(self.device, proposers=tuple(sorted(proposers)), seed=self.seed))
+        return assembly.tuner(proposers, device=self.device, seed=self.seed, fixed=self.cfg.speculation.parsed_arm())
 
     def set_drafter(self, drafter: Drafter | None) -> None:
         """Serve ``drafter`` (None: no EAGLE drafter) without rebuilding the engine."""

@@ -47,7 +47,7 @@ import torch
 
 from tlt.drafter.buffer import BufferConfig, DataBuffer
 from tlt.drafter.eagle import Drafter, DrafterConfig
-from tlt.drafter.resume_state import prefetch, warmup_state
+from tlt.drafter.resume_state import WarmStore, prefetch, warmup_state
 from tlt.drafter.seeds import fallback_seed
 from tlt.rollout.request import RequestState
 from tlt.rollout.target import TargetModel
@@ -154,13 +154,14 @@ class TLTServer:
         self.stats = StepStats()
         self.probe = DriftProbe(self.model, self._lock)
         self.agent = None
+        self.warm = WarmStore()  # the spot sessions' state between sessions, and prefetched drafters
         if train:
             self._prefetch_warmup_state()
             self.agent = start_spot_agent(
                 cfg=self.cfg, rank=replica_rank, seed=seed, model=self.model, drafter_cfg=self.drafter_cfg,
                 buffer=self.buffer, spot_root=spot_root, coordinator=coordinator,
                 node_ip=ray.util.get_node_ip_address(), base_port=spot_base_port, on_record=self.stats.session,
-                spot_rate=lambda: self.stats.spot_rate)
+                spot_rate=lambda: self.stats.spot_rate, warm_store=self.warm)
         # Everything loaded so far lives as long as the replica: out of the cyclic collector's full
         # passes, which otherwise walk it each time the rollout's allocations trigger one (they took
         # about 60% of the suffix drafter's time per proposal; docs/rollout.md)
@@ -181,7 +182,7 @@ class TLTServer:
         init = warmup_state(self.cfg.drafter.init_path) if self.cfg.drafter.init_path else None
         if init is not None:
             spot = spot_config(self.cfg, self.seed)
-            prefetch(init, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight,
+            prefetch(self.warm, init, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight,
                      lr=spot.lr, betas=spot.betas, weight_decay=spot.weight_decay)
 
     def _reload_history(self) -> None:
@@ -226,8 +227,9 @@ class TLTServer:
                 self._partial.pop(next(iter(self._partial)))
         new = len(state.output)  # a resubmission returns what it added to the partial output verl holds
         extra = {"global_steps": self.weight_version}
+        to = self._moving.pop(request_id, None)  # (a request may finish before its move took effect)
         if fin.reason == "left":  # moved: the client goes on at the destination with this state
-            extra[MOVED_KEY] = {"to": self._moving.pop(request_id), "state": fin.state}
+            extra[MOVED_KEY] = {"to": to, "state": fin.state}
             self.moved_out += 1
         return TokenOutput(token_ids=list(fin.state.output[new:]),
                            log_probs=list(fin.state.logprobs[new:]) if sampling_params.get("logprobs") else None,
@@ -294,10 +296,13 @@ class TLTServer:
             with self._mu:  # ordered with reserve(): a move on its way here keeps it busy
                 now = time.monotonic()
                 self._expected = [t for t in self._expected if t > now]
-                send = self.agent is not None and self.batcher.idle and len(self.buffer) and not self._expected
-                self._idle_sent = self._idle_sent or bool(send)
+                expected = min(self._expected, default=None)
+                send = bool(self.agent is not None and self.batcher.idle and len(self.buffer) and expected is None)
+                self._idle_sent = self._idle_sent or send
             if send:
                 self.agent.idle(self.step)
+            elif expected is not None and self.agent is not None:  # a move that never arrives: look again then
+                threading.Timer(expected - now, self._idle_work).start()
         self.probe.before()  # before the next policy copy: update_weights comes after the rollout
 
     # ------------------------------------------------------------------ tail moves (driver's TailMover)
@@ -401,7 +406,7 @@ class TLTServer:
             self.assembly.set_drafter(self.drafter)
         if self.agent is not None:  # the next one-rank session here resumes from memory
             spot = spot_config(self.cfg, self.seed)
-            prefetch(self.spot_root, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight,
+            prefetch(self.warm, self.spot_root, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight,
                      lr=spot.lr, betas=spot.betas, weight_decay=spot.weight_decay, step=step)
         log.info("replica %d: drafter version %d (%s)", self.rank, version, self.proposer_name)
         return version

@@ -18,6 +18,7 @@ from tlt.drafter.seeds import derive
 from tlt.drafter.buffer import DataBuffer
 from tlt.drafter.eagle import DrafterConfig
 from tlt.drafter.packing import FeatureSample
+from tlt.drafter.resume_state import WarmStore
 from tlt.drafter.spot import SpotConfig, SpotTrainer
 from tlt.drafter.ttt import TTTConfig
 from tlt.rollout.target import TargetModel
@@ -68,9 +69,10 @@ def spot_config(cfg: TLTConfig, seed: int) -> SpotConfig:
 
 def start_spot_agent(*, cfg: TLTConfig, rank: int, seed: int, model: TargetModel, drafter_cfg: DrafterConfig,
                      buffer: DataBuffer, spot_root: str, coordinator: str, node_ip: str, base_port: int,
-                     on_record: Callable, spot_rate: Callable[[], float | None], device: torch.device | None = None):
+                     on_record: Callable, spot_rate: Callable[[], float | None], warm_store: WarmStore,
+                     device: torch.device | None = None):
     """This replica's spot agent, connected to the coordinator and idle until told otherwise;
-    sessions train on ``device`` (default: the model's)."""
+    sessions train on ``device`` (default: the model's) and resume from ``warm_store`` (the replica's)."""
     from tlt.coordinator import WorkerConfig
     from tlt.spot_agent import AgentConfig, SpotAgent
 
@@ -79,7 +81,8 @@ def start_spot_agent(*, cfg: TLTConfig, rank: int, seed: int, model: TargetModel
     def make_trainer(s):  # the last session's measured throughput sizes the first chunks
         embed, head = session_weights(model, device)
         return SpotTrainer(spec=s, config=spot, drafter_config=drafter_cfg, embed_weight=embed, head_weight=head,
-                           checkpoint_root=spot_root, init_from=cfg.drafter.init_path, tokens_per_s=spot_rate())
+                           checkpoint_root=spot_root, init_from=cfg.drafter.init_path, tokens_per_s=spot_rate(),
+                           warm_store=warm_store)
 
     def batches(f):
         calls = itertools.count()

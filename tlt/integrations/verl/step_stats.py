@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from tlt.integrations.verl.assembly import SUFFIX
+from tlt.rollout.assembly import SUFFIX
 
 
 def _empty() -> dict[str, Any]:

@@ -87,6 +87,7 @@ def trainer_class():
             self._mover: TailMover | None = None
             self._tail: dict = {}
             self._lengths: list[int] = []  # the last rollout's response lengths (the mover's estimate)
+            self._failures: collections.Counter = collections.Counter()  # swallowed failures, by what failed
             if not self.tlt.enable:
                 return
             tc = self.tlt.tail.consolidate
@@ -181,22 +182,28 @@ def trainer_class():
                 batch.reorder(canonical_order(list(batch.keys), self._uid_index))
             return super()._balance_batch(batch, metrics, *args, **kwargs)
 
-        def _record_responses(self, batch, step: int) -> None:
-            """One line per response (step, prompt index, sample index, length, token hash); the
-            step's (prompt, response) pairs go to every replica's draft history and to the run
-            directory (:class:`~tlt.integrations.verl.history_log.HistoryLog`, for a replica that restarts)."""
+        def _step_responses(self, batch) -> tuple[list[str], list[list[int]], list[list[int]]]:
+            """The step's (keys, prompts, responses), padding rows left out."""
             import transfer_queue as tq
 
             keys = [k for k, tag in zip(batch.keys, batch.tags) if not tag.get("is_padding", False)]
             data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["prompts", "responses"])
             prompts = [[t for t in row if t >= 0] for row in data["prompts"].to_padded_tensor(padding=-1).tolist()]
             responses = [[t for t in row if t >= 0] for row in data["responses"].to_padded_tensor(padding=-1).tolist()]
+            return keys, prompts, responses
+
+        def _record_responses(self, keys: list[str], responses: list[list[int]], step: int) -> None:
+            """One line per response: step, prompt index, sample index, length, token hash."""
             with open(self._responses_path, "a") as f:
                 for key, toks in zip(keys, responses):
                     uid, sample, _ = key.rsplit("_", 2)
                     f.write(json.dumps({"step": step, "index": self._uid_index.get(uid, -1), "sample": int(sample),
                                         "length": len(toks), "sha1": hashlib.sha1(
                                             json.dumps(toks).encode()).hexdigest()}) + "\n")
+
+        def _push_history(self, prompts: list[list[int]], responses: list[list[int]], step: int) -> None:
+            """The step's (prompt, response) pairs go to every replica's draft history and to the run
+            directory (:class:`~tlt.integrations.verl.history_log.HistoryLog`, for a replica that restarts)."""
             hist = self.tlt.speculation.history_config()
             if hist is None or not (self.tlt.speculation.ngram and self.tlt.speculation.enable):
                 return
@@ -272,6 +279,16 @@ def trainer_class():
                                           **self._metrics()}
             return out
 
+        def _feeds_dropped(self) -> int:
+            """Captured feature batches the actor workers could not hand to their replica (cumulative)."""
+            if self.tlt.buffer.capture != "old_log_prob" or self._driver is None:
+                return 0
+            try:
+                return int(sum(self.actor_rollout_wg.tlt_dropped_feeds()))
+            except Exception:  # a worker died: verl's own calls will find out
+                log.exception("tlt: could not read the workers' dropped feeds")
+                return 0
+
         def _metrics(self) -> dict:
             st = self._stats
             verifies = sum(s["verifies"] for s in st)
@@ -303,6 +320,10 @@ def trainer_class():
                 "tlt/rollout_s": self._rollout_s,
                 "tlt/sessions": float(sum(s["sessions"] for s in st)),
                 "tlt/tail_moves": float(self._tail.get("moves", 0)),
+                # failures the run went on after (cumulative): a lost draft source shows here, not only in a log
+                "tlt/history_push_failures": float(self._failures["history"] + self._failures["responses"]),
+                "tlt/response_record_failures": float(self._failures["record"] + self._failures["responses"]),
+                "tlt/feeds_dropped": float(self._feeds_dropped()),
             }
             drift = [s["drift_top1"] for s in st if s["drift_top1"] is not None]
             if drift:  # 1 - top-1 agreement of the policies before and after the last update
@@ -335,10 +356,11 @@ def trainer_class():
                        **getattr(self, "_step_extra", {})}
                 with open(self._record_path, "a") as f:
                     f.write(json.dumps(rec, default=float) + "\n")
-                try:
-                    self._record_responses(batch, global_steps)
-                except Exception:  # a record, not the run: the step goes on
-                    log.exception("tlt: could not record step %d's responses", global_steps)
+                got = counted(self._failures, "responses", self._step_responses, batch)
+                if got is not None:  # a record or a draft source, not the run: the step goes on either way
+                    keys, prompts, responses = got
+                    counted(self._failures, "record", self._record_responses, keys, responses, global_steps)
+                    counted(self._failures, "history", self._push_history, prompts, responses, global_steps)
                 self._uid_index.clear()
             return out
 
@@ -370,6 +392,16 @@ def _sglang_replica():
     from tlt.integrations.verl.sglang_server import TLTSGLangReplica
 
     return TLTSGLangReplica
+
+
+def counted(failures: collections.Counter, what: str, fn, *args):
+    """``fn(*args)``; a failure is logged and counted under ``what`` (the run goes on), and gives None."""
+    try:
+        return fn(*args)
+    except Exception:
+        failures[what] += 1
+        log.exception("tlt: %s failed (%d so far this run); the run goes on", what, failures[what])
+        return None
 
 
 def canonical_order(keys: list[str], uid_index: dict[str, int]) -> list[int]:

@@ -92,13 +92,20 @@ def worker_class():
             await self.rollout.update_draft_weights(((k, v.to(device)) for k, v in tensors.items()), version)
             return True
 
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def tlt_dropped_feeds(self) -> int:
+            """Captured batches this rank could not hand to its replica, so far (the trainer's metric)."""
+            return getattr(self, "_tlt_dropped", 0)
+
         def _tlt_ship(self, step: int, samples) -> None:
             replica, _ = replica_of_this_rank(self.config.rollout)
             try:
                 server = ray.get_actor(replica_actor_name(self.config.rollout.name, replica))
                 ray.get(server.add_samples.remote(step, samples))
-            except Exception:  # adaptation is an optimisation: the RL step goes on without it
-                log.exception("tlt: could not hand %d samples to replica %d", len(samples), replica)
+            except Exception:  # adaptation is an optimisation: the RL step goes on without it, counted
+                self._tlt_dropped = getattr(self, "_tlt_dropped", 0) + 1
+                log.exception("tlt: could not hand %d samples to replica %d (%d batches dropped so far)",
+                              len(samples), replica, self._tlt_dropped)
 
     return TLTActorRolloutRefWorker
 

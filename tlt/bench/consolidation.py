@@ -1,0 +1,118 @@
+"""``tlt bench consolidation``: tail consolidation on vs off in the demo, over several paired runs.
+
+Each run is ``tlt demo --arms BCE``: arm C is full TLT, arm E is full TLT with tail consolidation
+(``tlt.tail.consolidate.mode=auto``), and arm B (the frozen drafter) is the stale reference that
+both arms' spot vs stale accept length is measured against. The arms sample the same tokens
+(coupled sampling), so each RL step is a paired comparison. ``--from DIR ...`` aggregates runs made
+before (their ``summary.json`` and step records) instead of running the demo.
+
+The record gives, per run and pooled over the runs' steps (start-up step left out), with 90%
+intervals from resampling steps: the rollout and step time ratios C / E, the spot-training
+replica-seconds ratio E / C, each arm's spot vs stale accept length, the share of identical
+responses and the requests moved per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from tlt.demo.summary import _over, _pooled_accept, _ratio, _step_interval, _total
+
+ARMS = "BCE"
+KEYS = ("rollout_time_ratio_c_over_e", "step_time_ratio_c_over_e", "spot_training_ratio_e_over_c",
+        "accept_length_ratio_spot_vs_stale", "accept_length_ratio_spot_vs_stale_e")
+
+
+def _records(run: Path, arm: str) -> dict[int, dict]:
+    path = run / f"arm-{arm}" / "tlt_steps.jsonl"
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def _train_s(rows) -> float:
+    return sum(sum(r.get("replica_train_s") or []) for r in rows)
+
+
+def pooled(runs: list[Path]) -> dict:
+    """The paired ratios over every run's steps 2+ (a step of run i in C pairs with the same step
+    of run i in E), with 90% intervals from resampling those (run, step) pairs."""
+    by = {a: {} for a in ARMS}
+    for i, run in enumerate(runs):
+        for a in ARMS:
+            by[a].update({(i, s): r for s, r in _records(run, a).items()})
+    later = sorted(k for k in set(by["C"]) & set(by["E"]) & set(by["B"]) if k[1] > 1)
+
+    def adapted(arm):  # steps whose rollout served a spot-trained drafter
+        return [k for k in later if by[arm].get((k[0], k[1] - 1), {}).get("tlt/drafter_version", 0) >= 1]
+
+    out = {"steps": len(later)}
+    for name, num, den, steps, ratio in (
+            ("rollout_time_ratio_c_over_e", "C", "E", later, _over(_total("tlt/rollout_s"))),
+            ("step_time_ratio_c_over_e", "C", "E", later, _over(_total("timing_s/step"))),
+            ("spot_training_ratio_e_over_c", "E", "C", later, _over(_train_s)),
+            ("accept_length_ratio_spot_vs_stale", "C", "B", adapted("C"), _over(_pooled_accept)),
+            ("accept_length_ratio_spot_vs_stale_e", "E", "B", adapted("E"), _over(_pooled_accept))):
+        out[name] = _ratio(by[num], by[den], steps, ratio)
+        out[f"{name}_ci90"] = _step_interval(by[num], by[den], steps, ratio)
+    out["spot_training_s_per_step"] = {a: _train_s([by[a][k] for k in later]) / len(later) for a in "CE"} \
+        if later else {}
+    out["moves_per_step_e"] = sum(by["E"][k].get("tlt/tail_moves", 0) for k in later) / len(later) if later else None
+    return out
+
+
+def aggregate(runs: list[Path]) -> dict:
+    per_run = []
+    for run in runs:
+        s = json.loads((run / "summary.json").read_text())
+        same = (s.get("identical_response_share") or {}).get("CE") or {}
+        per_run.append({"run": str(run), "identical_share_c_e": same.get("share"), "matched": same.get("matched"),
+                        **{k: s.get(k) for k in KEYS}, "rollout_time_ratio_ci90_c_over_e":
+                        s.get("rollout_time_ratio_ci90_c_over_e"), "tail_moves_by_step_e": s.get("tail_moves_by_step_e")})
+    spread = {}
+    for k in KEYS:
+        vals = [r[k] for r in per_run if r[k] is not None]
+        if vals:
+            spread[k] = {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals), "runs": len(vals)}
+    return {"runs": per_run, "across_runs": spread, "pooled": pooled(runs)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tlt.demo.job import run_demo
+
+    runs = [Path(d) for d in (getattr(args, "runs_from", None) or [])]
+    if not runs:
+        n = args.repeats or 3
+        root = Path(tempfile.mkdtemp(prefix="tlt-consolidation-"))
+        for i in range(n):
+            run_demo(root / f"run-{i + 1}", quick=args.quick, progress=True, arms=ARMS)
+            runs.append(root / f"run-{i + 1}")
+    rec = {"bench": "consolidation", "quick": bool(args.quick), **aggregate(runs)}
+    p, lines = rec["pooled"], []
+
+    def ci(k):
+        iv = p.get(f"{k}_ci90")
+        return f" (90% CI {iv[0]:.2f}-{iv[1]:.2f})" if iv else ""
+
+    def f(x):
+        return "n/a" if x is None else f"{x:.2f}"
+
+    same = [r["identical_share_c_e"] for r in rec["runs"]]
+    lines.append(f"{len(runs)} paired runs (tlt demo --arms BCE), {p['steps']} RL steps pooled (steps 2+ of each)")
+    lines.append("identical responses C vs E: " + ", ".join("n/a" if x is None else f"{100 * x:.1f}%" for x in same))
+    lines.append(f"rollout time C / E (off / on) {f(p['rollout_time_ratio_c_over_e'])}x"
+                 f"{ci('rollout_time_ratio_c_over_e')}; step time {f(p['step_time_ratio_c_over_e'])}x"
+                 f"{ci('step_time_ratio_c_over_e')}")
+    train = p.get("spot_training_s_per_step") or {}
+    lines.append(f"spot-training replica-seconds per RL step C {f(train.get('C'))}, E {f(train.get('E'))}: E / C "
+                 f"{f(p['spot_training_ratio_e_over_c'])}x{ci('spot_training_ratio_e_over_c')}; requests moved "
+                 f"per step {f(p['moves_per_step_e'])}")
+    lines.append(f"spot vs stale accept length: C {f(p['accept_length_ratio_spot_vs_stale'])}x"
+                 f"{ci('accept_length_ratio_spot_vs_stale')}, E {f(p['accept_length_ratio_spot_vs_stale_e'])}x"
+                 f"{ci('accept_length_ratio_spot_vs_stale_e')}")
+    for k, v in rec["across_runs"].items():
+        lines.append(f"  {k}: mean {v['mean']:.2f}, range {v['min']:.2f}-{v['max']:.2f} over {v['runs']} runs")
+    rec["summary"] = lines
+    return rec
