@@ -8,7 +8,8 @@ the moves out losslessly (leave, then join with the request's state).
 
 Rules
 - Step cost (:class:`StepCurve`): seconds per engine step at batch ``b``, piecewise linear through
-  measured points, extended linearly past the last two. Throughput is ``b / cost(b)`` requests per
+  measured points; past the largest measured batch it grows in proportion to the batch (a batch
+  no replica ran is never assumed cheap), below the smallest it stays at that one's cost. Throughput is ``b / cost(b)`` requests per
   second (times the tokens a step commits per request, the same for every plan).
 - Drain time of a replica: its requests' remaining tokens sorted ``r_1 <= ... <= r_n``; it runs
   ``r_1`` steps at batch ``n``, then ``r_2 - r_1`` at ``n - 1``, and so on (the long tail), each
@@ -88,12 +89,18 @@ class StepCurve:
         object.__setattr__(self, "points", pts)
 
     def cost(self, b: int) -> float:
+        """Interpolated between measured batches; below the smallest, its cost; above the largest,
+        proportional to the batch (throughput no better than measured: a batch no replica ran is
+        never assumed cheap, which would make piling the tail onto one replica look free)."""
         pts = self.points
-        if len(pts) == 1:
-            return pts[0][1]
-        i = min(max(bisect.bisect_left([p[0] for p in pts], b), 1), len(pts) - 1)
+        (lo, s_lo), (hi, s_hi) = pts[0], pts[-1]
+        if b <= lo:
+            return s_lo
+        if b >= hi:
+            return s_hi * b / hi
+        i = bisect.bisect_left([p[0] for p in pts], b)
         (b0, s0), (b1, s1) = pts[i - 1], pts[i]
-        return max(s0 + (s1 - s0) * (b - b0) / (b1 - b0), 1e-12)
+        return s0 + (s1 - s0) * (b - b0) / (b1 - b0)
 
     def theta(self, knee: float, max_batch: int) -> int:
         """The smallest batch whose throughput reaches ``knee`` of the best over 1..max_batch."""

@@ -104,6 +104,19 @@ def test_auto_consolidates_before_rlhfuses_trigger_when_it_pays():
     assert decide([a, b], 32, TailConfig(mode="consolidate")).moves == ()  # 12 > 0.2 x 32
 
 
+def test_a_batch_no_replica_ran_is_not_assumed_cheap():
+    """Both replicas ran 16 requests (the only batch measured): piling 32 onto one costs twice
+    per step, so auto keeps them apart; once measured flat up to 32 it consolidates."""
+    one = StepCurve(((16, 0.05),))
+    assert one.cost(32) == pytest.approx(0.10) and one.cost(4) == pytest.approx(0.05)
+    assert StepCurve(((1, 1.0), (4, 2.0))).cost(8) == pytest.approx(4.0)  # proportional past the last
+    a, b = _replica(0, 16, one, remaining=100.0), _replica(1, 16, one, remaining=100.0)
+    assert decide([a, b], 32, TailConfig(mode="auto", max_batch=64)).kind == "none"
+    flat = StepCurve(((16, 0.05), (32, 0.05)))
+    a, b = _replica(0, 16, flat, remaining=100.0), _replica(1, 16, flat, remaining=100.0)
+    assert decide([a, b], 32, TailConfig(mode="auto", max_batch=64)).kind == "consolidate"
+
+
 def test_config_errors_name_the_key():
     for kw, key in [({"mode": "x"}, "mode"), ({"knee": 0}, "knee"), ({"remaining_share": 2}, "remaining_share"),
                     ({"max_batch": 0}, "max_batch"), ({"kv_request_bytes": 1}, "kv_request_bytes"),
