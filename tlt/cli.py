@@ -143,7 +143,7 @@ def _cmd_demo(a: argparse.Namespace) -> None:
 
     if not set(a.arms) <= set("ABCDE") or not a.arms or len(set(a.arms)) != len(a.arms):
         raise ValueError(f"--arms {a.arms!r}: use distinct letters from ABCDE (A no speculation, B stale drafter, "
-                         "C full TLT, D full TLT with EAGLE only, E full TLT with tail consolidation)")
+                         "C full TLT, D full TLT with EAGLE only, E full TLT without tail consolidation)")
     if a.steps is not None and a.steps < 1:
         raise ValueError(f"--steps {a.steps}: use at least 1 RL step per arm")
     out = Path(a.out).resolve()
@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quick", action="store_true", help="tiny sizes and 4 RL steps per arm, for tests")
     s.add_argument("--arms", default="ABC", help="which arms to run (default ABC; D: full TLT with the EAGLE "
                    "drafter only, no model-free drafter: `--arms ACD` measures what the model-free drafter adds; "
-                   "E: full TLT with tail consolidation: `--arms BCE` measures it on the same seeds)")
+                   "E: full TLT without tail consolidation: `--arms BCE` measures what consolidation adds, on the same seeds)")
     s.add_argument("--steps", type=int, default=None,
                    help="RL steps per arm (default 8: two epochs of the 32 prompts); more steps, more epochs")
     s.set_defaults(fn=_cmd_demo)

@@ -42,6 +42,20 @@ def test_a_drafter_swap_touches_only_the_drafter(trained_target, warm_drafters):
     assert engine.generate(prompts, params, seeds=[1, 2]).outputs == ref  # lossless after the swaps
 
 
+def test_a_fixed_strategy_drafts_with_the_drafter_the_replica_has(trained_target, warm_drafters):
+    """``tlt.speculation.arm`` without a warm-up drafter drafts with the suffix drafter (it used
+    to refuse in the replica's constructor, inside Ray); with one, with EAGLE. No tuner either way."""
+    model = TargetModel.from_pretrained(trained_target)
+    cfg = TLTConfig.from_mapping({"engine": {"max_batch": 4}, "speculation": {"arm": "4,1,4"}})
+    rep = ReplicaEngine(model, cfg, max_len=200, seed=0, rank=0)
+    assert str(rep.engine.cfg.arm) == "d4k1v4@suffix" and rep.engine.tuner is None
+    d = Drafter.load(warm_drafters["eagle"], model.embed_weight, model.lm_head.weight)
+    rep = ReplicaEngine(model, cfg, max_len=200, seed=0, rank=0, drafter=d)
+    assert str(rep.engine.cfg.arm) == "d4k1v4" and rep.engine.tuner is None
+    out = rep.engine.generate([[1, 5, 7]], SamplingParams(temperature=0.0, max_new_tokens=8), seeds=[1])
+    assert len(out.outputs[0]) == 8 and all(s.arm == "d4k1v4" for s in out.steps if s.sd)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with pytest -m gpu on a GPU machine)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

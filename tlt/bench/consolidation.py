@@ -1,14 +1,14 @@
 """``tlt bench consolidation``: tail consolidation on vs off in the demo, over several paired runs.
 
-Each run is ``tlt demo --arms BCE``: arm C is full TLT, arm E is full TLT with tail consolidation
-(``tlt.tail.consolidate.mode=auto``), and arm B (the frozen drafter) is the stale reference that
+Each run is ``tlt demo --arms BCE``: arm C is full TLT, tail consolidation included
+(``tlt.tail.consolidate.mode=auto``), arm E is arm C without it, and arm B (the frozen drafter) is the stale reference that
 both arms' spot vs stale accept length is measured against. The arms sample the same tokens
 (coupled sampling), so each RL step is a paired comparison. ``--from DIR ...`` aggregates runs made
-before (their ``summary.json`` and step records) instead of running the demo.
+before (their step and response records) instead of running the demo.
 
 The record gives, per run and pooled over the runs' steps (start-up step left out), with 90%
-intervals from resampling steps: the rollout and step time ratios C / E, the spot-training
-replica-seconds ratio E / C, each arm's spot vs stale accept length, the share of identical
+intervals from resampling steps: the rollout and step time ratios E / C (off / on), the
+spot-training replica-seconds ratio C / E, each arm's spot vs stale accept length, the share of identical
 responses and the requests moved per step.
 """
 
@@ -20,10 +20,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from tlt.demo.summary import _over, _pooled_accept, _ratio, _step_interval, _total
+from tlt.demo.summary import _over, _pooled_accept, _ratio, _step_interval, _total, summarize
 
 ARMS = "BCE"
-KEYS = ("rollout_time_ratio_c_over_e", "step_time_ratio_c_over_e", "spot_training_ratio_e_over_c",
+KEYS = ("rollout_time_ratio_e_over_c", "step_time_ratio_e_over_c", "spot_training_ratio_c_over_e",
         "accept_length_ratio_spot_vs_stale", "accept_length_ratio_spot_vs_stale_e")
 
 
@@ -37,8 +37,8 @@ def _train_s(rows) -> float:
 
 
 def pooled(runs: list[Path]) -> dict:
-    """The paired ratios over every run's steps 2+ (a step of run i in C pairs with the same step
-    of run i in E), with 90% intervals from resampling those (run, step) pairs."""
+    """The paired ratios over every run's steps 2+ (a step of run i in E pairs with the same step
+    of run i in C), with 90% intervals from resampling those (run, step) pairs."""
     by = {a: {} for a in ARMS}
     for i, run in enumerate(runs):
         for a in ARMS:
@@ -50,27 +50,36 @@ def pooled(runs: list[Path]) -> dict:
 
     out = {"steps": len(later)}
     for name, num, den, steps, ratio in (
-            ("rollout_time_ratio_c_over_e", "C", "E", later, _over(_total("tlt/rollout_s"))),
-            ("step_time_ratio_c_over_e", "C", "E", later, _over(_total("timing_s/step"))),
-            ("spot_training_ratio_e_over_c", "E", "C", later, _over(_train_s)),
+            ("rollout_time_ratio_e_over_c", "E", "C", later, _over(_total("tlt/rollout_s"))),
+            ("step_time_ratio_e_over_c", "E", "C", later, _over(_total("timing_s/step"))),
+            ("spot_training_ratio_c_over_e", "C", "E", later, _over(_train_s)),
             ("accept_length_ratio_spot_vs_stale", "C", "B", adapted("C"), _over(_pooled_accept)),
             ("accept_length_ratio_spot_vs_stale_e", "E", "B", adapted("E"), _over(_pooled_accept))):
         out[name] = _ratio(by[num], by[den], steps, ratio)
         out[f"{name}_ci90"] = _step_interval(by[num], by[den], steps, ratio)
     out["spot_training_s_per_step"] = {a: _train_s([by[a][k] for k in later]) / len(later) for a in "CE"} \
         if later else {}
-    out["moves_per_step_e"] = sum(by["E"][k].get("tlt/tail_moves", 0) for k in later) / len(later) if later else None
+    out["moves_per_step_c"] = sum(by["C"][k].get("tlt/tail_moves", 0) for k in later) / len(later) if later else None
     return out
+
+
+def _summary(run: Path) -> dict:
+    """The demo's summary of one run, computed again from its records (not read from its
+    summary.json, which an older demo may have labelled otherwise)."""
+    records = {a: list(_records(run, a).values()) for a in ARMS}
+    responses = {a: [json.loads(x) for x in (run / f"arm-{a}" / "tlt_responses.jsonl").read_text().splitlines()]
+                 for a in ARMS if (run / f"arm-{a}" / "tlt_responses.jsonl").is_file()}
+    return summarize(records, responses)
 
 
 def aggregate(runs: list[Path]) -> dict:
     per_run = []
     for run in runs:
-        s = json.loads((run / "summary.json").read_text())
+        s = _summary(run)
         same = (s.get("identical_response_share") or {}).get("CE") or {}
-        per_run.append({"run": str(run), "identical_share_c_e": same.get("share"), "matched": same.get("matched"),
-                        **{k: s.get(k) for k in KEYS}, "rollout_time_ratio_ci90_c_over_e":
-                        s.get("rollout_time_ratio_ci90_c_over_e"), "tail_moves_by_step_e": s.get("tail_moves_by_step_e")})
+        per_run.append({"run": run.name, "identical_share_c_e": same.get("share"), "matched": same.get("matched"),
+                        **{k: s.get(k) for k in KEYS}, "rollout_time_ratio_ci90_e_over_c":
+                        s.get("rollout_time_ratio_ci90_e_over_c"), "tail_moves_by_step_c": s.get("tail_moves_by_step_c")})
     spread = {}
     for k in KEYS:
         vals = [r[k] for r in per_run if r[k] is not None]
@@ -102,13 +111,13 @@ def run(args: argparse.Namespace) -> dict:
     same = [r["identical_share_c_e"] for r in rec["runs"]]
     lines.append(f"{len(runs)} paired runs (tlt demo --arms BCE), {p['steps']} RL steps pooled (steps 2+ of each)")
     lines.append("identical responses C vs E: " + ", ".join("n/a" if x is None else f"{100 * x:.1f}%" for x in same))
-    lines.append(f"rollout time C / E (off / on) {f(p['rollout_time_ratio_c_over_e'])}x"
-                 f"{ci('rollout_time_ratio_c_over_e')}; step time {f(p['step_time_ratio_c_over_e'])}x"
-                 f"{ci('step_time_ratio_c_over_e')}")
+    lines.append(f"rollout time E / C (off / on) {f(p['rollout_time_ratio_e_over_c'])}x"
+                 f"{ci('rollout_time_ratio_e_over_c')}; step time {f(p['step_time_ratio_e_over_c'])}x"
+                 f"{ci('step_time_ratio_e_over_c')}")
     train = p.get("spot_training_s_per_step") or {}
-    lines.append(f"spot-training replica-seconds per RL step C {f(train.get('C'))}, E {f(train.get('E'))}: E / C "
-                 f"{f(p['spot_training_ratio_e_over_c'])}x{ci('spot_training_ratio_e_over_c')}; requests moved "
-                 f"per step {f(p['moves_per_step_e'])}")
+    lines.append(f"spot-training replica-seconds per RL step C {f(train.get('C'))}, E {f(train.get('E'))}: C / E "
+                 f"{f(p['spot_training_ratio_c_over_e'])}x{ci('spot_training_ratio_c_over_e')}; requests moved "
+                 f"per step (C) {f(p['moves_per_step_c'])}")
     lines.append(f"spot vs stale accept length: C {f(p['accept_length_ratio_spot_vs_stale'])}x"
                  f"{ci('accept_length_ratio_spot_vs_stale')}, E {f(p['accept_length_ratio_spot_vs_stale_e'])}x"
                  f"{ci('accept_length_ratio_spot_vs_stale_e')}")

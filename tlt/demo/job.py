@@ -81,12 +81,12 @@ QUICK = DemoSize(target=TargetSpec(hidden_size=64, num_layers=2, intermediate_si
                  prompts=8, batch=4, n=2, steps=4, max_response=64, warmup_steps=5, timeout_s=600)
 
 ARMS = {  # arm -> verl overrides (D and E are not in the default run: `tlt demo --arms ACD` measures
-    # the model-free drafter's contribution, `tlt demo --arms BCE` tail consolidation's)
+    # the model-free drafter's contribution, `tlt demo --arms BCE` tail consolidation's: E is C without it)
     "A": ["tlt.speculation.enable=false", "tlt.drafter.train=false", "tlt.buffer.capture=off"],
     "B": ["tlt.drafter.train=false", "tlt.buffer.capture=off"],
-    "C": [],
-    "D": ["tlt.speculation.ngram=false"],
-    "E": ["tlt.tail.consolidate.mode=auto"],
+    "C": ["tlt.tail.consolidate.mode=auto"],
+    "D": ["tlt.speculation.ngram=false", "tlt.tail.consolidate.mode=auto"],
+    "E": [],
 }
 
 

@@ -15,9 +15,10 @@ import random
 import statistics
 from pathlib import Path
 
-ARM_LABELS = {"A": "no speculation", "B": "TLT, warm-up drafter frozen (stale)", "C": "full TLT (spot training)",
+ARM_LABELS = {"A": "no speculation", "B": "TLT, warm-up drafter frozen (stale)",
+              "C": "full TLT (spot training, tail consolidation)",
               "D": "full TLT, EAGLE only (no model-free drafter)",
-              "E": "full TLT with tail consolidation"}
+              "E": "full TLT without tail consolidation"}
 COLOURS = {"A": "tab:gray", "B": "tab:orange", "C": "tab:blue", "D": "tab:green", "E": "tab:purple"}
 
 
@@ -180,14 +181,14 @@ def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] |
         adapted_e = [s for s in later if by["E"].get(s - 1, {}).get("tlt/drafter_version", 0) >= 1]
         out["accept_length_ratio_spot_vs_stale_e"] = _ratio(by["E"], by["B"], adapted_e, _over(_pooled_accept))
         out["accept_length_ratio_ci90_e"] = _step_interval(by["E"], by["B"], adapted_e, _over(_pooled_accept))
-    if "C" in by and "E" in by and later:  # tail consolidation on (E) vs off (C), the same seeds
+    if "C" in by and "E" in by and later:  # tail consolidation on (C) vs off (E), the same seeds
         for key, name in (("tlt/rollout_s", "rollout"), ("timing_s/step", "step")):
-            out[f"{name}_time_ratio_c_over_e"] = _ratio(by["C"], by["E"], later, _over(_total(key)))
-            out[f"{name}_time_ratio_ci90_c_over_e"] = _step_interval(by["C"], by["E"], later, _over(_total(key)))
+            out[f"{name}_time_ratio_e_over_c"] = _ratio(by["E"], by["C"], later, _over(_total(key)))
+            out[f"{name}_time_ratio_ci90_e_over_c"] = _step_interval(by["E"], by["C"], later, _over(_total(key)))
         train = _over(lambda rows: sum(sum(r.get("replica_train_s") or []) for r in rows))
-        out["spot_training_ratio_e_over_c"] = _ratio(by["E"], by["C"], later, train)
-        out["spot_training_ratio_ci90_e_over_c"] = _step_interval(by["E"], by["C"], later, train)
-        out["tail_moves_by_step_e"] = {s: by["E"][s].get("tlt/tail_moves", 0.0) for s in steps}
+        out["spot_training_ratio_c_over_e"] = _ratio(by["C"], by["E"], later, train)
+        out["spot_training_ratio_ci90_c_over_e"] = _step_interval(by["C"], by["E"], later, train)
+        out["tail_moves_by_step_c"] = {s: by["C"][s].get("tlt/tail_moves", 0.0) for s in steps}
     if "C" in by and "D" in by and later:  # what the model-free drafter adds beside EAGLE
         out["rollout_time_ratio_d_over_c"] = _ratio(by["D"], by["C"], later, _over(_total("tlt/rollout_s")))
         out["rollout_time_ratio_ci90_d_over_c"] = _step_interval(by["D"], by["C"], later,
@@ -311,12 +312,12 @@ def summary_lines(s: dict) -> list[str]:
     if s.get("accept_length_ratio_spot_vs_stale_e") is not None:
         lines.append(f"spot vs stale accept length, arm E {f(s['accept_length_ratio_spot_vs_stale_e'])}x"
                      f"{ci('accept_length_ratio_ci90_e')}")
-    if s.get("rollout_time_ratio_c_over_e") is not None:
-        lines.append(f"consolidation  C / E (off / on): rollout time {f(s['rollout_time_ratio_c_over_e'])}x"
-                     f"{ci('rollout_time_ratio_ci90_c_over_e')}, step time {f(s['step_time_ratio_c_over_e'])}x"
-                     f"{ci('step_time_ratio_ci90_c_over_e')}; spot-training replica-seconds E / C "
-                     f"{f(s.get('spot_training_ratio_e_over_c'))}x{ci('spot_training_ratio_ci90_e_over_c')}; "
-                     "requests moved by step " + " ".join(f"{v:.0f}" for v in s["tail_moves_by_step_e"].values()))
+    if s.get("rollout_time_ratio_e_over_c") is not None:
+        lines.append(f"consolidation  E / C (off / on): rollout time {f(s['rollout_time_ratio_e_over_c'])}x"
+                     f"{ci('rollout_time_ratio_ci90_e_over_c')}, step time {f(s['step_time_ratio_e_over_c'])}x"
+                     f"{ci('step_time_ratio_ci90_e_over_c')}; spot-training replica-seconds C / E "
+                     f"{f(s.get('spot_training_ratio_c_over_e'))}x{ci('spot_training_ratio_ci90_c_over_e')}; "
+                     "requests moved by step " + " ".join(f"{v:.0f}" for v in s["tail_moves_by_step_c"].values()))
     if s.get("rollout_time_ratio_d_over_c") is not None:
         lines.append(f"model-free  rollout time EAGLE only / EAGLE + suffix drafter "
                      f"{f(s['rollout_time_ratio_d_over_c'])}x{ci('rollout_time_ratio_ci90_d_over_c')}")
