@@ -82,8 +82,9 @@ def test_tlt_loop_on_sglang(tmp_path):
     s1, p1, out1 = _standin(tmp_path, 1, site, target, max_len, env, "", "4")
     try:
         train = demo.write_parquet(tmp_path / "train.parquet", size.prompts, 7)
+        # arm C less its tail consolidation: requests move between replicas of the project's engine only
         overrides = [o for o in demo.arm_overrides("C", tmp_path, size, target, tmp_path / "none", train, train)
-                     if not o.startswith(("tlt.drafter.init_path", "trainer.total_training_steps"))]
+                     if not o.startswith(("tlt.drafter.init_path", "trainer.total_training_steps", "tlt.tail."))]
         cmd = demo.verl_command([*overrides, "trainer.total_training_steps=2", "actor_rollout_ref.rollout.name=sglang",
                                  "tlt.buffer.capture=old_log_prob", f"tlt.sglang.attach='127.0.0.1:{p0},127.0.0.1:{p1}'",
                                  "tlt.sglang.readback_elements=16"])

@@ -19,6 +19,12 @@ to the last that leaves it; requests join it while it runs), a policy copy, a dr
 history update and a drift-probe forward never overlap. A spot session trains on its own copies of the
 frozen tensors, so it needs no lock; it is stopped before a generation runs (``agent.busy``).
 
+Tail moves (the driver's :mod:`.tail_mover`, the protocol in :mod:`.moves`): ``move_out`` lets
+requests leave for another replica, whose ``generate`` they reach again through verl's client with
+their state; ``reserve`` makes this replica a destination. ``_mu`` orders a reservation with the
+IDLE decision of ``_idle_work``: a replica that told its spot agent it is idle refuses to be a
+destination, and one expecting a request sends no IDLE until it arrived or the reservation ran out.
+
 Requests (verl's ``generate``): each is a :class:`~tlt.rollout.request.RequestState` with its seed
 (verl's, else :func:`~tlt.drafter.seeds.fallback_seed` of its request id, which verl keeps
 when it retries). verl's ``abort_all_requests`` returns every running request's partial output; the
@@ -143,7 +149,7 @@ class TLTServer:
         # verl's partial rollout sends it) goes on from there; the oldest are dropped past a bound
         self._partial: dict[str, RequestState] = {}
         self._moving: dict[str, str] = {}  # request id -> destination server, while it leaves (event loop)
-        self._mu = threading.Lock()  # guards _expected (event loop and the idle thread)
+        self._mu = threading.Lock()  # guards _expected and _idle_sent (Ray's threads, the idle thread)
         self._expected: list[float] = []  # moves on their way here: deadlines (time.monotonic())
         self._idle_sent = False  # IDLE went to the spot agent since the last generation (guarded by _mu)
         self.moved_out = 0  # requests moved away this step
