@@ -55,6 +55,7 @@ from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpSe
 
 from tlt.drafter.buffer import BufferConfig, DataBuffer
 from tlt.drafter.digest import weights_digest
+from tlt.drafter.resume_state import WarmStore
 from tlt.integrations.sglang import launch
 from tlt.integrations.verl.config import TLTConfig
 from tlt.integrations.verl.sglang_drafts import CANARY, drafter_config
@@ -126,7 +127,8 @@ class TLTSGLangServer(SGLangHttpServer):
                 cfg=self.cfg, rank=self.rank, seed=self.seed, model=self.frozen, drafter_cfg=self.drafter_cfg,
                 buffer=self.buffer, spot_root=self.spot_root, coordinator=self._coordinator,
                 node_ip=ray.util.get_node_ip_address(), base_port=self._spot_base_port,
-                on_record=self.stats.session, spot_rate=lambda: self.stats.spot_rate, device=self.device)
+                on_record=self.stats.session, spot_rate=lambda: self.stats.spot_rate, device=self.device,
+                warm_store=WarmStore())  # this replica's sessions resume from memory
         log.info("replica %d: SGLang at %s:%s (%s)", self.rank, self._server_address, self._server_port,
                  "attached" if self._attach else "launched")
 
