@@ -18,12 +18,13 @@ step's cost by batch size, which the tail policy reads (:mod:`tlt.coordinator.ta
 Threads and ownership: the event loop owns the futures, the gate and the ``_serving`` flag; a
 generation runs in one worker thread, which owns the engine from its first step to its last
 (``on_open`` / ``on_close`` bracket it, e.g. the replica's serving lock). The two meet only in
-``_mu``-guarded fields: ``_pending`` (event loop appends, worker takes) and the abort requests
-(event loop posts, worker serves), and the published load (worker writes, anyone reads). A result is handed to the event loop with
-``call_soon_threadsafe`` (FIFO with the worker's end, so every answer is delivered, and counted
-out of the in-flight count, before the event loop sees the generation end). The worker ends a generation only when, under ``_mu``, the engine is idle
-and nothing waits; a request queued after that is seen by the event loop, which starts the next.
-A generation that fails fails its own requests; the batcher keeps serving.
+``_mu``-guarded fields: ``_pending`` (event loop appends, worker takes), the abort and leave requests
+(event loop posts, worker serves), and the published load (worker writes, anyone reads). A result is
+handed to the event loop with ``call_soon_threadsafe`` (FIFO with the worker's end, so every answer
+is delivered, and counted out of the in-flight count, before the event loop sees the generation
+end). The worker ends a generation only when, under ``_mu``, the engine is idle and nothing waits; a
+request queued after that is seen by the event loop, which starts the next. A generation that fails
+fails its own requests; the batcher keeps serving.
 """
 
 from __future__ import annotations
@@ -284,15 +285,15 @@ class RequestBatcher:
                     joined += 1
                 if eng.active:
                     running_before = eng.running  # requests decoding before this step's joins
-                    stepping = list(live.values())
                     n_steps, t_step = len(eng.steps), time.monotonic()
                     outs = eng.step()
                     if len(eng.steps) > n_steps:  # a decode step ran (its prefill of joining requests included)
                         self._measure(eng.steps[-1], time.monotonic() - t_step, joined if running_before else 0)
-                    for req in stepping:
-                        req.steps += 1
                     answer(outs)
-                    self._publish(live, eng.progress())
+                    progress = eng.progress()  # the requests still running: each ran this step
+                    for rid in progress:
+                        live[rid].steps += 1
+                    self._publish(live, progress)
         except Exception as e:  # the engine is emptied, then the generation's requests learn the error
             log.exception("%s: a generation of %d requests failed", self.name, len(live))
             try:
