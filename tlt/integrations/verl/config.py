@@ -198,7 +198,7 @@ class ConsolidateSection:
     mode: Literal["off", "reallocate", "consolidate", "auto"] = "off"
     interval_s: float = 0.1        # seconds between decisions during a rollout
     knee: float = 0.9              # reallocation's theta: smallest batch reaching this share of peak throughput
-    remaining_share: float = 0.2   # consolidate once at most this share of the step's requests run
+    remaining_share: float = 0.2   # mode consolidate: once at most this share of the step's requests run
     train_value: float = 0.5       # rollout seconds one replica-second freed for spot training is worth
     move_s: float | None = None    # a move's cost in seconds; null: measured by the replicas
 
