@@ -65,6 +65,7 @@ def _replicas(setup, drafter: str):
     """Two replicas as TLTReplica launches them (restarted after a kill, calls retried), and the router."""
     model, tmp = setup
     spec = {"coordinator": {"enable": False}, "engine": {"max_batch": 8},
+            "tail": {"consolidate": {"mode": "consolidate"}},  # the replicas publish their load
             # EAGLE at a fixed arm; the suffix drafter alone under the tuner (its arms and "off")
             "speculation": {"arm": "4,1,4", "ngram": False} if drafter == "eagle" else {"ngram": True}}
     if drafter == "eagle":

@@ -26,7 +26,7 @@ def test_batcher_leave_hands_each_request_its_state_and_it_goes_on_elsewhere():
                                      seeds=[_state(i).seed for i in range(3)]).outputs
 
     async def main():
-        b = RequestBatcher(lambda: eng, window_s=0.01, max_batch=2)
+        b = RequestBatcher(lambda: eng, window_s=0.01, max_batch=2, track_load=True)
         c = RequestBatcher(lambda: other, window_s=0.01, max_batch=2)
         calls = [asyncio.ensure_future(b.submit(_state(i, 60), f"r{i}")) for i in range(3)]  # r2 waits for a row
         await _until(lambda: len(eng.steps) >= 4)

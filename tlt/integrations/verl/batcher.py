@@ -82,10 +82,12 @@ class RequestBatcher:
     def __init__(self, engine: Callable[[], RolloutEngine], *, window_s: float, max_batch: int,
                  on_open: Callable[[], None] = lambda: None,
                  on_close: Callable[[Generation], None] = lambda g: None,
-                 on_idle: Callable[[], None] = lambda: None, name: str = "replica") -> None:
+                 on_idle: Callable[[], None] = lambda: None, name: str = "replica", track_load: bool = False) -> None:
         """``engine()``: the engine to run (read at each generation's start); ``on_open`` and
         ``on_close`` run in the worker thread around a generation, ``on_idle`` in the event loop
-        when every request was answered (it must not block)."""
+        when every request was answered (it must not block); ``track_load``: measure and publish
+        the load after each step (only a tail policy reads it: off, the step loop does no more)."""
+        self.track_load = track_load
         self.engine, self.on_open, self.on_close, self.on_idle = engine, on_open, on_close, on_idle
         self.window_s, self.max_batch, self.name = window_s, max_batch, name
         self._mu = threading.Lock()
@@ -287,13 +289,14 @@ class RequestBatcher:
                     running_before = eng.running  # requests decoding before this step's joins
                     n_steps, t_step = len(eng.steps), time.monotonic()
                     outs = eng.step()
-                    if len(eng.steps) > n_steps:  # a decode step ran (its prefill of joining requests included)
-                        self._measure(eng.steps[-1], time.monotonic() - t_step, joined if running_before else 0)
                     answer(outs)
-                    progress = eng.progress()  # the requests still running: each ran this step
-                    for rid in progress:
-                        live[rid].steps += 1
-                    self._publish(live, progress)
+                    if self.track_load:
+                        if len(eng.steps) > n_steps:  # a decode step ran (its prefill of joining requests included)
+                            self._measure(eng.steps[-1], time.monotonic() - t_step, joined if running_before else 0)
+                        progress = eng.progress()  # the requests still running: each ran this step
+                        for rid in progress:
+                            live[rid].steps += 1
+                        self._publish(live, progress)
         except Exception as e:  # the engine is emptied, then the generation's requests learn the error
             log.exception("%s: a generation of %d requests failed", self.name, len(live))
             try:

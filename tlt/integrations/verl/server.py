@@ -156,6 +156,7 @@ class TLTServer:
         self.batcher = RequestBatcher(lambda: self.engine, window_s=self.cfg.engine.batch_window_ms / 1000,
                                       max_batch=self.cfg.engine.max_batch, on_open=self._open_generation,
                                       on_close=self._close_generation, on_idle=self._went_idle,
+                                      track_load=self.cfg.tail.consolidate.mode != "off",
                                       name=f"replica {replica_rank}")
         self.stats = StepStats()
         self.probe = DriftProbe(self.model, self._lock)

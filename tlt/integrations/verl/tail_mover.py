@@ -105,7 +105,7 @@ class TailMover:
             self._stop.set()
             self._thread.join()
             self._thread = None
-        return {**self.record, "plans": dict(self.record.get("plans", {}))}
+        return {**self.record, "plans": dict(self.record["plans"])}
 
     def _run(self, step_requests: int, lengths: list[int]) -> None:
         while not self._stop.wait(self.interval_s):
