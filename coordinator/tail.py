@@ -9,7 +9,8 @@ the moves out losslessly (leave, then join with the request's state).
 Rules
 - Step cost (:class:`StepCurve`): seconds per engine step at batch ``b``, piecewise linear through
   measured points; past the largest measured batch it grows in proportion to the batch (a batch
-  no replica ran is never assumed cheap), below the smallest it stays at that one's cost. Throughput is ``b / cost(b)`` requests per
+  no replica ran is never assumed cheap), below the smallest it stays at that one's cost.
+  Throughput is ``b / cost(b)`` requests per
   second (times the tokens a step commits per request, the same for every plan).
 - Drain time of a replica: its requests' remaining tokens sorted ``r_1 <= ... <= r_n``; it runs
   ``r_1`` steps at batch ``n``, then ``r_2 - r_1`` at ``n - 1``, and so on (the long tail), each

@@ -1,8 +1,8 @@
 """``tlt bench consolidation``: tail consolidation on vs off in the demo, over several paired runs.
 
 Each run is ``tlt demo --arms BCE``: arm C is full TLT, tail consolidation included
-(``tlt.tail.consolidate.mode=auto``), arm E is arm C without it, and arm B (the frozen drafter) is the stale reference that
-both arms' spot vs stale accept length is measured against. The arms sample the same tokens
+(``tlt.tail.consolidate.mode=auto``), arm E is arm C without it, and arm B (the frozen drafter) is
+the stale reference both arms' spot vs stale accept length is measured against. The arms sample the same tokens
 (coupled sampling), so each RL step is a paired comparison. ``--from DIR ...`` aggregates runs made
 before (their step and response records) instead of running the demo.
 
@@ -78,8 +78,9 @@ def aggregate(runs: list[Path]) -> dict:
         s = _summary(run)
         same = (s.get("identical_response_share") or {}).get("CE") or {}
         per_run.append({"run": run.name, "identical_share_c_e": same.get("share"), "matched": same.get("matched"),
-                        **{k: s.get(k) for k in KEYS}, "rollout_time_ratio_ci90_e_over_c":
-                        s.get("rollout_time_ratio_ci90_e_over_c"), "tail_moves_by_step_c": s.get("tail_moves_by_step_c")})
+                        **{k: s.get(k) for k in KEYS},
+                        "rollout_time_ratio_ci90_e_over_c": s.get("rollout_time_ratio_ci90_e_over_c"),
+                        "tail_moves_by_step_c": s.get("tail_moves_by_step_c")})
     spread = {}
     for k in KEYS:
         vals = [r[k] for r in per_run if r[k] is not None]
