@@ -31,12 +31,12 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is
 torch.cuda.get_device_name() if torch.cuda.is_available() else '')" | tee "$out/device.txt"
 part pytest-gpu 150 python -m pytest -q -m gpu -p no:cacheprovider tests/rollout tests/tlt/test_replica_engine.py
 part step-cost-demo 60 tlt -q bench step-cost --shape demo "${quick[@]}" --json "$out/step_cost_demo.json"
+part rollout 150 tlt -q bench rollout --repeats 1 "${quick[@]}" --json "$out/rollout.json"
 if [ "${QUICK:-0}" != 1 ]; then
   part step-cost-qwen2-1.5b 60 tlt -q bench step-cost --shape qwen2-1.5b --repeats 3 --json "$out/step_cost_qwen2_1.5b.json"
   part step-cost-llama-8b 90 tlt -q bench step-cost --shape llama-8b --repeats 3 --json "$out/step_cost_llama8b.json"
   part step-cost-llama-8b-4k 90 tlt -q bench step-cost --shape llama-8b --prompt-len 4096 --repeats 2 \
     --json "$out/step_cost_llama8b_4k.json"
 fi
-part rollout 150 tlt -q bench rollout --repeats 1 "${quick[@]}" --json "$out/rollout.json"
 part graphs 90 tlt -q bench graphs "${quick[@]}" --json "$out/graphs.json"
 echo "records in $out:"; ls "$out"
