@@ -236,12 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="rollout.png")
     s.set_defaults(fn=_cmd_report)
 
-    from tlt.coordinator.cli import DESCRIPTION, add_arguments
-
-    s = sub.add_parser("coordinator", help="run the ZeroMQ worker coordinator standalone",
-                       description=DESCRIPTION)
-    add_arguments(s)
-    s.set_defaults(fn=_cmd_coordinator)
+    try:  # pyzmq is a dependency, but a machine without a package index (the GPU check's) may lack it
+        from tlt.coordinator.cli import DESCRIPTION, add_arguments
+    except ImportError as e:
+        s = sub.add_parser("coordinator", help=f"(unavailable here: {e})")
+        s.set_defaults(fn=lambda a, e=e: sys.exit(f"tlt coordinator needs pyzmq ({e}): pip install pyzmq"))
+    else:
+        s = sub.add_parser("coordinator", help="run the ZeroMQ worker coordinator standalone",
+                           description=DESCRIPTION)
+        add_arguments(s)
+        s.set_defaults(fn=_cmd_coordinator)
 
     s = sub.add_parser("doctor", help="check an integration here: `tlt doctor sglang`",
                        description="Apply TLT's SGLang hooks in this environment, as every SGLang process "

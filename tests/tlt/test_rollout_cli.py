@@ -118,3 +118,19 @@ def test_report_plots_verl_step_records(tmp_path, capsys):
     bad.write_text(json.dumps({"accept": 1}) + "\n")
     assert main(["report", str(bad), "--out", str(png)]) == 2
     assert "not a TLT step record" in capsys.readouterr().err
+
+
+def test_the_cli_runs_its_benches_without_pyzmq(tmp_path):
+    """The GPU check installs with --no-deps on a machine with no package index: `tlt bench` must not need
+    pyzmq, and `tlt coordinator` must say what is missing."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['zmq'] = None\n"
+            "from tlt.cli import build_parser\n"
+            "p = build_parser()\n"
+            "assert p.parse_args(['bench', 'graphs', '--quick']).fn.__name__ == '_cmd_bench'\n"
+            "p.parse_args(['coordinator']).fn(None)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "tlt coordinator needs pyzmq" in r.stderr and "pip install pyzmq" in r.stderr
