@@ -56,6 +56,13 @@ class ReplicaAPI(Protocol):
     async def rollback_drafter(self, version: int) -> int:
         """Serve again the drafter served before the last push, as ``version``."""
 
+    def tuner_state(self) -> dict[str, Any] | None:
+        """The engine's tuner statistics (JSON-able; None: this replica has no tuner of ours)."""
+
+    def load_tuner_state(self, state: dict[str, Any] | None) -> bool:
+        """Take back :meth:`tuner_state` output (a resumed run); False when it does not fit the
+        tuner this replica runs now (then it starts afresh)."""
+
     def add_samples(self, step: int, samples: list[tuple]) -> int:
         """DataBuffer feed from the actor's old-log-prob capture; returns samples kept."""
 

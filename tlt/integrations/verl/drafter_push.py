@@ -6,7 +6,8 @@ that lost it across verl's memory release/resume), then the push of the newest c
 against pruning while the replicas read it, every replica loading exactly that step), its hard
 check (each replica's digest of the draft weights its engine runs vs the driver's own digest of
 the checkpoint), and the rollback of a rejected push (every replica serves its previous drafter
-again, so replicas stay alike). A rejected step is never pushed again; the next newer one is.
+again, so replicas stay alike). A rejected step is never pushed again; the next newer one is. Its record
+(:meth:`DrafterPusher.state`) rides with verl's checkpoints (:mod:`.resume`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,28 @@ class DrafterPusher:
         if spot_root and Path(spot_root).exists():
             self._recheck(spot_root)
             self._push(spot_root)
+
+    def state(self) -> dict:
+        """What a resumed run needs to go on serving as this one would (JSON-able)."""
+        return {"pushed": self.pushed, "version": self.version, "accepted": self.accepted, "previous": self.previous,
+                "repushed": self.repushed, "rejected": self.guard.rejected, "pending": self.guard.pending,
+                "heldout": [[s, al] for s, al in self.guard.heldout.items()]}
+
+    def restore(self, state: dict) -> None:
+        self.pushed, self.version, self.repushed = int(state["pushed"]), int(state["version"]), int(state["repushed"])
+        self.accepted, self.previous = state["accepted"], state["previous"]
+        self.guard.rejected, self.guard.pending = int(state["rejected"]), state["pending"]
+        self.guard.heldout = {int(s): float(al) for s, al in state["heldout"]}
+
+    def serve_accepted(self, root: str) -> None:
+        """Every replica serves the accepted spot step as the current version (a resumed run's
+        replicas start without it); raises RuntimeError if one does not serve it as pushed."""
+        self._pin(root)
+        ray.get([s.load_drafter.remote(self.version, self.accepted) for s in self.servers()])
+        expected, served = self._served(root, self.accepted)
+        bad = [i for i, s in enumerate(served) if s["digest"] != expected]
+        if bad:
+            raise RuntimeError(f"replicas {bad} do not serve spot step {self.accepted} after the resume")
 
     def _served(self, root: str, step: int) -> tuple[str, list]:
         """(expected digest of checkpoint ``step``, each replica's read-back); the caller pins it."""

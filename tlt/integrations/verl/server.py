@@ -436,6 +436,23 @@ class TLTServer:
         log.warning("replica %d: drafter rolled back (%s)", self.rank, self.proposer_name)
         return version
 
+    def tuner_state(self) -> dict[str, Any] | None:
+        with self._lock:
+            tuner = self.engine.tuner
+            return None if tuner is None else tuner.state_dict()
+
+    def load_tuner_state(self, state: dict[str, Any] | None) -> bool:
+        with self._lock:
+            tuner = self.engine.tuner
+            if tuner is None or state is None:
+                return False
+            try:
+                tuner.load_state_dict(state)
+            except ValueError as e:  # other arms (another drafter kind, another config): start afresh
+                log.warning("replica %d: tuner statistics not restored (%s)", self.rank, e)
+                return False
+        return True
+
     def add_samples(self, step: int, samples: list[tuple]) -> int:
         """Features captured by this replica's actor worker (``tlt.buffer.capture=old_log_prob``)."""
         return add_captured(self.buffer, step, samples)

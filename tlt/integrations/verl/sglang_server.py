@@ -285,6 +285,12 @@ class TLTSGLangServer(SGLangHttpServer):
     def _dtype(self) -> torch.dtype:
         return getattr(torch, str(self.config.dtype).removeprefix("torch."), torch.bfloat16)
 
+    def tuner_state(self) -> dict[str, Any] | None:
+        return None  # SGLang chooses its own speculation settings
+
+    def load_tuner_state(self, state: dict[str, Any] | None) -> bool:
+        return False
+
     def add_samples(self, step: int, samples: list[tuple]) -> int:
         """Features captured by this replica's actor worker (``tlt.buffer.capture=old_log_prob``)."""
         return add_captured(self.buffer, step, samples)

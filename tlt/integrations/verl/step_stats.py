@@ -124,7 +124,7 @@ class StepStats:
 
 def replica_fields(stats: list[dict[str, Any]], began: float, ended: float) -> dict[str, list]:
     """Per replica, in order, from their snapshots: idle, decoding and spot-training seconds,
-    engine generations, requests that left it to go on elsewhere (moved) and that were aborted, and
+    engine generations, the drafter version served, requests that left it to go on elsewhere (moved) and that were aborted, and
     the rollout outside their decoding (``began``/``ended``: the rollout's monotonic bounds on the
     driver; monotonic clocks are machine-wide): seconds before the first batch, after the last."""
     def since(a: float | None, b: float | None) -> float | None:
@@ -135,5 +135,6 @@ def replica_fields(stats: list[dict[str, Any]], began: float, ended: float) -> d
             "replica_moved": [s.get("lifecycle", {}).get("left", 0) for s in stats],
             "replica_aborted": [s.get("lifecycle", {}).get("aborted", 0) for s in stats],
             "replica_batches": [s["batches"] for s in stats],
+            "replica_drafter_version": [s.get("drafter_version") for s in stats],
             "replica_lead_s": [since(began, s.get("first_at")) for s in stats],
             "replica_trail_s": [since(s.get("done_at"), ended) for s in stats]}

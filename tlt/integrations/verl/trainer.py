@@ -43,10 +43,10 @@ from pathlib import Path
 
 import ray
 
-from tlt.integrations.verl import runtime
+from tlt.integrations.verl import resume, runtime
 from tlt.integrations.verl.config import TLTConfig, from_verl
 from tlt.integrations.verl.drafter_push import DrafterPusher
-from tlt.integrations.verl.history_log import HISTORY_FILE, HistoryLog
+from tlt.integrations.verl.history_log import HISTORY_FILE, HistoryLog, read_history
 from tlt.integrations.verl.spot_wiring import PORT_SPAN
 from tlt.integrations.verl.step_stats import replica_fields
 from tlt.integrations.verl.tail_mover import TailMover
@@ -88,6 +88,9 @@ def trainer_class():
             self._tail: dict = {}
             self._lengths: list[int] = []  # the last rollout's response lengths (the mover's estimate)
             self._failures: collections.Counter = collections.Counter()  # swallowed failures, by what failed
+            self._checkpointed = -1  # the step verl saved last (its TLT state follows at the step's end)
+            self._resumed_from: Path | None = None  # verl's global_step_N folder this run resumed from
+            self._resume_info: dict | None = None  # what the resume restored, for the first step's record
             if not self.tlt.enable:
                 return
             tc = self.tlt.tail.consolidate
@@ -213,6 +216,46 @@ def trainer_class():
                 self._history_log = HistoryLog(self._record_path.with_name(HISTORY_FILE), hist)
             self._history_log.add(step, pairs)
 
+        # -------------------------------------------------------------- checkpoints (tlt.integrations.verl.resume)
+        def _save_checkpoint(self):
+            out = super()._save_checkpoint()
+            self._checkpointed = self.global_steps
+            return out
+
+        def _load_checkpoint(self):
+            out = super()._load_checkpoint()
+            if self.global_steps > 0:
+                mode, path = self.config.trainer.resume_mode, self.config.trainer.resume_from_path
+                self._resumed_from = (Path(path).absolute() if mode == "resume_path"
+                                      else self._step_folder(self.global_steps))
+            return out
+
+        def on_init_end(self):
+            out = super().on_init_end()  # the checkpoint's policy pushed: the replicas can serve
+            if self.tlt.enable and self._resumed_from is not None:
+                spot = runtime.current().spot_root
+                got = resume.restore(self._resumed_from, self._pusher, self._servers, spot, self._history_path(),
+                                     self._replay_history)
+                self._resume_info = got or {"from_tlt_state": False}
+                if got is None:
+                    log.warning("tlt: %s holds no TLT state (saved before it existed, or cut off): serving the "
+                                "newest spot checkpoint and the whole draft history", self._resumed_from)
+                    self._pusher.step_end(spot, [])
+                    history = self._history_path()
+                    if history is not None and history.is_file():
+                        for step, pairs in read_history(history).items():
+                            self._replay_history(step, pairs)
+            return out
+
+        def _step_folder(self, step: int) -> Path:
+            return Path(self.config.trainer.default_local_dir).absolute() / f"global_step_{step}"
+
+        def _history_path(self) -> Path | None:
+            return self._record_path.with_name(HISTORY_FILE) if hasattr(self, "_record_path") else None
+
+        def _replay_history(self, step: int, pairs: list) -> None:
+            ray.get([s.add_history.remote(step, pairs) for s in self._servers()], timeout=120)
+
         def _servers(self) -> list:
             return [r.servers[0] for r in self.llm_server_manager.get_replicas()]
 
@@ -275,6 +318,10 @@ def trainer_class():
                 return out
             with marked_timer("tlt_drafter_push", self.timing_raw):  # guarded: tlt.push_guard
                 self._pusher.step_end(runtime.current().spot_root, self._stats)
+            if self._checkpointed == self.global_steps:  # after the push: what step N + 1 serves
+                with marked_timer("tlt_save_checkpoint", self.timing_raw):
+                    counted(self._failures, "checkpoint", resume.save, self._step_folder(self.global_steps),
+                            self._pusher, self._servers, runtime.current().spot_root, self._history_path())
             self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}),
                                           **self._metrics()}
             return out
@@ -324,6 +371,7 @@ def trainer_class():
                 "tlt/history_push_failures": float(self._failures["history"] + self._failures["responses"]),
                 "tlt/response_record_failures": float(self._failures["record"] + self._failures["responses"]),
                 "tlt/feeds_dropped": float(self._feeds_dropped()),
+                "tlt/checkpoint_failures": float(self._failures["checkpoint"]),  # TLT state not saved with verl's
             }
             drift = [s["drift_top1"] for s in st if s["drift_top1"] is not None]
             if drift:  # 1 - top-1 agreement of the policies before and after the last update
@@ -344,6 +392,8 @@ def trainer_class():
                                 "spot_phase_s": [list(x) for s in st for x in s["phases"]],
                                 "proposers": [s["proposer"] for s in st], "tail": self._tail,
                                 **replica_fields(st, self._t_rollout, self._t_rollout_end)}
+            if self._resume_info is not None:  # the first step after a resume: what it restored
+                self._step_extra["resumed"], self._resume_info = self._resume_info, None
             return m
 
         def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):

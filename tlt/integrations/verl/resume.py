@@ -1,0 +1,106 @@
+"""TLT's state in verl's checkpoints, so that a resumed run drafts from its first step as it would have.
+
+Owns the ``tlt/`` folder inside verl's ``global_step_N`` folder. The ``tlt`` trainer writes it at the
+end of a step that verl checkpointed, after that step's drafter push, so it holds what step N + 1
+would have served:
+
+    state.json           the drafter pusher's record (version served, accepted and previous spot
+                         steps, the guard's figures) and each replica's tuner statistics
+    spot/step-XXXXXXXX   the accepted and previous spot checkpoints (hard links where the file
+                         system allows): the spot trainer may prune them before the run resumes
+    history.jsonl        the draft history as of step N (the run directory's log goes on past N)
+
+A resumed run reads it once its replicas hold the checkpoint's policy (verl's ``on_init_end``):
+the spot steps go back into the spot root where they are missing, the history log is replaced and
+replayed into every replica, every replica serves the accepted drafter under its version (the
+pusher's read-back checks that each one does), and each replica's tuner takes its statistics back.
+The folder is written to ``tlt.tmp`` and renamed, so it is whole or absent. A checkpoint without it
+(written before this existed, or cut off between verl's files and this one) resumes with the newest
+spot checkpoint and the whole history log, with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+
+from tlt.drafter.checkpoint import complete_steps, step_dir
+from tlt.integrations.verl.drafter_push import DrafterPusher
+from tlt.integrations.verl.history_log import read_history
+
+log = logging.getLogger(__name__)
+
+FOLDER = "tlt"
+STATE = "state.json"
+
+
+def save(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list], spot_root: str | None,
+         history: Path | None) -> Path:
+    """Write ``step_folder/tlt`` (whole or not at all); returns it."""
+    final, tmp = Path(step_folder) / FOLDER, Path(step_folder) / f"{FOLDER}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    spot = [s for s in (pusher.accepted, pusher.previous) if s is not None]
+    for s in spot:
+        _link_tree(step_dir(spot_root, s), step_dir(tmp / "spot", s))
+    if history is not None and history.is_file():
+        shutil.copy2(history, tmp / "history.jsonl")
+    tuners = ray.get([s.tuner_state.remote() for s in servers()], timeout=120)
+    (tmp / STATE).write_text(json.dumps({"pusher": pusher.state(), "spot_steps": spot, "tuners": tuners}))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    log.info("tlt: resume state in %s (drafter version %d, spot step %s)", final, pusher.version, pusher.accepted)
+    return final
+
+
+def restore(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list], spot_root: str | None,
+            history: Path | None, add_history: Callable[[int, list], None]) -> dict | None:
+    """Serve what ``step_folder/tlt`` holds on every replica; None (and nothing done) without it."""
+    folder = Path(step_folder) / FOLDER
+    if not (folder / STATE).is_file():
+        return None
+    state = json.loads((folder / STATE).read_text())
+    if spot_root:
+        have = set(complete_steps(spot_root))
+        for s in state["spot_steps"]:
+            if s not in have:
+                _link_tree(step_dir(folder / "spot", s), step_dir(spot_root, s))
+    replayed = 0
+    if history is not None and (folder / "history.jsonl").is_file():
+        shutil.copy2(folder / "history.jsonl", history)
+        for step, pairs in read_history(history).items():
+            add_history(step, pairs)
+            replayed += len(pairs)
+    pusher.restore(state["pusher"])
+    if spot_root and pusher.accepted is not None:
+        pusher.serve_accepted(spot_root)
+    servers_now = servers()
+    tuners = state["tuners"]
+    if len(tuners) != len(servers_now):
+        log.warning("tlt: %d replicas now, %d at the checkpoint: tuners start afresh", len(servers_now), len(tuners))
+        tuners = [None] * len(servers_now)
+    loaded = ray.get([s.load_tuner_state.remote(t) for s, t in zip(servers_now, tuners)], timeout=120)
+    log.info("tlt: resumed from %s: drafter version %d (spot step %s), %d history responses, tuners %s",
+             folder, pusher.version, pusher.accepted, replayed, loaded)
+    return {"from_tlt_state": True, "version": pusher.version, "spot_step": pusher.accepted, "history": replayed,
+            "tuners": loaded}
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` with hard links where possible (checkpoints are never written in place)."""
+    def link(s: str, d: str) -> None:
+        try:
+            os.link(s, d)
+        except OSError:  # another file system, or links refused
+            shutil.copy2(s, d)
+
+    tmp = dst.with_name(dst.name + ".linking")  # not the spot trainer's own ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, copy_function=link)
+    os.replace(tmp, dst)
