@@ -105,7 +105,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("tlt report needs matplotlib: pip install 'tlt[report]'") from None
+        raise ValueError("tlt report needs matplotlib: pip install 'tlt-rollout[report]'") from None
     return plt
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
 
 from tlt.demo import job as demo  # noqa: E402
 

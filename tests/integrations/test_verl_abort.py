@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
 ray = pytest.importorskip("ray")
 
 from tlt.demo import job as demo  # noqa: E402

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
 ray = pytest.importorskip("ray")
 
 from omegaconf import OmegaConf  # noqa: E402

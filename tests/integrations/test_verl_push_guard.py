@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
 ray = pytest.importorskip("ray")
 
 from tlt.drafter.checkpoint import TrainState, pinned, save_sync  # noqa: E402

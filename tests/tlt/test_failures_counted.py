@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
 
 from tlt.integrations.verl import trainer, worker  # noqa: E402
 

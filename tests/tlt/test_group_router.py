@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
 
 from tlt.integrations.verl.router import GroupRouter  # noqa: E402
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
 
 from tlt.drafter.checkpoint import TrainState, save_sync  # noqa: E402
 from tlt.drafter.eagle import Drafter, DrafterConfig  # noqa: E402

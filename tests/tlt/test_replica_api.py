@@ -15,7 +15,7 @@ API = {n: f for n, f in vars(ReplicaAPI).items() if callable(f) and not n.starts
 
 
 def _implementations():
-    pytest.importorskip("ray", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+    pytest.importorskip("ray", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
     from tlt.integrations.verl.server import TLTServer
 
     return [TLTServer]

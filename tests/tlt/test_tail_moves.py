@@ -48,7 +48,7 @@ def test_batcher_leave_hands_each_request_its_state_and_it_goes_on_elsewhere():
 
 
 def test_router_pins_a_moved_request_and_counts_follow_it():
-    pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+    pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
     from tlt.integrations.verl.router import GroupRouter
 
     router = GroupRouter({"a": "ha", "b": "hb"})
@@ -82,7 +82,7 @@ class _Inner:
 
 
 def test_moving_client_returns_one_answer_across_hops():
-    pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+    pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
     p = SamplingParams(max_new_tokens=8)
     s1 = RequestState((1, 2), p, 5, output=(7, 8), logprobs=(-1.0, -1.0))
     s2 = RequestState((1, 2), p, 5, output=(7, 8, 9), logprobs=(-1.0,) * 3)
@@ -128,7 +128,7 @@ def test_replica_loads_pool_the_step_costs_and_wait_for_a_measurement():
 
 
 def test_move_config_is_validated_and_needs_the_tlt_backend_router_and_agent_loop():
-    pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+    pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
     from omegaconf import OmegaConf
 
     from tlt.integrations.verl.config import TLTConfig

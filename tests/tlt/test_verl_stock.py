@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt[verl]')")
+pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
 
 _DUMP = r"""
 import json, verl

@@ -156,7 +156,7 @@ def run_demo(workdir: Path, *, quick: bool = False, progress: bool = True, arms:
         plot(records, workdir / "demo.png")
         summary["png"] = str(workdir / "demo.png")
     except ImportError:
-        log.warning("matplotlib is not installed: no demo.png (pip install 'tlt[demo]')")
+        log.warning("matplotlib is not installed: no demo.png (pip install 'tlt-rollout[demo]')")
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     return summary
 

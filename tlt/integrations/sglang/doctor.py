@@ -27,7 +27,7 @@ def report() -> dict[str, Any]:
         import sglang  # noqa: F401
     except ImportError as e:
         raise ValueError(f"SGLang is not importable here ({e}); install a supported version "
-                         "(pip install 'tlt[sglang]' on a GPU machine)") from None
+                         "(pip install 'tlt-rollout[sglang]' on a GPU machine)") from None
     from tlt.integrations.sglang import hooks
 
     try:

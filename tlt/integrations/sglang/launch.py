@@ -64,7 +64,7 @@ def plan(tlt, version: str | None) -> str:
     ValueError, naming the fix, when this SGLang cannot run the configured speculation."""
     if version is None:
         raise ValueError("actor_rollout_ref.rollout.name=sglang but SGLang is not installed: "
-                         "pip install 'tlt[sglang]' (SGLang 0.5.12 or 0.5.23)")
+                         "pip install 'tlt-rollout[sglang]' (SGLang 0.5.12 or 0.5.23)")
     if _key(version)[:2] != (0, 5) or not _key("0.5.12") <= _key(version):
         raise ValueError(f"SGLang {version}: TLT supports {' and '.join(SUPPORTED)}")
     if tlt.sglang.algorithm == "ngram":
