@@ -278,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-len", type=int, default=0,
                    help="step-cost: prompt tokens per request (0: 128); e.g. 4096 for a long-context row")
     s.add_argument("--from", dest="runs_from", nargs="+", metavar="DIR",
-                   help="consolidation: aggregate these `tlt demo --arms BCE` output directories instead of "
-                   "running the demo --repeats times (default 3)")
+                   help="consolidation, demo: aggregate these `tlt demo` output directories (consolidation: "
+                   "`--arms BCE` runs) instead of running the demo --repeats times (default 3)")
     s.add_argument("--trace", help="sglang-policy: verify trace to replay (recorded here first if the file "
                    "does not exist; without --trace a fresh one is recorded and not kept)")
     s.set_defaults(fn=_cmd_bench)

@@ -18,7 +18,7 @@ BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs
            "coordinator": "coordinator", "checkpoint": "checkpoint", "preempt": "preempt",
            "sglang-policy": "sglang_policy", "headroom": "headroom",
            "step-cost": "step_cost", "drafters": "drafters", "resume": "resume", "lifecycle": "lifecycle",
-           "consolidation": "consolidation"}
+           "consolidation": "consolidation", "demo": "demo_runs"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:

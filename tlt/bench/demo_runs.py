@@ -1,0 +1,89 @@
+"""``tlt bench demo``: the main job's headline figures over several ``tlt demo`` runs.
+
+Owns the record README's results table reads (``docs/bench/demo_runs.json``). ``--from DIR ...``
+aggregates runs made before: each DIR is a ``tlt demo`` output directory. Its summary is computed
+again from the arms' step and response records, with this code, so every run is read the same way.
+Without ``--from`` it runs the default demo ``--repeats`` times (default 3) into a temporary
+directory.
+
+Per run, and as mean, range and count across runs:
+- rollout and RL step time, AR / TLT (arm A over arm C);
+- spot vs stale accept length (arm C over arm B);
+- the share of responses token-identical between the arms;
+- arm A's reward, last step over first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import tempfile
+from pathlib import Path
+
+from tlt.demo.summary import summarize
+
+ARMS = "ABC"
+KEYS = ("rollout_time_ratio_ar_over_tlt", "step_time_ratio_ar_over_tlt", "accept_length_ratio_spot_vs_stale",
+        "reward_rise_a", "seconds")
+
+
+def run_summary(run: Path, arms: str = ARMS) -> dict:
+    """The demo's summary of one output directory, computed from its records."""
+    records, responses = {}, {}
+    for a in arms:
+        arm = run / f"arm-{a}"
+        if not (arm / "tlt_steps.jsonl").is_file():
+            raise ValueError(f"{run}: no arm-{a}/tlt_steps.jsonl; give a `tlt demo` output directory "
+                             f"(arms {arms}) to --from")
+        records[a] = [json.loads(x) for x in (arm / "tlt_steps.jsonl").read_text().splitlines()]
+        if (arm / "tlt_responses.jsonl").is_file():
+            responses[a] = [json.loads(x) for x in (arm / "tlt_responses.jsonl").read_text().splitlines()]
+    return summarize(records, responses)
+
+
+def aggregate(runs: list[Path]) -> dict:
+    per_run = []
+    for run in runs:
+        s = run_summary(run)
+        wall = json.loads((run / "summary.json").read_text()).get("seconds") if (run / "summary.json").is_file() \
+            else None
+        same = s.get("identical_response_share") or {}
+        per_run.append({"run": len(per_run) + 1, **{k: s.get(k) for k in KEYS if k != "seconds"}, "seconds": wall,
+                        "identical_share_ab": (same.get("AB") or {}).get("share"),
+                        "identical_share_ac": (same.get("AC") or {}).get("share"),
+                        "responses_matched": (same.get("AC") or {}).get("matched"),
+                        "rollout_time_ratio_ci90_ar_over_tlt": s.get("rollout_time_ratio_ci90_ar_over_tlt")})
+    across = {}
+    for k in (*KEYS, "identical_share_ab", "identical_share_ac"):
+        vals = [r[k] for r in per_run if r.get(k) is not None]
+        if vals:
+            across[k] = {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals), "runs": len(vals)}
+    return {"runs": per_run, "across_runs": across}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tlt.demo.job import run_demo
+
+    runs = [Path(d) for d in (getattr(args, "runs_from", None) or [])]
+    if not runs:
+        root = Path(tempfile.mkdtemp(prefix="tlt-demo-runs-"))
+        for i in range(args.repeats or 3):
+            run_demo(root / f"run-{i + 1}", quick=args.quick, progress=True, arms=ARMS)
+            runs.append(root / f"run-{i + 1}")
+    rec = {"bench": "demo", "quick": bool(args.quick), **aggregate(runs),
+           "machine": {"cpus": os.cpu_count(), "processor": platform.machine(), "python": platform.python_version()},
+           "date": datetime.date.today().isoformat(),
+           "command": "tlt demo (README command 1), aggregated by `tlt bench demo --from DIR ...`"}
+    lines = [f"{len(runs)} `tlt demo` runs"]
+    names = {"rollout_time_ratio_ar_over_tlt": "rollout time AR / TLT", "step_time_ratio_ar_over_tlt":
+             "RL step time AR / TLT", "accept_length_ratio_spot_vs_stale": "spot vs stale accept length",
+             "reward_rise_a": "arm A reward, last / first step", "seconds": "demo seconds",
+             "identical_share_ab": "identical responses A-B", "identical_share_ac": "identical responses A-C"}
+    for k, v in rec["across_runs"].items():
+        lines.append(f"  {names[k]}: mean {v['mean']:.2f}, range {v['min']:.2f}-{v['max']:.2f} over {v['runs']} runs")
+    rec["summary"] = lines
+    return rec
