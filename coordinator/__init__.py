@@ -1,6 +1,6 @@
 """Worker coordinator (ZeroMQ): tracks rollout workers BUSY -> IDLE -> TRAINING, promotes idle ones
 to drafter training, and preempts training when rollout finishes. Imports no torch and nothing
-else of ours (see DESIGN.md section 2).
+else of ours (tests/tlt/test_integration_layout.py enforces it).
 
     protocol   wire format: versioned header, commands, msgpack payloads, size limits
     states     the worker state machine (allowed transitions)

@@ -1,7 +1,7 @@
 """verl 0.9.1 on a machine without an accelerator: a CPU platform and four small shims.
 
 Owns what makes stock verl's GRPO loop run on CPU through public registries only (no verl edit),
-each a blocker measured on a 2-core machine (../shared/DESIGN.md §7):
+each a blocker measured on a 2-core machine:
 
 - a ``cpu`` platform for verl's ``PlatformRegistry`` (gloo, device ``cpu``; Ray's fake ``GPU``
   slots, ``ray_kwargs.ray_init.num_gpus=N``, place the ranks);

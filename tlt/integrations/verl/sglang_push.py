@@ -8,7 +8,7 @@ TLT is installed (without a draft model they are exactly verl's pushes).
 Why: stock verl 0.9.1 posts ``update_weights_from_tensor`` with only ``serialized_named_tensors``,
 ``load_format`` and ``flush_cache``. With an EAGLE draft model loaded, SGLang hands such an update
 to its draft worker, which loads the tensors into the draft model (its layer 0 shares names with
-the target's) and then into the target. What each version offers (DESIGN.md section 4):
+the target's) and then into the target. What each version offers:
 
 =================  ==========================================  =========================================
 push               SGLang 0.5.12                               SGLang 0.5.23
