@@ -107,6 +107,16 @@ def _cmd_coordinator(a: argparse.Namespace) -> None:
     serve_args(a)
 
 
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give batch sizes as comma-separated integers, e.g. 1,8,32")
+    if not out or min(out) < 1 or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"{text!r}: distinct batch sizes >= 1, e.g. 1,8,32")
+    return out
+
+
 def _cmd_bench(a: argparse.Namespace) -> None:
     from tlt import bench
 
@@ -275,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shape", default="auto",
                    help="step-cost: target shape with random weights: demo, qwen2-1.5b or llama-8b (auto: "
                    "qwen2-1.5b on CUDA, demo on CPU)")
+    s.add_argument("--batches", type=_batches, default=None,
+                   help="step-cost: batch sizes to measure, comma-separated (default 1,8,32; 1,4 on a CPU); "
+                   "larger ones extend the step-cost curve the tail simulator reads")
     s.add_argument("--prompt-len", type=int, default=0,
                    help="step-cost: prompt tokens per request (0: 128); e.g. 4096 for a long-context row")
     s.add_argument("--from", dest="runs_from", nargs="+", metavar="DIR",

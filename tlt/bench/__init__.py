@@ -18,7 +18,7 @@ BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs
            "coordinator": "coordinator", "checkpoint": "checkpoint", "preempt": "preempt",
            "sglang-policy": "sglang_policy", "headroom": "headroom",
            "step-cost": "step_cost", "drafters": "drafters", "resume": "resume", "lifecycle": "lifecycle",
-           "consolidation": "consolidation", "demo": "demo_runs"}
+           "consolidation": "consolidation", "demo": "demo_runs", "tail": "tail"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:

@@ -75,7 +75,8 @@ def _run(args: argparse.Namespace) -> dict:
     chain = Arm(4, 1, 4)
     gen = torch.Generator().manual_seed(args.seed)
     by_batch = {}
-    for b in (1, 4) if quick or (shape == "demo" and not cuda) else (1, 8, 32):
+    batches = getattr(args, "batches", None) or ((1, 4) if quick or (shape == "demo" and not cuda) else (1, 8, 32))
+    for b in batches:
         prompts = torch.randint(10, cfg.vocab_size, (b, prompt_len), generator=gen).tolist()
         log.info("batch %d", b)
         by_batch[b] = fixed_batch(model, drafter, prompts, new_tokens, chain, prompt_len + new_tokens + 8, repeats)

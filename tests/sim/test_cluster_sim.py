@@ -1,0 +1,112 @@
+"""The cluster simulator (tlt.sim): event arithmetic against hand-computed cases, and each policy's
+rule (moves, RollPacker's rounds, PAT's switch) doing what its paper states."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tlt.coordinator.tail import StepCurve, drain_s
+from tlt.sim.policies import POLICIES, Knobs, run_rollpacker, run_step
+from tlt.sim.rollout import Request, Speed, place, simulate, with_lengths
+from tlt.sim.workloads import AcceptModel, reasoning_lengths
+
+FLAT = StepCurve(((1, 0.01), (64, 0.01)))  # 10 ms a step whatever the batch
+GROWING = StepCurve(((1, 0.010), (8, 0.012), (32, 0.020)))
+
+
+def test_one_replica_drains_like_the_policy_module_says():
+    lengths = [10, 20, 35]
+    r = simulate(with_lengths(lengths), [Speed(GROWING)])
+    assert r.seconds == pytest.approx(drain_s(lengths, GROWING, 1.0))
+    assert [q.finished_at for q in r.finished] == sorted(q.finished_at for q in r.finished)
+    assert r.idle_s == pytest.approx(0.0) and r.train_s == (0.0,)
+
+
+def test_speculation_is_taken_only_where_it_pays():
+    spec = StepCurve(((1, 0.02), (32, 0.08)))
+    s = Speed(GROWING, spec, AcceptModel(((1, 3.0), (32, 3.0))))
+    assert s.rate(1) == pytest.approx(3.0 / 0.02)  # 150 tok/s beats 100
+    assert s.rate(32) == pytest.approx(1 / 0.020)  # 3 / 0.08 = 37.5 < 50: plain steps
+
+
+def test_groups_stay_together_and_idle_replicas_count_as_training_time():
+    reqs = [Request("a", 100, group=0), Request("b", 100, group=0), Request("c", 10, group=1)]
+    assert [[q.rid for q in p] for p in place(reqs, 2)] == [["a", "b"], ["c"]]
+    r = simulate(reqs, [Speed(FLAT), Speed(FLAT)])
+    assert r.seconds == pytest.approx(1.0)
+    assert r.train_s[0] == pytest.approx(0.0) and r.train_s[1] == pytest.approx(0.9)
+    assert r.idle_s == pytest.approx(0.9)
+
+
+def test_consolidation_frees_replicas_and_reallocation_balances():
+    # 4 replicas, one long request per group of 4: the tail sits on every replica
+    lengths = [50, 50, 50, 2000] * 4
+    plain = Speed(GROWING)
+    base = run_step("plain", with_lengths(lengths, 4), plain, plain, 4)
+    fuse = run_step("rlhfuse", with_lengths(lengths, 4), plain, plain, 4,
+                    Knobs(tick_s=0.1, move_s=0.01, remaining_share=0.3, max_batch=8))
+    assert fuse.moves == 3 and fuse.train_s > base.train_s + 2 * 19  # three replicas freed for ~20 s
+    assert fuse.rollout_s < base.rollout_s * 1.10  # the tail at batch 4 costs 9% more per step
+    skewed = [2000] * 64 + [5] * 64  # one replica gets every long request: reallocation spreads them
+    realloc = run_step("rlhfspec", with_lengths(skewed, 64), plain, plain, 2, Knobs(tick_s=0.1, move_s=0.0, knee=0.9))
+    alone = run_step("tlt", with_lengths(skewed, 64), plain, plain, 2)
+    assert realloc.moves > 0 and realloc.rollout_s < alone.rollout_s
+
+
+def test_rollpacker_trains_every_prompt_once_with_r0_responses():
+    r0, p0 = 4, 8
+    prompts = [reasoning_lengths(r0, 4096, seed=i) for i in range(40)]
+    out = run_rollpacker(prompts, Speed(GROWING), 4, Knobs(prompt_over=0.25), p0=p0, r0=r0)
+    trained = [i for o in out for i in o.trained]
+    assert len(trained) == len(set(trained)) == 40  # every prompt once (no queue left: 40 = 4 x 10)
+    assert all(len(o.trained) == p0 for o in out)  # every step trains p0 prompts
+    short = [o for o in out if o.wasted_tokens > 0]
+    assert len(short) == 4 and len(out) == 5  # 4 short rounds of 10 launched prompts, then one long round
+    assert all(0 < o.wasted_tokens < o.tokens for o in short)
+
+
+def test_rollpacker_refuses_prompts_with_too_few_responses():
+    with pytest.raises(ValueError, match="at least 4 response lengths"):
+        run_rollpacker([[10, 20]], Speed(FLAT), 2, p0=1, r0=4)
+
+
+def test_pat_switches_only_when_a_higher_tp_pays():
+    lengths = [20] * 15 + [4000]  # one long request: the tail runs on one of 8 replicas
+    plain = Speed(FLAT)
+    never = run_step("pat", with_lengths(lengths), plain, plain, 8,
+                     Knobs(tp_speedup=((1, 1.0), (2, 1.0), (4, 1.0), (8, 1.0)), tick_s=0.05))
+    assert never.switched_tp == 1
+    fast = run_step("pat", with_lengths(lengths), plain, plain, 8,
+                    Knobs(tp_speedup=((1, 1.0), (2, 1.9), (4, 3.6), (8, 6.8)), tick_s=0.05, switch_s=1.0))
+    assert fast.switched_tp == 8 and fast.rollout_s < 0.5 * never.rollout_s
+    assert fast.train_s < never.train_s  # every GPU joins the tail's TP group: none is left to train
+
+
+def test_a_policy_name_is_checked():
+    with pytest.raises(ValueError, match=re.escape("policy='pat+'")):
+        run_step("pat+", [], Speed(FLAT), Speed(FLAT), 2)
+
+
+def test_bench_tail_quick_writes_its_record_and_plot(tmp_path):
+    import json
+
+    from tlt.cli import main
+
+    out = tmp_path / "tail.json"
+    assert main(["-q", "bench", "tail", "--quick", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    (name, by), = rec["results"].items()
+    row = by["8"]
+    assert set(row["policies"]) == set(POLICIES) and row["fastest"] in POLICIES
+    assert row["fastest_over_tlt"] >= 1.0 and row["policies"]["pat"]["tp"] >= 1
+    assert row["policies"]["rollpacker"]["wasted_share"] > 0 and row["policies"]["plain"]["wasted_share"] == 0
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_step_cost_batches_are_checked():
+    from tlt.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "step-cost", "--batches", "0,8"])

@@ -1,0 +1,159 @@
+"""``tlt bench tail``: the rollout's tail policies side by side at 8, 64 and 256 replicas (simulated).
+
+Owns the bench's record and plot. For each set of step-cost curves (bench records in docs/bench/,
+each named with what it measured), each cluster scale of :data:`tlt.sim.workloads.SCALES` and each
+policy of :mod:`tlt.sim.policies`, it simulates RL steps on the same response lengths and writes:
+the rollout seconds per step, the GPU-seconds idle, the replica-seconds left for drafter training,
+the share of tokens thrown away (RollPacker's aborts), and which policy is fastest at each scale with
+its speedup over TLT alone. ``--lengths DIR`` takes a ``tlt demo`` run's recorded lengths (scaled to
+each scale's maximum length) instead of the reasoning profile.
+
+The GPU curves come in pairs: the engine before the device-resident step (``*_eager_draft``) and
+after it. The Llama-8B rows take their accept lengths from the demo target's trained drafter on the
+same GPU (``rollout_gpu.json``), capped at what the step-cost chain (depth 4) can commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+from pathlib import Path
+
+from tlt.sim.policies import POLICIES, Knobs, StepOutcome, run_rollpacker, run_step
+from tlt.sim.rollout import Request
+from tlt.sim.workloads import SCALES, AcceptModel, reasoning_lengths, recorded_lengths, speeds_from_record
+
+log = logging.getLogger(__name__)
+BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench"
+CHAIN_MAX = 5.0  # a depth-4 chain commits at most 5 tokens per verify
+
+
+def curve_sets() -> dict[str, tuple[Path, bool]]:
+    """name -> (record, take the accept lengths from the demo target's GPU rollout record)."""
+    return {
+        "CPU, demo target": (BENCH / "rollout.json", False),
+        "H200, demo target, eager draft": (BENCH / "rollout_gpu_eager_draft.json", False),
+        "H200, demo target, device step": (BENCH / "rollout_gpu.json", False),
+        "H200, Llama-8B shape, eager draft": (BENCH / "step_cost_llama8b_gpu_eager_draft.json", True),
+        "H200, Llama-8B shape, device step": (BENCH / "step_cost_llama8b_gpu.json", True),
+    }
+
+
+def _accept_from_gpu_rollout() -> AcceptModel:
+    import json
+
+    rec = json.loads((BENCH / "rollout_gpu.json").read_text())
+    return AcceptModel(tuple(sorted((int(b), min(CHAIN_MAX, float(v["mean_accept_length"])))
+                                    for b, v in rec["by_batch"].items())))
+
+
+def _mean(outs: list[StepOutcome]) -> dict:
+    n = len(outs)
+    tokens = sum(o.tokens for o in outs)
+    return {"rollout_s": sum(o.rollout_s for o in outs) / n, "idle_s": sum(o.idle_s for o in outs) / n,
+            "train_s": sum(o.train_s for o in outs) / n, "wasted_share": sum(o.wasted_tokens for o in outs) / tokens
+            if tokens else 0.0, "moves": sum(o.moves for o in outs) / n, "steps": n,
+            "tp": max(o.switched_tp for o in outs)}
+
+
+def _prompts(scale, steps: int, seed: int, recorded: list[int] | None) -> list[list[float]]:
+    """``steps`` steps' worth of prompts (with RollPacker's extra launches), each with its responses'
+    lengths."""
+    n = int(scale.prompts * steps * 1.5) + 1
+    if recorded:  # a demo run's lengths, scaled to this scale's maximum
+        top = max(recorded)
+        pool = [max(1, round(x * scale.max_len / top)) for x in recorded]
+        rng = random.Random(seed)
+        return [[rng.choice(pool) for _ in range(scale.responses)] for _ in range(n)]
+    flat = reasoning_lengths(n * scale.responses, scale.max_len, seed=seed)
+    return [flat[i * scale.responses:(i + 1) * scale.responses] for i in range(n)]
+
+
+def simulate_scale(name: str, record: Path, gpu_accept: bool, scale, steps: int, knobs: Knobs, seed: int,
+                   recorded: list[int] | None) -> dict:
+    plain, spec = speeds_from_record(record, _accept_from_gpu_rollout() if gpu_accept else None)
+    prompts = _prompts(scale, steps, seed, recorded)
+    per_step = [prompts[s * scale.prompts:(s + 1) * scale.prompts] for s in range(steps)]
+    rows = {}
+    for policy in POLICIES:
+        if policy.endswith("rollpacker"):
+            speed = spec if policy.startswith("tlt") else plain
+            # every step of the rounds over the same prompt pool: short rounds and the long rounds they feed
+            outs = run_rollpacker(prompts, speed, scale.replicas, knobs, p0=scale.prompts, r0=scale.responses)
+        else:
+            outs = []
+            for s, ps in enumerate(per_step):
+                reqs = [Request(f"s{s}p{i}r{j}", ln, group=i) for i, p in enumerate(ps) for j, ln in enumerate(p)]
+                outs.append(run_step(policy, reqs, plain, spec, scale.replicas, knobs))
+        rows[policy] = _mean(outs)
+        log.info("%s, %d replicas, %s: %.1f s per step", name, scale.replicas, policy, rows[policy]["rollout_s"])
+    tlt = rows["tlt"]["rollout_s"]
+    best = min(rows, key=lambda p: rows[p]["rollout_s"])
+    return {"replicas": scale.replicas, "prompts": scale.prompts, "responses": scale.responses,
+            "max_len": scale.max_len, "source": scale.source, "policies": rows, "fastest": best,
+            "fastest_over_tlt": tlt / rows[best]["rollout_s"]}
+
+
+def run(args: argparse.Namespace) -> dict:
+    quick = bool(args.quick)
+    steps = args.repeats or (1 if quick else 4)
+    scales = [SCALES[8]] if quick else list(SCALES.values())
+    knobs = Knobs()
+    recorded = None
+    if getattr(args, "runs_from", None):
+        recorded = [n for run in args.runs_from for ls in recorded_lengths(Path(run)).values() for n in ls]
+    sets = curve_sets()
+    if quick:
+        sets = {k: v for k, v in sets.items() if "device step" in k and "Llama" in k}
+    out = {}
+    for name, (record, gpu_accept) in sets.items():
+        out[name] = {str(s.replicas): simulate_scale(name, record, gpu_accept, s, steps, knobs, args.seed, recorded)
+                     for s in scales}
+    rec = {"bench": "tail", "quick": quick, "steps": steps, "lengths": "recorded" if recorded else "reasoning profile",
+           "knobs": knobs.__dict__, "curves": {k: str(v[0].name) for k, v in sets.items()}, "results": out}
+    lines = [f"tail policies, simulated: {steps} RL steps per policy, lengths from the {rec['lengths']}; rollout "
+             "seconds per step (train: replica-seconds free for drafter training per step)"]
+    for name, by in out.items():
+        lines.append(f"{name}:")
+        for n, r in by.items():
+            rows = r["policies"]
+            base = rows["plain"]["rollout_s"]
+            cells = ", ".join(f"{p} {rows[p]['rollout_s']:.0f}s ({base / rows[p]['rollout_s']:.2f}x, train "
+                              f"{rows[p]['train_s']:.0f})" for p in POLICIES)
+            lines.append(f"  {n} replicas: {cells}")
+            lines.append(f"  {n} replicas: fastest {r['fastest']}, {r['fastest_over_tlt']:.2f}x over TLT alone")
+    rec["summary"] = lines
+    if getattr(args, "json", None):
+        _plot(rec, Path(args.json).with_suffix(".png"))
+    return rec
+
+
+def _plot(rec: dict, path: Path) -> None:
+    """Rollout speedup over plain decoding per policy and scale, for the headline curves."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no %s", path)
+        return
+    name = next((k for k in rec["results"] if "Llama-8B shape, device step" in k), next(iter(rec["results"])))
+    by = rec["results"][name]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(by)
+    for i, (n, r) in enumerate(by.items()):
+        base = r["policies"]["plain"]["rollout_s"]
+        xs = [j + i * width for j in range(len(POLICIES))]
+        ax.bar(xs, [base / r["policies"][p]["rollout_s"] for p in POLICIES], width, label=f"{n} replicas")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(POLICIES))], POLICIES, rotation=20)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel("rollout speedup over plain decoding")
+    ax.set_title(f"tlt bench tail (simulated): {name}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    rec["plot"] = str(path)
+    log.info("wrote %s", path)
