@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ class StepCurve:
         if not pts or pts[0][0] < 1 or any(s <= 0 for _, s in pts) or len({b for b, _ in pts}) != len(pts):
             raise ValueError(f"StepCurve needs distinct batches >= 1 with seconds > 0, got {self.points}")
         object.__setattr__(self, "points", pts)
+        object.__setattr__(self, "_batches", tuple(b for b, _ in pts))
 
     def cost(self, b: int) -> float:
         """Interpolated between measured batches; below the smallest, its cost; above the largest,
@@ -99,15 +101,20 @@ class StepCurve:
             return s_lo
         if b >= hi:
             return s_hi * b / hi
-        i = bisect.bisect_left([p[0] for p in pts], b)
+        i = bisect.bisect_left(self._batches, b)
         (b0, s0), (b1, s1) = pts[i - 1], pts[i]
         return s0 + (s1 - s0) * (b - b0) / (b1 - b0)
 
     def theta(self, knee: float, max_batch: int) -> int:
         """The smallest batch whose throughput reaches ``knee`` of the best over 1..max_batch."""
-        tput = [b / self.cost(b) for b in range(1, max_batch + 1)]
-        best = max(tput)
-        return next(b for b, t in enumerate(tput, 1) if t >= knee * best)
+        return _theta(self, knee, max_batch)
+
+
+@functools.lru_cache(maxsize=1024)
+def _theta(curve: StepCurve, knee: float, max_batch: int) -> int:  # a curve is immutable: computed once
+    tput = [b / curve.cost(b) for b in range(1, max_batch + 1)]
+    best = max(tput)
+    return next(b for b, t in enumerate(tput, 1) if t >= knee * best)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ same GPU (``rollout_gpu.json``), capped at what the step-cost chain (depth 4) ca
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import random
 from pathlib import Path
@@ -73,6 +74,9 @@ def _prompts(scale, steps: int, seed: int, recorded: list[int] | None) -> list[l
 def simulate_scale(name: str, record: Path, gpu_accept: bool, scale, steps: int, knobs: Knobs, seed: int,
                    recorded: list[int] | None) -> dict:
     plain, spec = speeds_from_record(record, _accept_from_gpu_rollout() if gpu_accept else None)
+    # BS_max: the largest batch the curves measured (past it a step's cost grows in proportion to the
+    # batch, so no policy gains from batches no engine ran)
+    knobs = dataclasses.replace(knobs, max_batch=max(b for b, _ in plain.plain.points))
     prompts = _prompts(scale, steps, seed, recorded)
     per_step = [prompts[s * scale.prompts:(s + 1) * scale.prompts] for s in range(steps)]
     rows = {}
@@ -155,5 +159,5 @@ def _plot(rec: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    rec["plot"] = str(path)
+    rec["plot"] = path.name
     log.info("wrote %s", path)

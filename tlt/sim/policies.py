@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tlt.coordinator.tail import Plan, TailConfig, decide, drain_s
-from tlt.sim.rollout import Request, Result, Speed, loads, reset, simulate
+from tlt.sim.rollout import Request, Result, Speed, loads, reset, simulate, token_curve
 
 POLICIES = ("plain", "tlt", "rlhfspec", "rlhfuse", "tlt+consolidate", "rollpacker", "tlt+rollpacker", "pat",
             "tlt+pat")
@@ -73,8 +73,15 @@ def _outcome(r: Result, switched: int = 1) -> StepOutcome:
 
 
 def _tail(cfg: TailConfig):
+    """The trainer's tail mover: :func:`tlt.coordinator.tail.decide` at each tick, and a request
+    moves at most once per rollout (as ``tlt.integrations.verl.tail_mover`` enforces)."""
+    moved: set[str] = set()
+
     def policy(now, reps, step_requests) -> Plan | None:
-        return decide(loads(reps), step_requests, cfg)
+        plan = decide(loads(reps), step_requests, cfg)
+        keep = tuple(m for m in plan.moves if m.rid not in moved)
+        moved.update(m.rid for m in keep)
+        return dataclasses.replace(plan, moves=keep)
     return policy
 
 
@@ -105,7 +112,7 @@ def _pat(reqs: list[Request], speed: Speed, replicas: int, knobs: Knobs) -> Step
         n_inst = max(1, replicas // k)
         per = [remaining[i::n_inst] for i in range(n_inst)]
         sp = speed.scaled(speedup[k])
-        curve = loads([_Probe(sp)])[0].curve
+        curve = token_curve(sp)
         return max((drain_s(p, curve, 1.0) for p in per if p), default=0.0)
 
     def until(finished, snapshot) -> bool:
@@ -113,7 +120,7 @@ def _pat(reqs: list[Request], speed: Speed, replicas: int, knobs: Knobs) -> Step
         left = [r.remaining for rep in reps for r in rep.running.values()]
         if not left:
             return False
-        now = max(drain_s([r.remaining for r in rep.running.values()], loads([rep])[0].curve, 1.0)
+        now = max(drain_s([r.remaining for r in rep.running.values()], token_curve(rep.speed), 1.0)
                   for rep in reps if rep.running)
         switch = knobs.move_s + knobs.switch_s  # min(KV migration, re-prefill) + reshard
         options = [(predicted(left, k) + switch, k) for k in speedup if 1 < k <= replicas]
@@ -132,13 +139,6 @@ def _pat(reqs: list[Request], speed: Speed, replicas: int, knobs: Knobs) -> Step
     # every GPU joins a TP group at the switch: only the groups idle after it count for training
     return StepOutcome(first.seconds + second.seconds, first.idle_s + k * second.idle_s, k * sum(second.train_s),
                        sum(r.length for r in first.finished) + second.tokens, 0.0, 0, k)
-
-
-@dataclass
-class _Probe:  # a replica stand-in for :func:`loads` (its speed curve only)
-    speed: Speed
-    rank: int = 0
-    running: dict = dataclasses.field(default_factory=dict)
 
 
 def _every(tick_s: float, until):

@@ -21,6 +21,7 @@ free, so idle gaps before a later arrival do not count).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -181,12 +182,14 @@ def place(requests: Sequence[Request], replicas: int) -> list[list[Request]]:
 def loads(replicas: Sequence[Replica]) -> list[ReplicaLoad]:
     """The tail policy's view of the replicas (:mod:`tlt.coordinator.tail`), in tokens: a step
     commits one token per request at the replica's current rate (``cost`` = seconds per token)."""
-    out = []
-    for rep in replicas:
-        pts = tuple((b, 1.0 / rep.speed.rate(b)) for b in sorted({b for b, _ in rep.speed.plain.points}))
-        out.append(ReplicaLoad(rep.rank, tuple(RequestLoad(r.rid, int(r.done), 0, r.remaining)
-                                               for r in rep.running.values()), StepCurve(pts)))
-    return out
+    return [ReplicaLoad(rep.rank, tuple(RequestLoad(r.rid, int(r.done), 0, r.remaining) for r in rep.running.values()),
+                        token_curve(rep.speed)) for rep in replicas]
+
+
+@functools.lru_cache(maxsize=64)
+def token_curve(speed: Speed) -> StepCurve:
+    """Seconds per committed token per request, by batch, at the measured batches."""
+    return StepCurve(tuple((b, 1.0 / speed.rate(b)) for b in sorted({b for b, _ in speed.plain.points})))
 
 
 def simulate(requests: Sequence[Request], speeds: Sequence[Speed], *, policy: Policy | None = None,
