@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from tlt.coordinator.tail import StepCurve, drain_s
+
 from tlt.sim.policies import POLICIES, Knobs, run_rollpacker, run_step
 from tlt.sim.rollout import Request, Speed, place, simulate, with_lengths
 from tlt.sim.workloads import AcceptModel, reasoning_lengths
@@ -97,7 +97,7 @@ def test_bench_tail_quick_writes_its_record_and_plot(tmp_path):
     out = tmp_path / "tail.json"
     assert main(["-q", "bench", "tail", "--quick", "--json", str(out)]) == 0
     rec = json.loads(out.read_text())
-    (name, by), = rec["results"].items()
+    (_, by), = rec["results"].items()
     row = by["8"]
     assert set(row["policies"]) == set(POLICIES) and row["fastest"] in POLICIES
     assert row["fastest_over_tlt"] >= 1.0 and row["policies"]["pat"]["tp"] >= 1

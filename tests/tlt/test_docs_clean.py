@@ -15,7 +15,7 @@ FORBIDDEN = {
     "a temporary path": re.compile(r"/tmp/"),
     # (a spot-training "session" is a product term: only phrases about development sessions)
     "a development session": re.compile(r"\bthis session\b|\bsessions? (that|which) built\b|\bsession's machine\b|"
-                                        r"\bsession lent\b", re.I),
+                                        r"\bsession lent\b", re.IGNORECASE),
     "a file outside the repository": re.compile(r"\.\./shared|\bDESIGN\.md\b"),
 }
 

@@ -23,7 +23,13 @@ from pathlib import Path
 
 from tlt.sim.policies import POLICIES, Knobs, StepOutcome, run_rollpacker, run_step
 from tlt.sim.rollout import Request
-from tlt.sim.workloads import SCALES, AcceptModel, reasoning_lengths, recorded_lengths, speeds_from_record
+from tlt.sim.workloads import (
+    SCALES,
+    AcceptModel,
+    reasoning_lengths,
+    recorded_lengths,
+    speeds_from_record,
+)
 
 log = logging.getLogger(__name__)
 BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench"
@@ -116,8 +122,8 @@ def run(args: argparse.Namespace) -> dict:
                      for s in scales}
     rec = {"bench": "tail", "quick": quick, "steps": steps, "lengths": "recorded" if recorded else "reasoning profile",
            "knobs": knobs.__dict__, "curves": {k: str(v[0].name) for k, v in sets.items()}, "results": out}
-    lines = [f"tail policies, simulated: {steps} RL steps per policy, lengths from the {rec['lengths']}; rollout "
-             "seconds per step (train: replica-seconds free for drafter training per step)"]
+    lines = [(f"tail policies, simulated: {steps} RL steps per policy, lengths from the {rec['lengths']}; rollout "
+              "seconds per step (train: replica-seconds free for drafter training per step)")]
     for name, by in out.items():
         lines.append(f"{name}:")
         for n, r in by.items():
