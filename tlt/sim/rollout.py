@@ -151,7 +151,6 @@ class Result:
     busy_s: tuple[float, ...]  # per replica
     train_s: tuple[float, ...]  # per replica: idle from its last request to the end
     moves: int
-    decisions: dict[str, int]
 
     @property
     def idle_s(self) -> float:
@@ -225,7 +224,6 @@ def simulate(requests: Sequence[Request], speeds: Sequence[Speed], *, policy: Po
         schedule(rep)
     finished: list[Request] = []
     now, next_tick, moves = 0.0, tick_s if policy else math.inf, 0
-    decisions: dict[str, int] = {}
     stopped = False
     while events:
         t, v, rank = events[0]
@@ -236,7 +234,6 @@ def simulate(requests: Sequence[Request], speeds: Sequence[Speed], *, policy: Po
             now, next_tick = next_tick, next_tick + tick_s
             plan = policy(now, snapshot(), len(requests))
             if plan is not None and plan.moves:
-                decisions[plan.kind] = decisions.get(plan.kind, 0) + 1
                 for m in plan.moves:
                     req = reps[m.source].leave(m.rid)
                     dst = reps[m.destination]
@@ -262,7 +259,7 @@ def simulate(requests: Sequence[Request], speeds: Sequence[Speed], *, policy: Po
     for r in aborted:
         r.aborted = True
     return Result(now, tuple(finished), tuple(aborted), tuple(rep.busy_s for rep in reps),
-                  tuple(now - rep.last_busy for rep in reps), moves, decisions)
+                  tuple(now - rep.last_busy for rep in reps), moves)
 
 
 def with_lengths(lengths: Sequence[float], group_size: int = 1) -> list[Request]:
