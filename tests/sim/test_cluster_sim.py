@@ -110,3 +110,22 @@ def test_step_cost_batches_are_checked():
 
     with pytest.raises(SystemExit):
         main(["bench", "step-cost", "--batches", "0,8"])
+
+
+def test_docs_tail_table_is_the_records():
+    """docs/tail.md's results table shows docs/bench/tail.json's figures (H200 Llama-8B, device step)."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    by = json.loads((root / "docs/bench/tail.json").read_text())["results"]["H200, Llama-8B shape, device step"]
+    text = (root / "docs/tail.md").read_text().split("## Results", 1)[1]
+    for p in POLICIES:
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{p}` |"))
+        for n in ("8", "64", "256"):
+            r = by[n]["policies"]
+            cell = f"{r[p]['rollout_s']:.0f} s, {r['plain']['rollout_s'] / r[p]['rollout_s']:.2f}x, {r[p]['train_s']:.0f}"
+            assert cell in row, (p, n, cell, row)
+    fastest = next(line for line in text.splitlines() if line.startswith("| fastest, over TLT alone |"))
+    for n in ("8", "64", "256"):
+        assert f"`{by[n]['fastest']}`, {by[n]['fastest_over_tlt']:.2f}x" in fastest
