@@ -293,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--from", dest="runs_from", nargs="+", metavar="DIR",
                    help="consolidation, demo: aggregate these `tlt demo` output directories (consolidation: "
                    "`--arms BCE` runs) instead of running the demo --repeats times (default 3)")
+    s.add_argument("--validate", action="store_true",
+                   help="tail: predict a demo run's per-step rollout time (--from FIT_RUN PREDICT_RUN: step costs "
+                   "from the first, lengths and measured times from the second) and report the error")
     s.add_argument("--trace", help="sglang-policy: verify trace to replay (recorded here first if the file "
                    "does not exist; without --trace a fresh one is recorded and not kept)")
     s.set_defaults(fn=_cmd_bench)

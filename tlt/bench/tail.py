@@ -17,12 +17,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import random
+import statistics
 from pathlib import Path
 
-from tlt.sim.policies import POLICIES, Knobs, StepOutcome, run_rollpacker, run_step
-from tlt.sim.rollout import Request
+from tlt.coordinator.tail import StepCurve, TailConfig
+from tlt.sim.policies import (
+    POLICIES,
+    Knobs,
+    StepOutcome,
+    run_rollpacker,
+    run_step,
+    tail_mover,
+)
+from tlt.sim.rollout import Request, Speed, simulate
 from tlt.sim.workloads import (
     SCALES,
     AcceptModel,
@@ -48,8 +58,6 @@ def curve_sets() -> dict[str, tuple[Path, bool]]:
 
 
 def _accept_from_gpu_rollout() -> AcceptModel:
-    import json
-
     rec = json.loads((BENCH / "rollout_gpu.json").read_text())
     return AcceptModel(tuple(sorted((int(b), min(CHAIN_MAX, float(v["mean_accept_length"])))
                                     for b, v in rec["by_batch"].items())))
@@ -105,7 +113,84 @@ def simulate_scale(name: str, record: Path, gpu_accept: bool, scale, steps: int,
             "fastest_over_tlt": tlt / rows[best]["rollout_s"]}
 
 
+def _records(run: Path, arm: str) -> list[dict]:
+    path = Path(run) / f"arm-{arm}" / "tlt_steps.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: --validate needs two `tlt demo` output directories")
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def fitted_speeds(recs: list[dict]) -> list[Speed]:
+    """Each replica's seconds per committed token per request, by batch, pooled over steps 2+ of a
+    run (its engine steps as the step records hold them: speculation and accept length folded in)."""
+    pooled: dict[int, dict[int, list[float]]] = {}
+    for r in recs:
+        if r["step"] < 2:
+            continue
+        for rank, cost in enumerate(r.get("replica_step_cost") or []):
+            for b, (sec, _, committed) in cost.items():
+                c = pooled.setdefault(rank, {}).setdefault(int(b), [0.0, 0.0])
+                c[0], c[1] = c[0] + sec, c[1] + committed
+    if not pooled:
+        raise ValueError("the run's step records hold no replica_step_cost (recorded since this bench existed)")
+    return [Speed(StepCurve(tuple((b, sec * b / tok) for b, (sec, tok) in sorted(by.items()) if tok > 0)))
+            for _, by in sorted(pooled.items())]
+
+
+def validate(fit: Path, predict: Path, arms: str = "AC", *, group_size: int = 4) -> dict:
+    """Predict ``predict``'s per-step rollout time (steps 2+) from ``fit``'s step costs and move cost,
+    and ``predict``'s own response lengths; nothing is fitted on the run predicted. The driver's
+    time outside decoding (requests arriving, the last answers returning) is ``fit``'s median."""
+    out = {}
+    for arm in arms:
+        recs_fit, recs_pred = _records(fit, arm), _records(predict, arm)
+        speeds = fitted_speeds(recs_fit)
+        later = [r for r in recs_fit if r["step"] >= 2]
+        overhead = statistics.median(min(r["replica_lead_s"]) + min(r["replica_trail_s"]) for r in later)
+        moves = [r["tail"]["move_s"] for r in later if (r.get("tail") or {}).get("move_s")]
+        lengths = recorded_responses(predict, arm)
+        rows = []
+        for r in recs_pred:
+            if r["step"] < 2 or r["step"] not in lengths:
+                continue
+            reqs = [Request(f"i{i}s{j}", n, group=i) for (i, j), n in sorted(lengths[r["step"]].items())]
+            if moves:  # the arm consolidated its tail (tlt.tail.consolidate.mode=auto)
+                cfg = TailConfig(mode="auto", move_s=statistics.median(moves), max_batch=len(reqs))
+                res = simulate(reqs, speeds, policy=tail_mover(cfg), tick_s=0.1, move_s=cfg.move_s)
+            else:
+                res = simulate(reqs, speeds)
+            predicted = res.seconds + overhead
+            rows.append({"step": r["step"], "predicted_s": predicted, "measured_s": r["tlt/rollout_s"],
+                         "error": predicted / r["tlt/rollout_s"] - 1})
+        errs = [abs(x["error"]) for x in rows]
+        out[arm] = {"steps": rows, "median_abs_error": statistics.median(errs) if errs else None,
+                    "median_error": statistics.median(x["error"] for x in rows) if rows else None,
+                    "overhead_s": overhead}
+    return out
+
+
+def recorded_responses(run: Path, arm: str) -> dict[int, dict[tuple[int, int], int]]:
+    """A demo run's response lengths by step, keyed by (prompt index, sample index)."""
+    out: dict[int, dict[tuple[int, int], int]] = {}
+    for line in (Path(run) / f"arm-{arm}" / "tlt_responses.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out.setdefault(rec["step"], {})[(rec["index"], rec["sample"])] = rec["length"]
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
+    if getattr(args, "validate", False):
+        runs = getattr(args, "runs_from", None) or []
+        if len(runs) != 2:
+            raise ValueError("--validate takes --from FIT_RUN PREDICT_RUN (two `tlt demo` output directories)")
+        val = validate(Path(runs[0]), Path(runs[1]))
+        lines = [(f"held-out validation: step costs from {Path(runs[0]).name}, lengths and measured rollout times "
+                  f"from {Path(runs[1]).name} (steps 2+)")]
+        for arm, v in val.items():
+            per = ", ".join(f"{x['step']}: {x['predicted_s']:.2f}/{x['measured_s']:.2f}s" for x in v["steps"])
+            lines.append(f"  arm {arm}: median |error| {100 * v['median_abs_error']:.0f}%, median error "
+                         f"{100 * v['median_error']:+.0f}% (predicted/measured by step {per})")
+        return {"bench": "tail", "validation": val, "summary": lines}
     quick = bool(args.quick)
     steps = args.repeats or (1 if quick else 4)
     scales = [SCALES[8]] if quick else list(SCALES.values())

@@ -72,7 +72,7 @@ def _outcome(r: Result, switched: int = 1) -> StepOutcome:
                        switched)
 
 
-def _tail(cfg: TailConfig):
+def tail_mover(cfg: TailConfig):
     """The trainer's tail mover: :func:`tlt.coordinator.tail.decide` at each tick, and a request
     moves at most once per rollout (as ``tlt.integrations.verl.tail_mover`` enforces)."""
     moved: set[str] = set()
@@ -100,7 +100,7 @@ def run_step(policy: str, requests: Sequence[Request], plain: Speed, spec: Speed
     mode = {"rlhfspec": "reallocate", "rlhfuse": "consolidate", "tlt+consolidate": "auto"}[policy]
     cfg = TailConfig(mode=mode, knee=knobs.knee, remaining_share=knobs.remaining_share, max_batch=knobs.max_batch,
                      move_s=knobs.move_s, train_value=knobs.train_value)
-    return _outcome(simulate(reqs, [speed] * replicas, policy=_tail(cfg), tick_s=knobs.tick_s, move_s=knobs.move_s))
+    return _outcome(simulate(reqs, [speed] * replicas, policy=tail_mover(cfg), tick_s=knobs.tick_s, move_s=knobs.move_s))
 
 
 def _pat(reqs: list[Request], speed: Speed, replicas: int, knobs: Knobs) -> StepOutcome:

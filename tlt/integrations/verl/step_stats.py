@@ -21,7 +21,7 @@ def _empty() -> dict[str, Any]:
             "failed_sessions": 0, "train_steps": 0, "losses": [], "preempt_s": [], "batches": 0,
             "requests": 0, "gen_s": 0.0, "phases": [], "eagle_verifies": 0, "eagle_committed": 0,
             "heldout": [], "first_at": None, "done_at": None, "lifecycle": collections.Counter(),
-            "lengths": []}
+            "lengths": [], "step_cost": {}}
 
 
 class StepStats:
@@ -56,6 +56,10 @@ class StepStats:
             st["lifecycle"].update(lifecycle or {})
             st["lengths"] += list(lengths or ())
             for s in res.steps:
+                c = st["step_cost"].setdefault(s.batch, [0.0, 0, 0])  # seconds, steps, committed tokens
+                c[0] += s.seconds
+                c[1] += 1
+                c[2] += s.committed
                 if s.sd:
                     st["verifies"] += s.batch
                     st["committed"] += s.committed
@@ -117,6 +121,7 @@ class StepStats:
                 st[k] = dict(st[k])
             for k in ("losses", "preempt_s", "phases", "heldout", "lengths"):
                 st[k] = list(st[k])
+            st["step_cost"] = {str(b): list(c) for b, c in st["step_cost"].items()}
         if st["idle_at"] is not None:
             st["idle_s"] += time.monotonic() - st["idle_at"]
         return st
@@ -124,7 +129,8 @@ class StepStats:
 
 def replica_fields(stats: list[dict[str, Any]], began: float, ended: float) -> dict[str, list]:
     """Per replica, in order, from their snapshots: idle, decoding and spot-training seconds,
-    engine generations, the drafter version served, requests that left it to go on elsewhere (moved) and that were aborted, and
+    engine generations, the drafter version served, its engine steps by batch size (seconds, steps,
+    tokens committed: the step-cost curve ``tlt bench tail --validate`` reads), requests that left it to go on elsewhere (moved) and that were aborted, and
     the rollout outside their decoding (``began``/``ended``: the rollout's monotonic bounds on the
     driver; monotonic clocks are machine-wide): seconds before the first batch, after the last."""
     def since(a: float | None, b: float | None) -> float | None:
@@ -136,5 +142,6 @@ def replica_fields(stats: list[dict[str, Any]], began: float, ended: float) -> d
             "replica_aborted": [s.get("lifecycle", {}).get("aborted", 0) for s in stats],
             "replica_batches": [s["batches"] for s in stats],
             "replica_drafter_version": [s.get("drafter_version") for s in stats],
+            "replica_step_cost": [s.get("step_cost", {}) for s in stats],
             "replica_lead_s": [since(began, s.get("first_at")) for s in stats],
             "replica_trail_s": [since(s.get("done_at"), ended) for s in stats]}
