@@ -129,3 +129,32 @@ def test_docs_tail_table_is_the_records():
     fastest = next(line for line in text.splitlines() if line.startswith("| fastest, over TLT alone |"))
     for n in ("8", "64", "256"):
         assert f"`{by[n]['fastest']}`, {by[n]['fastest_over_tlt']:.2f}x" in fastest
+
+
+def _demo_run(root, seconds_per_token: float, rollout_s: dict[int, float]):
+    """A stand-in `tlt demo` output directory (arm A): 2 replicas, 2 prompts x 2 samples per step."""
+    import json
+
+    arm = root / "arm-A"
+    arm.mkdir(parents=True)
+    cost = {"1": [seconds_per_token * 10, 10, 10], "2": [seconds_per_token * 10, 10, 20]}
+    steps = [{"step": s, "tlt/rollout_s": t, "replica_step_cost": [cost, cost], "replica_lead_s": [0.1, 0.2],
+              "replica_trail_s": [0.05, 0.3], "tail": {}} for s, t in rollout_s.items()]
+    (arm / "tlt_steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    lines = [{"step": s, "index": i, "sample": j, "length": 100 * (i + 1) + 10 * j}
+             for s in rollout_s for i in range(2) for j in range(2)]
+    (arm / "tlt_responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return root
+
+
+def test_validation_predicts_a_run_from_another_runs_step_costs(tmp_path):
+    from tlt.bench.tail import validate
+
+    # replica 0 gets prompt 0 (lengths 100, 110), replica 1 prompt 1 (200, 210): at 0.01 s per token
+    # per request the rollout decodes 2.1 s, plus the fit run's overhead 0.1 + 0.05
+    fit = _demo_run(tmp_path / "fit", 0.01, {1: 9.0, 2: 1.0, 3: 1.0})
+    exact = _demo_run(tmp_path / "exact", 0.01, {1: 9.0, 2: 2.25, 3: 2.25})
+    v = validate(fit, exact, "A")["A"]
+    assert v["median_abs_error"] == pytest.approx(0.0, abs=1e-9) and [x["step"] for x in v["steps"]] == [2, 3]
+    off = _demo_run(tmp_path / "off", 0.01, {2: 4.5, 3: 4.5})
+    assert validate(fit, off, "A")["A"]["median_error"] == pytest.approx(-0.5)
