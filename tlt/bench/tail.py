@@ -8,6 +8,9 @@ the share of tokens thrown away (RollPacker's aborts), and which policy is faste
 its speedup over TLT alone. ``--lengths DIR`` takes a ``tlt demo`` run's recorded lengths (scaled to
 each scale's maximum length) instead of the reasoning profile.
 
+``--validate --from FIT PREDICT`` instead predicts one ``tlt demo`` run's per-step rollout time
+from another run's recorded step costs (:func:`validate`) and reports the error.
+
 The GPU curves come in pairs: the engine before the device-resident step (``*_eager_draft``) and
 after it. The Llama-8B rows take their accept lengths from the demo target's trained drafter on the
 same GPU (``rollout_gpu.json``), capped at what the step-cost chain (depth 4) can commit.
@@ -137,7 +140,7 @@ def fitted_speeds(recs: list[dict]) -> list[Speed]:
             for _, by in sorted(pooled.items())]
 
 
-def validate(fit: Path, predict: Path, arms: str = "AC", *, group_size: int = 4) -> dict:
+def validate(fit: Path, predict: Path, arms: str = "AC") -> dict:
     """Predict ``predict``'s per-step rollout time (steps 2+) from ``fit``'s step costs and move cost,
     and ``predict``'s own response lengths; nothing is fitted on the run predicted. The driver's
     time outside decoding (requests arriving, the last answers returning) is ``fit``'s median."""
