@@ -15,12 +15,13 @@ responses and the requests moved per step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
-from tlt.demo.summary import _over, _pooled_accept, _ratio, _step_interval, _total, summarize
+from tlt.bench.demo_runs import run_summary
+from tlt.demo.summary import _over, _pooled_accept, _ratio, _step_interval, _total
+from tlt.sim.workloads import arm_lines
 
 ARMS = "BCE"
 KEYS = ("rollout_time_ratio_e_over_c", "step_time_ratio_e_over_c", "spot_training_ratio_c_over_e",
@@ -28,8 +29,7 @@ KEYS = ("rollout_time_ratio_e_over_c", "step_time_ratio_e_over_c", "spot_trainin
 
 
 def _records(run: Path, arm: str) -> dict[int, dict]:
-    path = run / f"arm-{arm}" / "tlt_steps.jsonl"
-    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+    return {r["step"]: r for r in arm_lines(run, arm, "tlt_steps.jsonl")}
 
 
 def _train_s(rows) -> float:
@@ -63,19 +63,10 @@ def pooled(runs: list[Path]) -> dict:
     return out
 
 
-def _summary(run: Path) -> dict:
-    """The demo's summary of one run, computed again from its records (not read from its
-    summary.json, which an older demo may have labelled otherwise)."""
-    records = {a: list(_records(run, a).values()) for a in ARMS}
-    responses = {a: [json.loads(x) for x in (run / f"arm-{a}" / "tlt_responses.jsonl").read_text().splitlines()]
-                 for a in ARMS if (run / f"arm-{a}" / "tlt_responses.jsonl").is_file()}
-    return summarize(records, responses)
-
-
 def aggregate(runs: list[Path]) -> dict:
     per_run = []
     for run in runs:
-        s = _summary(run)
+        s = run_summary(run, ARMS)  # computed again from the records, whatever an older demo labelled
         same = (s.get("identical_response_share") or {}).get("CE") or {}
         per_run.append({"run": run.name, "identical_share_c_e": same.get("share"), "matched": same.get("matched"),
                         **{k: s.get(k) for k in KEYS},

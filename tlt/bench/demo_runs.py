@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from tlt.demo.summary import summarize
+from tlt.sim.workloads import arm_lines
 
 ARMS = "ABC"
 KEYS = ("rollout_time_ratio_ar_over_tlt", "step_time_ratio_ar_over_tlt", "accept_length_ratio_spot_vs_stale",
@@ -33,15 +34,9 @@ KEYS = ("rollout_time_ratio_ar_over_tlt", "step_time_ratio_ar_over_tlt", "accept
 
 def run_summary(run: Path, arms: str = ARMS) -> dict:
     """The demo's summary of one output directory, computed from its records."""
-    records, responses = {}, {}
-    for a in arms:
-        arm = run / f"arm-{a}"
-        if not (arm / "tlt_steps.jsonl").is_file():
-            raise ValueError(f"{run}: no arm-{a}/tlt_steps.jsonl; give a `tlt demo` output directory "
-                             f"(arms {arms}) to --from")
-        records[a] = [json.loads(x) for x in (arm / "tlt_steps.jsonl").read_text().splitlines()]
-        if (arm / "tlt_responses.jsonl").is_file():
-            responses[a] = [json.loads(x) for x in (arm / "tlt_responses.jsonl").read_text().splitlines()]
+    records = {a: arm_lines(run, a, "tlt_steps.jsonl") for a in arms}
+    responses = {a: arm_lines(run, a, "tlt_responses.jsonl") for a in arms
+                 if (Path(run) / f"arm-{a}" / "tlt_responses.jsonl").is_file()}
     return summarize(records, responses)
 
 

@@ -39,6 +39,7 @@ from tlt.sim.rollout import Request, Speed, simulate
 from tlt.sim.workloads import (
     SCALES,
     AcceptModel,
+    arm_lines,
     reasoning_lengths,
     recorded_lengths,
     speeds_from_record,
@@ -116,13 +117,6 @@ def simulate_scale(name: str, record: Path, gpu_accept: bool, scale, steps: int,
             "fastest_over_tlt": tlt / rows[best]["rollout_s"]}
 
 
-def _records(run: Path, arm: str) -> list[dict]:
-    path = Path(run) / f"arm-{arm}" / "tlt_steps.jsonl"
-    if not path.is_file():
-        raise ValueError(f"{path} does not exist: --validate needs two `tlt demo` output directories")
-    return [json.loads(x) for x in path.read_text().splitlines()]
-
-
 def fitted_speeds(recs: list[dict]) -> list[Speed]:
     """Each replica's seconds per committed token per request, by batch, pooled over steps 2+ of a
     run (its engine steps as the step records hold them: speculation and accept length folded in)."""
@@ -146,7 +140,7 @@ def validate(fit: Path, predict: Path, arms: str = "AC") -> dict:
     time outside decoding (requests arriving, the last answers returning) is ``fit``'s median."""
     out = {}
     for arm in arms:
-        recs_fit, recs_pred = _records(fit, arm), _records(predict, arm)
+        recs_fit, recs_pred = arm_lines(fit, arm, "tlt_steps.jsonl"), arm_lines(predict, arm, "tlt_steps.jsonl")
         speeds = fitted_speeds(recs_fit)
         later = [r for r in recs_fit if r["step"] >= 2]
         overhead = statistics.median(min(r["replica_lead_s"]) + min(r["replica_trail_s"]) for r in later)
@@ -175,8 +169,7 @@ def validate(fit: Path, predict: Path, arms: str = "AC") -> dict:
 def recorded_responses(run: Path, arm: str) -> dict[int, dict[tuple[int, int], int]]:
     """A demo run's response lengths by step, keyed by (prompt index, sample index)."""
     out: dict[int, dict[tuple[int, int], int]] = {}
-    for line in (Path(run) / f"arm-{arm}" / "tlt_responses.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in arm_lines(run, arm, "tlt_responses.jsonl"):
         out.setdefault(rec["step"], {})[(rec["index"], rec["sample"])] = rec["length"]
     return out
 

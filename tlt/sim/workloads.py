@@ -55,14 +55,18 @@ def reasoning_lengths(n: int, max_len: int, *, seed: int = 0, median_share: floa
     return [max(1, min(max_len, int(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
 
 
-def recorded_lengths(run: Path, arm: str = "A") -> dict[int, list[int]]:
-    """A ``tlt demo`` run's response lengths by RL step (``arm-X/tlt_responses.jsonl``)."""
-    path = Path(run) / f"arm-{arm}" / "tlt_responses.jsonl"
+def arm_lines(run: Path, arm: str, name: str) -> list[dict]:
+    """One JSON-lines file of a ``tlt demo`` run's arm (``tlt_steps.jsonl``, ``tlt_responses.jsonl``)."""
+    path = Path(run) / f"arm-{arm}" / name
     if not path.is_file():
-        raise ValueError(f"{path} does not exist: give a `tlt demo` output directory")
+        raise ValueError(f"{path} does not exist: give a `tlt demo` output directory (arm {arm})")
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def recorded_lengths(run: Path, arm: str = "A") -> dict[int, list[int]]:
+    """A ``tlt demo`` run's response lengths by RL step."""
     out: dict[int, list[int]] = {}
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
+    for rec in arm_lines(run, arm, "tlt_responses.jsonl"):
         out.setdefault(int(rec["step"]), []).append(int(rec["length"]))
     return out
 

@@ -60,23 +60,26 @@ def save(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list], 
 
 
 def restore(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list], spot_root: str | None,
-            history: Path | None, add_history: Callable[[int, list], None]) -> dict | None:
-    """Serve what ``step_folder/tlt`` holds on every replica; None (and nothing done) without it."""
+            history: Path | None, add_history: Callable[[int, list], None]) -> dict:
+    """Serve what ``step_folder/tlt`` holds on every replica; without it, the newest spot checkpoint
+    and the whole history log (a warning). Returns what was restored (the first step's record)."""
     folder = Path(step_folder) / FOLDER
     if not (folder / STATE).is_file():
-        return None
+        log.warning("tlt: %s holds no TLT state (saved before it existed, or cut off): serving the newest spot "
+                    "checkpoint and the whole draft history", step_folder)
+        pusher.step_end(spot_root, [])
+        replayed = _replay(history, add_history)
+        return {"from_tlt_state": False, "version": pusher.version, "spot_step": pusher.accepted,
+                "history": replayed}
     state = json.loads((folder / STATE).read_text())
     if spot_root:
         have = set(complete_steps(spot_root))
         for s in state["spot_steps"]:
             if s not in have:
                 _link_tree(step_dir(folder / "spot", s), step_dir(spot_root, s))
-    replayed = 0
     if history is not None and (folder / "history.jsonl").is_file():
         shutil.copy2(folder / "history.jsonl", history)
-        for step, pairs in read_history(history).items():
-            add_history(step, pairs)
-            replayed += len(pairs)
+    replayed = _replay(history, add_history)
     pusher.restore(state["pusher"])
     if spot_root and pusher.accepted is not None:
         pusher.serve_accepted(spot_root)
@@ -90,6 +93,16 @@ def restore(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list
              folder, pusher.version, pusher.accepted, replayed, loaded)
     return {"from_tlt_state": True, "version": pusher.version, "spot_step": pusher.accepted, "history": replayed,
             "tuners": loaded}
+
+
+def _replay(history: Path | None, add_history: Callable[[int, list], None]) -> int:
+    """Every step of the history log into every replica; returns the responses replayed."""
+    if history is None or not history.is_file():
+        return 0
+    steps = read_history(history)
+    for step, pairs in steps.items():
+        add_history(step, pairs)
+    return sum(len(p) for p in steps.values())
 
 
 def _link_tree(src: Path, dst: Path) -> None:

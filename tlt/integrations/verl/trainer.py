@@ -46,7 +46,7 @@ import ray
 from tlt.integrations.verl import resume, runtime
 from tlt.integrations.verl.config import TLTConfig, from_verl
 from tlt.integrations.verl.drafter_push import DrafterPusher
-from tlt.integrations.verl.history_log import HISTORY_FILE, HistoryLog, read_history
+from tlt.integrations.verl.history_log import HISTORY_FILE, HistoryLog
 from tlt.integrations.verl.spot_wiring import PORT_SPAN
 from tlt.integrations.verl.step_stats import replica_fields
 from tlt.integrations.verl.tail_mover import TailMover
@@ -234,17 +234,8 @@ def trainer_class():
             out = super().on_init_end()  # the checkpoint's policy pushed: the replicas can serve
             if self.tlt.enable and self._resumed_from is not None:
                 spot = runtime.current().spot_root
-                got = resume.restore(self._resumed_from, self._pusher, self._servers, spot, self._history_path(),
-                                     self._replay_history)
-                self._resume_info = got or {"from_tlt_state": False}
-                if got is None:
-                    log.warning("tlt: %s holds no TLT state (saved before it existed, or cut off): serving the "
-                                "newest spot checkpoint and the whole draft history", self._resumed_from)
-                    self._pusher.step_end(spot, [])
-                    history = self._history_path()
-                    if history is not None and history.is_file():
-                        for step, pairs in read_history(history).items():
-                            self._replay_history(step, pairs)
+                self._resume_info = resume.restore(self._resumed_from, self._pusher, self._servers, spot,
+                                                   self._history_path(), self._replay_history)
             return out
 
         def _step_folder(self, step: int) -> Path:
