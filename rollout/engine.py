@@ -185,6 +185,8 @@ class RolloutEngine:
         self.steps: list[StepRecord] = []  # every step this engine ran
         self._accept: list[list[int]] = []  # per step: committed tokens per request (speculative steps)
         self.lifecycle: collections.Counter[str] = collections.Counter()  # joined, left, aborted requests
+        # requests whose features the sink received, by how they left (finished, aborted, left)
+        self.fed: collections.Counter[str] = collections.Counter()
         static = cfg.static_shapes if cfg.static_shapes is not None else self.device.type == "cuda"
         self.static_step: StaticTargetStep | None = self._new_static_step() if static else None
 
@@ -361,6 +363,7 @@ class RolloutEngine:
                 req = self._reqs[rid]
                 if self.sink is not None:
                     self._hand_over(k, req)
+                    self.fed[gone[k]] += 1
                 out.append(Finished(rid, req.state_now(), gone[k]))
             if len(keep):
                 self.cache.compact_rows(keep)

@@ -148,12 +148,13 @@ def _cmd_doctor(a: argparse.Namespace) -> None:
 
 
 def _cmd_demo(a: argparse.Namespace) -> None:
-    from tlt.demo.job import run_demo
+    from tlt.demo.job import ARMS, run_demo
     from tlt.demo.summary import summary_lines
 
-    if not set(a.arms) <= set("ABCDE") or not a.arms or len(set(a.arms)) != len(a.arms):
-        raise ValueError(f"--arms {a.arms!r}: use distinct letters from ABCDE (A no speculation, B stale drafter, "
-                         "C full TLT, D full TLT with EAGLE only, E full TLT without tail consolidation)")
+    if not set(a.arms) <= set(ARMS) or not a.arms or len(set(a.arms)) != len(a.arms):
+        raise ValueError(f"--arms {a.arms!r}: use distinct letters from {''.join(ARMS)} (A no speculation, B stale "
+                         "drafter, C full TLT, D full TLT with EAGLE only, E full TLT without tail consolidation, "
+                         "F, G, H: A, C, B with tail batching)")
     if a.steps is not None and a.steps < 1:
         raise ValueError(f"--steps {a.steps}: use at least 1 RL step per arm")
     out = Path(a.out).resolve()
@@ -292,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step-cost: prompt tokens per request (0: 128); e.g. 4096 for a long-context row")
     s.add_argument("--from", dest="runs_from", nargs="+", metavar="DIR",
                    help="consolidation, demo: aggregate these `tlt demo` output directories (consolidation: "
-                   "`--arms BCE` runs) instead of running the demo --repeats times (default 3)")
+                   "`--arms BCE` runs) instead of running the demo --repeats times (default 3); tail-batching: "
+                   "the one `tlt demo --arms ABCFGH` directory to read")
     s.add_argument("--validate", action="store_true",
                    help="tail: predict a demo run's per-step rollout time (--from FIT_RUN PREDICT_RUN: step costs "
                    "from the first, lengths and measured times from the second) and report the error")
@@ -312,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quick", action="store_true", help="tiny sizes and 4 RL steps per arm, for tests")
     s.add_argument("--arms", default="ABC", help="which arms to run (default ABC; D: full TLT with the EAGLE "
                    "drafter only, no model-free drafter: `--arms ACD` measures what the model-free drafter adds; "
-                   "E: full TLT without tail consolidation: `--arms BCE` measures what consolidation adds, on the same seeds)")
+                   "E: full TLT without tail consolidation: `--arms BCE` measures what consolidation adds, on the same seeds; "
+                   "F, G, H: A, C, B with RollPacker's tail batching: `--arms ABCFGH`, then `tlt bench tail-batching "
+                   "--from OUT`)")
     s.add_argument("--steps", type=int, default=None,
                    help="RL steps per arm (default 8: two epochs of the 32 prompts); more steps, more epochs")
     s.set_defaults(fn=_cmd_demo)

@@ -112,6 +112,9 @@ def test_unknown_key_names_full_key_and_allowed(dotted, allowed):
     ("coordinator.heartbeat_s", 120),
     ("engine.max_batch", 0),
     ("spot", 3),
+    ("tail.batching.prompt_factor", 0.5),
+    ("tail.batching.response_factor", 17),
+    ("tail.batching.long_round_at", -1),
 ])
 def test_bad_value_names_key_and_value(dotted, value):
     with pytest.raises(ValueError) as ei:
@@ -240,6 +243,24 @@ def test_shipped_config_passes_check_verl_config():
 
     cfg = _compose("tlt_grpo", [])
     check_verl_config(cfg, from_verl(cfg))
+
+
+@needs_verl
+@pytest.mark.parametrize("override, key", [
+    ("data.gen_batch_size=16", "data.gen_batch_size=16"),
+    ("tlt.tail.batching.long_round_at=3", "tlt.tail.batching.long_round_at=3"),
+    ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable=true"),
+    ("actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent", "default_agent_loop=tlt_agent"),
+])
+def test_tail_batching_refuses_what_it_cannot_work_with(override, key):
+    from tlt.integrations.verl.verl_checks import check_verl_config
+
+    cfg = _compose("tlt_grpo", ["tlt.tail.batching.enable=true", "data.train_batch_size=8", override])
+    with pytest.raises(ValueError) as ei:
+        check_verl_config(cfg, from_verl(cfg))
+    assert key in str(ei.value) and "\n" not in str(ei.value)
+    ok = _compose("tlt_grpo", ["tlt.tail.batching.enable=true", "data.train_batch_size=8"])
+    check_verl_config(ok, from_verl(ok))
 
 
 # ------------------------------------------------------------------ 7. SGLang replicas in a tlt run

@@ -18,7 +18,8 @@ BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs
            "coordinator": "coordinator", "checkpoint": "checkpoint", "preempt": "preempt",
            "sglang-policy": "sglang_policy", "headroom": "headroom",
            "step-cost": "step_cost", "drafters": "drafters", "resume": "resume", "lifecycle": "lifecycle",
-           "consolidation": "consolidation", "demo": "demo_runs", "tail": "tail"}
+           "consolidation": "consolidation", "demo": "demo_runs", "tail": "tail",
+           "tail-batching": "tail_batching"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:

@@ -18,8 +18,11 @@ from pathlib import Path
 ARM_LABELS = {"A": "no speculation", "B": "TLT, warm-up drafter frozen (stale)",
               "C": "full TLT (spot training, tail consolidation)",
               "D": "full TLT, EAGLE only (no model-free drafter)",
-              "E": "full TLT without tail consolidation"}
-COLOURS = {"A": "tab:gray", "B": "tab:orange", "C": "tab:blue", "D": "tab:green", "E": "tab:purple"}
+              "E": "full TLT without tail consolidation",
+              "F": "no speculation, tail batching", "G": "full TLT, tail batching",
+              "H": "TLT, warm-up drafter frozen, tail batching"}
+COLOURS = {"A": "tab:gray", "B": "tab:orange", "C": "tab:blue", "D": "tab:green", "E": "tab:purple",
+           "F": "tab:brown", "G": "tab:cyan", "H": "tab:olive"}
 
 
 def _mean(xs) -> float | None:

@@ -25,6 +25,14 @@ class ReplicaAPI(Protocol):
         """Abort one request: its ``generate`` returns its partial output with stop reason
         ``aborted``. Returns ``{"aborted": bool, "request_id": ...}``."""
 
+    async def drop_requests(self) -> int:
+        """Tail batching's drop: every request in flight returns its partial output with stop
+        reason ``tlt_dropped`` (verl's client does not resubmit it), and requests arriving until
+        ``resume_generation`` return at once, dropped. Returns the requests dropped."""
+
+    async def resume_generation(self) -> None:
+        """Accept requests again (after a drop, or verl's own abort)."""
+
     def update_weights(self, state: dict, version: int | None = None) -> int:
         """Policy push: target weights only, never into the drafter; returns tensors written."""
 

@@ -8,11 +8,14 @@ the prompt) and carries it in ``sampling_params["seed"]``, which the tlt rollout
 request samples the same tokens whether speculation is on or off. Training batches carry a marker
 (:data:`TRAIN_KEY`, set by the tlt trainer); validation batches do not. Its server client follows a
 request the tail policy moves between replicas (:class:`~tlt.integrations.verl.moves.MovingClient`).
+In a short round of tail batching, each response reports its end (finished or dropped, when, how
+many tokens) to the driver (:mod:`tlt.integrations.verl.tail_round`) before verl stores it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import register
@@ -21,6 +24,7 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 from tlt.drafter.seeds import request_seed
 from tlt.integrations.verl.moves import MovingClient
 from tlt.integrations.verl.requests import plain
+from tlt.integrations.verl.tail_batching import DROPPED, MARKERS, SHORT_ROUND_KEY
 
 log = logging.getLogger(__name__)
 NAME = "tlt_agent"
@@ -40,5 +44,17 @@ class TLTAgentLoop(SingleTurnAgentLoop):
             log.warning("tlt_agent: request without session_id/index/global_steps: sampled without a seed")
         if not isinstance(self.server_manager, MovingClient):  # a request the tail policy moves: one answer
             self.server_manager = MovingClient(self.server_manager)
-        return await super().run(sampling_params, **kwargs)
+        out = await super().run(sampling_params, **kwargs)
+        if kwargs.get(SHORT_ROUND_KEY):
+            await self._report_end(out, kwargs)
+        return out
+
+    async def _report_end(self, out: Any, kwargs: dict) -> None:
+        """Tail batching's short round: this response's end (finished or dropped, when, how long)
+        goes to the driver (:mod:`tlt.integrations.verl.tail_round`) before verl stores it."""
+        import transfer_queue as tq
+
+        dropped = self.server_manager.stop_reason == DROPPED  # never trained: the driver clears its row
+        await tq.async_kv_put(key=f"{kwargs['uid']}_{int(kwargs['session_id'])}", partition_id=MARKERS,
+                              tag={"dropped": dropped, "t": time.time(), "length": len(out.response_ids)})
 

@@ -223,11 +223,35 @@ class ConsolidateSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchingSection:
+    """``tlt.tail.batching``: RollPacker's tail batching (:mod:`tlt.integrations.verl.tail_batching`).
+    A short round launches ``prompt_factor`` x the step's prompts with ``response_factor`` x
+    ``rollout.n`` responses each, trains the first prompts to finish ``rollout.n`` responses and
+    drops the rest into a queue; a long round runs queued prompts to the end."""
+
+    enable: bool = False
+    prompt_factor: float = 2.0     # prompts a short round launches, per prompt a step trains
+    response_factor: float = 1.5   # responses a short round launches per prompt, per response trained
+    long_round_at: int = 0         # queued prompts that start a long round; 0: one step's prompts
+
+    def check(self, p: str) -> None:
+        if not 1 <= self.prompt_factor <= 16:
+            raise _bad(f"{p}.prompt_factor", self.prompt_factor, "use a number in [1, 16]")
+        if not 1 <= self.response_factor <= 16:
+            raise _bad(f"{p}.response_factor", self.response_factor, "use a number in [1, 16]")
+        if self.long_round_at < 0:
+            raise _bad(f"{p}.long_round_at", self.long_round_at,
+                       "use 0 (one step's prompts) or a count >= data.train_batch_size")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TailSection:
     consolidate: ConsolidateSection = ConsolidateSection()
+    batching: BatchingSection = BatchingSection()
 
     def check(self, p: str) -> None:
         self.consolidate.check(f"{p}.consolidate")
+        self.batching.check(f"{p}.batching")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -54,6 +54,7 @@ class MovingClient:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self.stop_reason: str | None = None  # the last answer's (tail batching reads it)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -62,6 +63,7 @@ class MovingClient:
         out = await self.inner.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
                                         **kwargs)
         move = out.extra_fields.pop(MOVED_KEY, None)
+        self.stop_reason = out.stop_reason
         if move is None:
             return out
         tokens, logprobs = list(out.token_ids), list(out.log_probs) if out.log_probs is not None else None
@@ -82,5 +84,6 @@ class MovingClient:
             if logprobs is not None and out.log_probs is not None:
                 logprobs += out.log_probs
         out.token_ids, out.log_probs = tokens, logprobs
+        self.stop_reason = out.stop_reason
         out.extra_fields["tlt_hops"] = hops
         return out

@@ -9,6 +9,8 @@ would have served:
     spot/step-XXXXXXXX   the accepted and previous spot checkpoints (hard links where the file
                          system allows): the spot trainer may prune them before the run resumes
     history.jsonl        the draft history as of step N (the run directory's log goes on past N)
+    tail_batching.pt     with tail batching: the queue of dropped prompts, the prompts fetched and
+                         not launched yet, and the epoch's position (:mod:`.tail_batching`)
 
 A resumed run reads it once its replicas hold the checkpoint's policy (verl's ``on_init_end``):
 the spot steps go back into the spot root where they are missing, the history log is replaced and
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import ray
+import torch
 
 from tlt.drafter.checkpoint import complete_steps, step_dir
 from tlt.integrations.verl.drafter_push import DrafterPusher
@@ -38,11 +41,13 @@ log = logging.getLogger(__name__)
 
 FOLDER = "tlt"
 STATE = "state.json"
+ROUNDS = "tail_batching.pt"
 
 
 def save(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list], spot_root: str | None,
-         history: Path | None) -> Path:
-    """Write ``step_folder/tlt`` (whole or not at all); returns it."""
+         history: Path | None, rounds: dict | None = None) -> Path:
+    """Write ``step_folder/tlt`` (whole or not at all); returns it. ``rounds``: tail batching's
+    state (:meth:`~tlt.integrations.verl.tail_batching.TailBatcher.state`)."""
     final, tmp = Path(step_folder) / FOLDER, Path(step_folder) / f"{FOLDER}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -51,6 +56,8 @@ def save(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list], 
         _link_tree(step_dir(spot_root, s), step_dir(tmp / "spot", s))
     if history is not None and history.is_file():
         shutil.copy2(history, tmp / "history.jsonl")
+    if rounds is not None:
+        torch.save(rounds, tmp / ROUNDS)
     tuners = ray.get([s.tuner_state.remote() for s in servers()], timeout=120)
     (tmp / STATE).write_text(json.dumps({"pusher": pusher.state(), "spot_steps": spot, "tuners": tuners}))
     shutil.rmtree(final, ignore_errors=True)
@@ -93,6 +100,17 @@ def restore(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list
              folder, pusher.version, pusher.accepted, replayed, loaded)
     return {"from_tlt_state": True, "version": pusher.version, "spot_step": pusher.accepted, "history": replayed,
             "tuners": loaded}
+
+
+def load_rounds(step_folder: Path) -> dict | None:
+    """Tail batching's state saved with ``step_folder`` (None, with a warning, if there is none:
+    the prompts queued then are not trained this epoch)."""
+    path = Path(step_folder) / FOLDER / ROUNDS
+    if not path.is_file():
+        log.warning("tlt: %s holds no tail batching state: the run starts with an empty queue and a fresh "
+                    "epoch position (prompts queued at the checkpoint are not trained this epoch)", step_folder)
+        return None
+    return torch.load(path, weights_only=False)  # our own file: dataloader columns (numpy object arrays)
 
 
 def _replay(history: Path | None, add_history: Callable[[int, list], None]) -> int:

@@ -62,6 +62,7 @@ from tlt.integrations.verl.batcher import Generation, RequestBatcher
 from tlt.integrations.verl.config import TLTConfig
 from tlt.integrations.verl.history_log import HISTORY_FILE, read_history
 from tlt.integrations.verl.moves import MOVED, MOVED_KEY, moved_in
+from tlt.integrations.verl.tail_batching import DROPPED
 from tlt.integrations.verl.requests import engine_params
 from tlt.integrations.verl.spot_wiring import BufferFeed, add_captured, spot_config, start_spot_agent
 from tlt.integrations.verl.step_stats import StepStats
@@ -149,6 +150,7 @@ class TLTServer:
         # verl's partial rollout sends it) goes on from there; the oldest are dropped past a bound
         self._partial: dict[str, RequestState] = {}
         self._moving: dict[str, str] = {}  # request id -> destination server, while it leaves (event loop)
+        self._dropping = False  # tail batching dropped this round's requests (event loop)
         self._mu = threading.Lock()  # guards _expected and _idle_sent (Ray's threads, the idle thread)
         self._expected: list[float] = []  # moves on their way here: deadlines (time.monotonic())
         self._idle_sent = False  # IDLE went to the spot agent since the last generation (guarded by _mu)
@@ -228,6 +230,11 @@ class TLTServer:
             if state is None or list(prompt_ids) != list(state.prompt + state.output):
                 state = RequestState(tuple(prompt_ids), params, seed, group=tuple(prompt_ids))
         fin = await self.batcher.submit(state, request_id)
+        if fin.reason == "aborted" and self._dropping:  # tail batching's drop: not resubmitted
+            return TokenOutput(token_ids=list(fin.state.output[len(state.output):]),
+                               log_probs=list(fin.state.logprobs[len(state.output):])
+                               if sampling_params.get("logprobs") else None,
+                               stop_reason=DROPPED, extra_fields={"global_steps": self.weight_version})
         if fin.reason == "aborted" and not fin.state.done:
             self._partial[request_id] = fin.state
             while len(self._partial) > 4 * self.cfg.engine.max_batch:
@@ -367,7 +374,8 @@ class TLTServer:
         st = self.stats.snapshot()
         st.update(drafter_version=self.drafter_version, proposer=self.proposer_name, drift_top1=self.probe.top1,
                   buffer=self.buffer.stats(), replica=self.rank, running=self.engine.running, moved_out=self.moved_out,
-                  engine_lifecycle=dict(self.engine.lifecycle))
+                  engine_lifecycle=dict(self.engine.lifecycle),
+                  buffer_fed=dict(self.engine.fed))
         return st
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:
@@ -468,7 +476,17 @@ class TLTServer:
         log.info("replica %d: aborted %d requests", self.rank, len(keys))
         return {"aborted_count": len(keys), "request_ids": keys}
 
+    async def drop_requests(self) -> int:
+        """Tail batching's drop: running and queued requests return their partial output with stop
+        reason ``tlt_dropped`` (verl's client does not resubmit it), and requests arriving until
+        :meth:`resume_generation` return at once, dropped. Returns the requests dropped."""
+        self._dropping = True
+        keys = await self.batcher.abort_all(reject=True)
+        log.info("replica %d: dropped %d requests", self.rank, len(keys))
+        return len(keys)
+
     async def resume_generation(self) -> None:
+        self._dropping = False
         self.batcher.resume()
 
     async def abort_request(self, request_id: str) -> dict[str, Any]:

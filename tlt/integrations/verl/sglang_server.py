@@ -63,6 +63,7 @@ from tlt.integrations.verl.server import replica_actor_name
 from tlt.integrations.verl.sglang_push import TLTHttpEngine
 from tlt.integrations.verl.spot_wiring import add_captured, start_spot_agent
 from tlt.integrations.verl.step_stats import StepStats
+from tlt.integrations.verl.tail_batching import DROPPED
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class TLTSGLangServer(SGLangHttpServer):
         self.step = 0
         self.http: TLTHttpEngine | None = None
         self._in_flight = 0
+        self._rids: set[str] = set()  # request ids in flight (event loop)
+        self._dropping = False  # tail batching dropped this round's requests (event loop)
         self._released = False    # TLT released the KV cache (and must resume it before serving)
         self._rollout_over = True  # between end_rollout and the next begin_step: no idle work
         self._gate = asyncio.Lock()  # memory and agent transitions, in request order
@@ -137,7 +140,11 @@ class TLTSGLangServer(SGLangHttpServer):
                        image_data=None, video_data=None, **kwargs):
         if image_data or video_data:
             raise ValueError("TLT's SGLang replica serves text-only requests (image/video data given)")
+        if self._dropping:  # tail batching dropped this round: nothing new starts
+            return TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
+                               stop_reason=DROPPED, extra_fields={"global_steps": self.global_steps})
         self._in_flight += 1
+        self._rids.add(request_id)
         try:
             async with self._gate:  # training stopped and the KV cache back before the server sees it
                 if self._idle_task is not None:
@@ -148,6 +155,7 @@ class TLTSGLangServer(SGLangHttpServer):
             return await self._generate(request_id, list(prompt_ids), dict(sampling_params))
         finally:
             self._in_flight -= 1
+            self._rids.discard(request_id)
             if self._in_flight == 0:
                 self.stats.went_idle()
                 if not self._rollout_over and self.agent is not None:
@@ -173,7 +181,7 @@ class TLTSGLangServer(SGLangHttpServer):
         lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []] if logprob else None
         reason = (meta.get("finish_reason") or {}).get("type")
         if reason == "abort":  # verl's name (its retry loop takes both); the partial output goes back
-            reason = "aborted"
+            reason = DROPPED if self._dropping else "aborted"
             if logprob and len(lps) < len(tokens):  # an abort may cut the log-probs short: keep what has one
                 tokens = tokens[:len(lps)]
         if logprob and len(lps) != len(tokens):
@@ -189,6 +197,22 @@ class TLTSGLangServer(SGLangHttpServer):
             return {"aborted": False, "request_id": request_id}
         await self.http.abort_request(rid=request_id)
         return {"aborted": True, "request_id": request_id}
+
+    async def drop_requests(self) -> int:
+        """Tail batching's drop: every request in flight is aborted (SGLang's ``/abort_request``) and
+        returns its partial output with stop reason ``tlt_dropped`` (verl's client does not
+        resubmit it); requests arriving until :meth:`resume_generation` return at once, dropped.
+        Returns the requests dropped."""
+        self._dropping = True
+        rids = list(self._rids)
+        if self.http is not None:
+            for rid in rids:
+                await self.http.abort_request(rid=rid)
+        return len(rids)
+
+    async def resume_generation(self) -> None:
+        self._dropping = False
+        await super().resume_generation()  # verl's own pause (abort_all_requests) is undone here too
 
     async def _idle(self) -> None:
         """0 requests in flight: release the KV cache, then report IDLE (if there is data to train on)."""

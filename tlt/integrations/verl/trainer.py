@@ -91,6 +91,8 @@ def trainer_class():
             self._checkpointed = -1  # the step verl saved last (its TLT state follows at the step's end)
             self._resumed_from: Path | None = None  # verl's global_step_N folder this run resumed from
             self._resume_info: dict | None = None  # what the resume restored, for the first step's record
+            self._rounds = None  # tail batching (tlt.integrations.verl.tail_round), built with the dataloader
+            self._rounds_state: dict | None = None  # its checkpointed state, until it is built
             if not self.tlt.enable:
                 return
             tc = self.tlt.tail.consolidate
@@ -160,9 +162,10 @@ def trainer_class():
 
         # -------------------------------------------------------------- request identity and order
         def _next_train_batch(self, num_prompts=None):
-            batch = super()._next_train_batch(num_prompts)
             if not self.tlt.enable:
-                return batch
+                return super()._next_train_batch(num_prompts)
+            batch = (self._rounds.batch(self.global_steps) if self._rounds is not None
+                     else super()._next_train_batch(num_prompts))
             from verl.utils import tensordict_utils as tu
 
             from tlt.integrations.verl.agent_loop import TRAIN_KEY
@@ -182,6 +185,8 @@ def trainer_class():
 
         def _balance_batch(self, batch, metrics, *args, **kwargs):
             if self.tlt.enable and batch.partition_id == "train":
+                if self._rounds is not None:  # only the round's trained responses, R0 per prompt
+                    self._rounds.check([k for k, tag in zip(batch.keys, batch.tags) if not tag.get("is_padding")])
                 batch.reorder(canonical_order(list(batch.keys), self._uid_index))
             return super()._balance_batch(batch, metrics, *args, **kwargs)
 
@@ -228,7 +233,31 @@ def trainer_class():
                 mode, path = self.config.trainer.resume_mode, self.config.trainer.resume_from_path
                 self._resumed_from = (Path(path).absolute() if mode == "resume_path"
                                       else self._step_folder(self.global_steps))
+                if self.tlt.enable and self.tlt.tail.batching.enable:
+                    self._rounds_state = resume.load_rounds(self._resumed_from)
             return out
+
+        def _tail_rounds(self):
+            """Tail batching's driver over verl's dataloader (built at the first step: the dataloader
+            and a resumed run's position exist by then)."""
+            from tlt.integrations.verl.tail_round import RoundDriver
+
+            def fetch():
+                try:
+                    if self.train_dataloader_it is None:
+                        self.train_dataloader_it = iter(self.train_dataloader)
+                    return next(self.train_dataloader_it)
+                except StopIteration:
+                    self.train_dataloader_it = iter(self.train_dataloader)
+                    return next(self.train_dataloader_it)
+
+            rounds = RoundDriver(self.tlt.tail.batching, p0=int(self.config.data.train_batch_size),
+                                 r0=int(self.config.actor_rollout_ref.rollout.n),
+                                 fetches_per_epoch=len(self.train_dataloader), fetch=fetch, servers=self._servers,
+                                 poll_s=self.tlt.replay_poll_s)
+            if self._rounds_state is not None:
+                rounds.restore(self._rounds_state)
+            return rounds
 
         def on_init_end(self):
             out = super().on_init_end()  # the checkpoint's policy pushed: the replicas can serve
@@ -258,10 +287,22 @@ def trainer_class():
                     log.warning("tlt: the coordinator did not answer step_begin(%d): rollout goes on "
                                 "without drafter adaptation", step)
                 ray.get([s.begin_step.remote(step) for s in self._servers()])
+                requests = getattr(self, "_step_requests", 0)
+                if self.tlt.tail.batching.enable:
+                    if self._rounds is None:
+                        self._rounds = self._tail_rounds()
+                    rnd = self._rounds.plan()
+                    requests = len(next(iter(rnd.prompts.values()))) * rnd.n
                 self._t_rollout = time.monotonic()
                 if self._mover is not None:
-                    self._mover.start(self._step_requests, self._lengths)
+                    self._mover.start(requests, self._lengths)
             return super().prepare_step()
+
+        def on_sample_begin(self):
+            out = super().on_sample_begin()
+            if self._rounds is not None:  # a short round ends once its first P0 prompts finish
+                self._rounds.before_sample(self._mover.stop if self._mover is not None else None)
+            return out
 
         def on_sample_end(self):
             if self.tlt.enable:
@@ -312,7 +353,8 @@ def trainer_class():
             if self._checkpointed == self.global_steps:  # after the push: what step N + 1 serves
                 with marked_timer("tlt_save_checkpoint", self.timing_raw):
                     counted(self._failures, "checkpoint", resume.save, self._step_folder(self.global_steps),
-                            self._pusher, self._servers, runtime.current().spot_root, self._history_path())
+                            self._pusher, self._servers, runtime.current().spot_root, self._history_path(),
+                            self._rounds.state() if self._rounds is not None else None)
             self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}),
                                           **self._metrics()}
             return out
@@ -364,6 +406,9 @@ def trainer_class():
                 "tlt/feeds_dropped": float(self._feeds_dropped()),
                 "tlt/checkpoint_failures": float(self._failures["checkpoint"]),  # TLT state not saved with verl's
             }
+            if self._rounds is not None:  # tail batching: prompts waiting for a long round, tokens dropped
+                m["tlt/tail_queue"] = float(self._rounds.record.get("queued_after", 0))
+                m["tlt/tail_dropped_share"] = float(self._rounds.record.get("dropped_share", 0.0))
             drift = [s["drift_top1"] for s in st if s["drift_top1"] is not None]
             if drift:  # 1 - top-1 agreement of the policies before and after the last update
                 m["tlt/target_drift"] = 1.0 - statistics.fmean(drift)
@@ -382,6 +427,8 @@ def trainer_class():
                                 "preempt_s": [x for s in st for x in s["preempt_s"]],
                                 "spot_phase_s": [list(x) for s in st for x in s["phases"]],
                                 "proposers": [s["proposer"] for s in st], "tail": self._tail,
+                                "buffer_fed": [s.get("buffer_fed", {}) for s in st],
+                                "tail_batching": self._rounds.record if self._rounds is not None else None,
                                 **replica_fields(st, self._t_rollout, self._t_rollout_end)}
             if self._resume_info is not None:  # the first step after a resume: what it restored
                 self._step_extra["resumed"], self._resume_info = self._resume_info, None

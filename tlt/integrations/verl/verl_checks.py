@@ -40,6 +40,8 @@ def check_verl_config(config, tlt: TLTConfig) -> None:
         _check_sglang(config, tlt)
     if tlt.tail.consolidate.mode != "off":
         _check_moves(config, tlt)
+    if tlt.tail.batching.enable:
+        _check_batching(config, tlt)
     backend = ro.checkpoint_engine.backend
     if backend != "naive":
         raise ValueError(f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend!r}: the tlt rollout "
@@ -105,6 +107,29 @@ def _check_moves(config, tlt: TLTConfig) -> None:
     if agent != "tlt_agent":
         raise ValueError(f"tlt.tail.consolidate.mode={mode}: verl's client follows a moved request only in "
                          f"TLT's agent loop; set actor_rollout_ref.rollout.agent.default_agent_loop=tlt_agent "
+                         f"(it is {agent!r})")
+
+
+def _check_batching(config, tlt: TLTConfig) -> None:
+    """What tail batching needs (tlt.integrations.verl.tail_batching)."""
+    from omegaconf import OmegaConf
+
+    p0 = int(config.data.train_batch_size)
+    gen = OmegaConf.select(config, "data.gen_batch_size", default=None)
+    if gen is not None and int(gen) != p0:
+        raise ValueError(f"data.gen_batch_size={gen}: tail batching draws its rounds from whole training batches; "
+                         f"leave it unset or set it to data.train_batch_size ({p0})")
+    at = tlt.tail.batching.long_round_at
+    if at and at < p0:
+        raise ValueError(f"tlt.tail.batching.long_round_at={at}: a long round trains data.train_batch_size ({p0}) "
+                         f"queued prompts; use 0 or a count >= {p0}")
+    if OmegaConf.select(config, "algorithm.filter_groups.enable", default=False):
+        raise ValueError("algorithm.filter_groups.enable=true: DAPO's group filter and tail batching both decide "
+                         "which groups a step trains; turn one of them off")
+    agent = config.actor_rollout_ref.rollout.get("agent", {}).get("default_agent_loop")
+    if agent != "tlt_agent":
+        raise ValueError("tlt.tail.batching.enable=true: the tlt_agent loop reports which responses finished and "
+                         "which were dropped; set actor_rollout_ref.rollout.agent.default_agent_loop=tlt_agent "
                          f"(it is {agent!r})")
 
 
