@@ -35,6 +35,8 @@ part rollout 150 tlt -q bench rollout --repeats 1 "${quick[@]}" --json "$out/rol
 if [ "${QUICK:-0}" != 1 ]; then
   part step-cost-qwen2-1.5b 60 tlt -q bench step-cost --shape qwen2-1.5b --repeats 3 --json "$out/step_cost_qwen2_1.5b.json"
   part step-cost-llama-8b 90 tlt -q bench step-cost --shape llama-8b --repeats 3 --json "$out/step_cost_llama8b.json"
+  part step-cost-llama-8b-curve 200 tlt -q bench step-cost --shape llama-8b --batches 1,8,32,64,128,256 \
+    --repeats 2 --json "$out/step_cost_llama8b_curve_gpu.json"
   part step-cost-llama-8b-4k 90 tlt -q bench step-cost --shape llama-8b --prompt-len 4096 --repeats 2 \
     --json "$out/step_cost_llama8b_4k.json"
 fi

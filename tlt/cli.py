@@ -298,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--validate", action="store_true",
                    help="tail: predict a demo run's per-step rollout time (--from FIT_RUN PREDICT_RUN: step costs "
                    "from the first, lengths and measured times from the second) and report the error")
+    s.add_argument("--measure-cpu", action="store_true",
+                   help="tail: measure this machine's step-cost curve first (tlt bench rollout, one repeat) and "
+                   "simulate the CPU row on it instead of the recorded docs/bench/rollout.json")
     s.add_argument("--trace", help="sglang-policy: verify trace to replay (recorded here first if the file "
                    "does not exist; without --trace a fresh one is recorded and not kept)")
     s.set_defaults(fn=_cmd_bench)

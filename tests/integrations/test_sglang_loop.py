@@ -11,9 +11,10 @@ SGLang 0.5.23 through ``cpu_env`` (a ``sitecustomize`` on their ``PYTHONPATH``),
 serializer then carries CPU tensors (its CUDA-IPC reducer patch is left out: no GPU here). Replica 1's
 stand-in answers slowly, so replica 0 idles in the tail of every step.
 
-Checked: the run finishes; a replica goes IDLE -> TRAINING -> BUSY with its KV cache released
-before it reports IDLE and resumed before its next request, and both inside verl's own sleep /
-wake-up calls (a request while the cache is released fails the stand-in); the drafter push is
+Checked: the run finishes; tail batching's short round drops the slow replica's requests over
+SGLang's ``/abort_request`` and trains only the kept responses, and the long round runs the queue;
+a replica goes IDLE -> TRAINING -> BUSY with its KV cache released before it reports IDLE and
+resumed before its next request, and both inside verl's own sleep / wake-up calls (a request while the cache is released fails the stand-in); the drafter push is
 draft-only in 0.5.23's format; the stand-in corrupts it and the guard rejects it by read-back,
 rolls back (the start drafter pushed again) with one warning and ``tlt/drafter_push_rejected``.
 0.5.12's request formats stay covered by ``test_sglang_push.py``.
@@ -87,7 +88,7 @@ def test_tlt_loop_on_sglang(tmp_path):
                      if not o.startswith(("tlt.drafter.init_path", "trainer.total_training_steps", "tlt.tail."))]
         cmd = demo.verl_command([*overrides, "trainer.total_training_steps=2", "actor_rollout_ref.rollout.name=sglang",
                                  "tlt.buffer.capture=old_log_prob", f"tlt.sglang.attach='127.0.0.1:{p0},127.0.0.1:{p1}'",
-                                 "tlt.sglang.readback_elements=16"])
+                                 "tlt.sglang.readback_elements=16", *demo.TAIL_BATCHING])
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     finally:
         s0.kill()
@@ -100,6 +101,16 @@ def test_tlt_loop_on_sglang(tmp_path):
     assert recs[-1]["tlt/buffer_samples"] > 0  # the actor's old-log-prob capture fed the DataBuffers
     assert sum(r["tlt/spot_train_steps"] for r in recs) >= 1
     assert any(r["stopped"] for r in recs), "no replica was promoted to training and stopped"
+    # tail batching composes: a short round (8 prompts x 3 launched, the first 4 to finish 2 trained,
+    # the slow replica's requests dropped through SGLang's /abort_request), then the long round
+    short, long = (r["tail_batching"] for r in recs)
+    assert (short["round"], long["round"]) == ("short", "long")
+    assert sorted(long["launched_indices"]) == sorted(set(short["launched_indices"])
+                                                      - {i for i, _ in short["kept_responses"]})
+    trained = {(r["index"], r["sample"]) for r in map(json.loads, (arm / "tlt_responses.jsonl").read_text().splitlines())
+               if r["step"] == 1}
+    assert trained == {tuple(x) for x in short["kept_responses"]} and short["dropped_responses"]
+    assert any(c["endpoint"] == "generate" and c["reason"] == "abort" for c in _calls(out1))
     coord = (arm / "tlt_coordinator.log").read_text()
     assert " TRAINING (session" in coord
 

@@ -12,7 +12,7 @@ and the draft-model weights pushed with ``selector="draft"``, which ``/get_weigh
 back for names ``tlt.draft/<name>`` (TLT's plugin hook on a real server). With CORRUPT_VERSION a
 draft push labelled ``draft-<CORRUPT_VERSION>`` lands with one weight changed: the silent failure
 the push guard must catch. With SLOW_S every answer takes that much longer (a replica in the long
-tail, so that the other one idles). Writes ``OUT_DIR/port`` once listening and one JSON line per call to
+tail, so that the other one idles); a request aborted while it waits returns at once, aborted and empty. Writes ``OUT_DIR/port`` once listening and one JSON line per call to
 ``OUT_DIR/calls.jsonl``.
 """
 
@@ -46,6 +46,7 @@ class StandIn:
         self.session: str | None = None
         self.paused = False
         self.draft: dict = {}
+        self.waiting: dict[str, bool] = {}  # request id -> aborted, while a slow request waits
 
     def record(self, endpoint: str, **fields) -> None:
         self.log.write(json.dumps({"t": time.time(), "endpoint": endpoint, **fields}) + "\n")
@@ -64,12 +65,16 @@ class StandIn:
                                   response_length=self.max_len, eos_ids=tuple(self.model.config.eos_ids or ()))
         from tlt.rollout.request import RequestState
 
-        fin = await self.batcher.submit(RequestState(tuple(req.input_ids), params, seed if seed is not None else 0,
-                                                     group=tuple(req.input_ids)), str(req.rid))
-        toks, lps = list(fin.state.output), list(fin.state.logprobs)
-        reason = "abort" if fin.reason == "aborted" else fin.reason
-        await asyncio.sleep(self.slow_s)
-        self.record("generate", rid=req.rid, tokens=len(toks))
+        self.waiting[str(req.rid)] = False
+        await asyncio.sleep(self.slow_s)  # a slow server: the request waits before it decodes
+        if self.waiting.pop(str(req.rid)):  # aborted while it waited: nothing generated
+            toks, lps, reason = [], [], "abort"
+        else:
+            fin = await self.batcher.submit(RequestState(tuple(req.input_ids), params, seed if seed is not None else 0,
+                                                         group=tuple(req.input_ids)), str(req.rid))
+            toks, lps = list(fin.state.output), list(fin.state.logprobs)
+            reason = "abort" if fin.reason == "aborted" else fin.reason
+        self.record("generate", rid=req.rid, tokens=len(toks), reason=reason)
         return {"output_ids": toks, "meta_info": {
             "finish_reason": {"type": reason}, "completion_tokens": len(toks), "spec_verify_ct": 0,
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, toks)] if req.return_logprob else None}}
@@ -121,7 +126,10 @@ async def main(site: str, model_path: str, max_len: str, out_dir: str, corrupt: 
             if endpoint == "tlt_status":  # the harness's own: requests decoding now
                 return web.json_response({"running": s.engine.running})
             if endpoint == "abort_request":  # SGLang answers an empty 200; the request's /generate returns
-                await s.batcher.abort(req.rid)
+                if req.rid in s.waiting:
+                    s.waiting[req.rid] = True
+                else:
+                    await s.batcher.abort(req.rid)
                 s.record(endpoint, body=body)
                 return web.Response(status=200)
             if endpoint == "release_memory_occupation":

@@ -58,7 +58,7 @@ def test_consolidation_frees_replicas_and_reallocation_balances():
 def test_rollpacker_trains_every_prompt_once_with_r0_responses():
     r0, p0 = 4, 8
     prompts = [reasoning_lengths(r0, 4096, seed=i) for i in range(40)]
-    out = run_rollpacker(prompts, Speed(GROWING), 4, Knobs(prompt_over=0.25), p0=p0, r0=r0)
+    out = run_rollpacker(prompts, Speed(GROWING), 4, Knobs(prompt_over=0.25, response_over=0.0), p0=p0, r0=r0)
     trained = [i for o in out for i in o.trained]
     assert len(trained) == len(set(trained)) == 40  # every prompt once (no queue left: 40 = 4 x 10)
     assert all(len(o.trained) == p0 for o in out)  # every step trains p0 prompts
@@ -68,7 +68,7 @@ def test_rollpacker_trains_every_prompt_once_with_r0_responses():
 
 
 def test_rollpacker_refuses_prompts_with_too_few_responses():
-    with pytest.raises(ValueError, match="at least 4 response lengths"):
+    with pytest.raises(ValueError, match="at least 5 response lengths"):  # 4 x 1.25 launched
         run_rollpacker([[10, 20]], Speed(FLAT), 2, p0=1, r0=4)
 
 
@@ -103,6 +103,21 @@ def test_bench_tail_quick_writes_its_record_and_plot(tmp_path):
     assert row["fastest_over_tlt"] >= 1.0 and row["policies"]["pat"]["tp"] >= 1
     assert row["policies"]["rollpacker"]["wasted_share"] > 0 and row["policies"]["plain"]["wasted_share"] == 0
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_bench_tail_measures_this_machines_curve(tmp_path):
+    """--measure-cpu: the CPU row runs on the curve this run measured (written beside the record)."""
+    import json
+
+    from tlt.cli import main
+
+    out = tmp_path / "tail.json"
+    assert main(["-q", "bench", "tail", "--quick", "--measure-cpu", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    curve = json.loads((tmp_path / "tail_cpu_curve.json").read_text())
+    assert rec["cpu_curve_measured_here"] and rec["curves"] == {"CPU, demo target": "tail_cpu_curve.json"}
+    assert curve["bench"] == "rollout" and curve["by_batch"]
+    assert rec["results"]["CPU, demo target"]["8"]["policies"]["plain"]["rollout_s"] > 0
 
 
 def test_step_cost_batches_are_checked():

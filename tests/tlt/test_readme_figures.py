@@ -53,6 +53,9 @@ ROWS = {
     "spot-training seconds, tail consolidation on / off (arm C / arm E)":
         ("tail_consolidation.json", lambda r: (_spread(r, "spot_training_ratio_c_over_e"),
                                                _runs(r, "spot_training_ratio_c_over_e"))),
+    "rollout time without / with tail batching (arm A / arm F, arm C / arm G)":
+        ("tail_batching.json", lambda r: (", ".join(f"{r['by_arm'][a]['rollout_time_ratio_default_over_tb']:.2f}x"
+                                                    for a in "FG"), "1")),
     "speculative / plain decoding on a GPU, batch 1, 4, 8, 32":
         ("rollout_gpu.json", lambda r: (_by_batch(r, "paired", ("1", "4", "8", "32")), "1")),
     "one draft level / a plain step on a GPU, Llama-8B shape, batch 1, 8, 32":

@@ -8,11 +8,15 @@ the share of tokens thrown away (RollPacker's aborts), and which policy is faste
 its speedup over TLT alone. ``--lengths DIR`` takes a ``tlt demo`` run's recorded lengths (scaled to
 each scale's maximum length) instead of the reasoning profile.
 
+``--measure-cpu`` first measures this machine's curve (``tlt bench rollout``, one repeat, written
+beside the JSON record as ``*_cpu_curve.json``) and simulates the CPU row on it instead of the
+recorded ``rollout.json``.
+
 ``--validate --from FIT PREDICT`` instead predicts one ``tlt demo`` run's per-step rollout time
 from another run's recorded step costs (:func:`validate`) and reports the error.
 
-The GPU curves come in pairs: the engine before the device-resident step (``*_eager_draft``) and
-after it. The Llama-8B rows take their accept lengths from the demo target's trained drafter on the
+The GPU curves come in pairs: the engine before the device-resident step (``*_eager_draft``, batches
+1-32) and after it (the Llama-8B shape: batches 1-256). The Llama-8B rows take their accept lengths from the demo target's trained drafter on the
 same GPU (``rollout_gpu.json``), capped at what the step-cost chain (depth 4) can commit.
 """
 
@@ -22,8 +26,10 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import random
 import statistics
+import tempfile
 from pathlib import Path
 
 from tlt.coordinator.tail import StepCurve, TailConfig
@@ -50,15 +56,26 @@ BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench"
 CHAIN_MAX = 5.0  # a depth-4 chain commits at most 5 tokens per verify
 
 
-def curve_sets() -> dict[str, tuple[Path, bool]]:
-    """name -> (record, take the accept lengths from the demo target's GPU rollout record)."""
+def curve_sets(cpu: Path | None = None) -> dict[str, tuple[Path, bool]]:
+    """name -> (record, take the accept lengths from the demo target's GPU rollout record).
+    ``cpu``: this machine's rollout record, measured by this run (default: the recorded one)."""
     return {
-        "CPU, demo target": (BENCH / "rollout.json", False),
+        "CPU, demo target": (cpu or BENCH / "rollout.json", False),
         "H200, demo target, eager draft": (BENCH / "rollout_gpu_eager_draft.json", False),
         "H200, demo target, device step": (BENCH / "rollout_gpu.json", False),
         "H200, Llama-8B shape, eager draft": (BENCH / "step_cost_llama8b_gpu_eager_draft.json", True),
-        "H200, Llama-8B shape, device step": (BENCH / "step_cost_llama8b_gpu.json", True),
+        "H200, Llama-8B shape, device step": (BENCH / "step_cost_llama8b_curve_gpu.json", True),
     }
+
+
+def measure_cpu(args: argparse.Namespace, out: Path) -> Path:
+    """This machine's step-cost curve: ``tlt bench rollout`` (one repeat) run here, written to ``out``."""
+    from tlt.bench import rollout
+
+    log.info("measuring this machine's step costs by batch (tlt bench rollout --repeats 1)")
+    rec = rollout.run(argparse.Namespace(quick=bool(args.quick), seed=args.seed, repeats=1, threads=1))
+    out.write_text(json.dumps(rec, indent=2))
+    return out
 
 
 def _accept_from_gpu_rollout() -> AcceptModel:
@@ -76,17 +93,18 @@ def _mean(outs: list[StepOutcome]) -> dict:
             "tp": max(o.switched_tp for o in outs)}
 
 
-def _prompts(scale, steps: int, seed: int, recorded: list[int] | None) -> list[list[float]]:
-    """``steps`` steps' worth of prompts (with RollPacker's extra launches), each with its responses'
-    lengths."""
+def _prompts(scale, steps: int, seed: int, recorded: list[int] | None, per_prompt: int) -> list[list[float]]:
+    """``steps`` steps' worth of prompts (with RollPacker's extra launches), each with ``per_prompt``
+    responses' lengths (RollPacker's extra responses; the other policies run the first
+    ``scale.responses``)."""
     n = int(scale.prompts * steps * 1.5) + 1
     if recorded:  # a demo run's lengths, scaled to this scale's maximum
         top = max(recorded)
         pool = [max(1, round(x * scale.max_len / top)) for x in recorded]
         rng = random.Random(seed)
-        return [[rng.choice(pool) for _ in range(scale.responses)] for _ in range(n)]
-    flat = reasoning_lengths(n * scale.responses, scale.max_len, seed=seed)
-    return [flat[i * scale.responses:(i + 1) * scale.responses] for i in range(n)]
+        return [[rng.choice(pool) for _ in range(per_prompt)] for _ in range(n)]
+    flat = reasoning_lengths(n * per_prompt, scale.max_len, seed=seed)
+    return [flat[i * per_prompt:(i + 1) * per_prompt] for i in range(n)]
 
 
 def simulate_scale(name: str, record: Path, gpu_accept: bool, scale, steps: int, knobs: Knobs, seed: int,
@@ -95,7 +113,7 @@ def simulate_scale(name: str, record: Path, gpu_accept: bool, scale, steps: int,
     # BS_max: the largest batch the curves measured (past it a step's cost grows in proportion to the
     # batch, so no policy gains from batches no engine ran)
     knobs = dataclasses.replace(knobs, max_batch=max(b for b, _ in plain.plain.points))
-    prompts = _prompts(scale, steps, seed, recorded)
+    prompts = _prompts(scale, steps, seed, recorded, math.ceil(scale.responses * (1 + knobs.response_over)))
     per_step = [prompts[s * scale.prompts:(s + 1) * scale.prompts] for s in range(steps)]
     rows = {}
     for policy in POLICIES:
@@ -106,7 +124,8 @@ def simulate_scale(name: str, record: Path, gpu_accept: bool, scale, steps: int,
         else:
             outs = []
             for s, ps in enumerate(per_step):
-                reqs = [Request(f"s{s}p{i}r{j}", ln, group=i) for i, p in enumerate(ps) for j, ln in enumerate(p)]
+                reqs = [Request(f"s{s}p{i}r{j}", ln, group=i) for i, p in enumerate(ps)
+                        for j, ln in enumerate(p[:scale.responses])]
                 outs.append(run_step(policy, reqs, plain, spec, scale.replicas, knobs))
         rows[policy] = _mean(outs)
         log.info("%s, %d replicas, %s: %.1f s per step", name, scale.replicas, policy, rows[policy]["rollout_s"])
@@ -194,15 +213,22 @@ def run(args: argparse.Namespace) -> dict:
     recorded = None
     if getattr(args, "runs_from", None):
         recorded = [n for run in args.runs_from for ls in recorded_lengths(Path(run)).values() for n in ls]
-    sets = curve_sets()
+    cpu = None
+    if getattr(args, "measure_cpu", False):
+        where = Path(args.json).with_name(Path(args.json).stem + "_cpu_curve.json") if getattr(args, "json", None) \
+            else Path(tempfile.mkdtemp(prefix="tlt-tail-")) / "cpu_curve.json"
+        cpu = measure_cpu(args, where)
+    sets = curve_sets(cpu)
     if quick:
-        sets = {k: v for k, v in sets.items() if "device step" in k and "Llama" in k}
+        keep = "CPU" if cpu else "Llama-8B shape, device step"
+        sets = {k: v for k, v in sets.items() if keep in k}
     out = {}
     for name, (record, gpu_accept) in sets.items():
         out[name] = {str(s.replicas): simulate_scale(name, record, gpu_accept, s, steps, knobs, args.seed, recorded)
                      for s in scales}
     rec = {"bench": "tail", "quick": quick, "steps": steps, "lengths": "recorded" if recorded else "reasoning profile",
-           "knobs": knobs.__dict__, "curves": {k: str(v[0].name) for k, v in sets.items()}, "results": out}
+           "knobs": knobs.__dict__, "curves": {k: str(v[0].name) for k, v in sets.items()},
+           "cpu_curve_measured_here": cpu is not None, "results": out}
     lines = [(f"tail policies, simulated: {steps} RL steps per policy, lengths from the {rec['lengths']}; rollout "
               "seconds per step (train: replica-seconds free for drafter training per step)")]
     for name, by in out.items():

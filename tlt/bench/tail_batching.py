@@ -167,7 +167,7 @@ def _plot(rec: dict, path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for tb, f in rec["by_arm"].items():
         for arm, series in f["rollout_s_by_step"].items():
-            xs = sorted(series)
+            xs = sorted(x for x in series if int(x) > 1)  # step 1 also pays verl's start-up
             style = "--" if arm == tb else "-"
             ax1.plot(xs, [series[x] for x in xs], style, color=COLOURS[arm], label=f"{arm}: {ARM_LABELS[arm]}")
             if arm == tb:
@@ -178,7 +178,7 @@ def _plot(rec: dict, path: Path) -> None:
                 xs = sorted(series)
                 ax2.plot(xs, [series[x] for x in xs], "--" if arm == tb else "-", color=COLOURS[arm],
                          label=f"{arm}: {ARM_LABELS[arm]}")
-    ax1.set(xlabel="RL step", ylabel="rollout seconds", title="rollout per step (dots: short rounds)")
+    ax1.set(xlabel="RL step", ylabel="rollout seconds", title="rollout per step, steps 2+ (dots: short rounds)")
     ax2.set(xlabel="RL step", ylabel="mean reward", title="reward: no speculation, with and without")
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)

@@ -80,6 +80,8 @@ QUICK = DemoSize(target=TargetSpec(hidden_size=64, num_layers=2, intermediate_si
                                    batch_size=4, seq_len=128, corpus=DEMO_CORPUS),
                  prompts=8, batch=4, n=2, steps=4, max_response=64, warmup_steps=5, timeout_s=600)
 
+TAIL_BATCHING = ["tlt.tail.batching.enable=true", "tlt.tail.batching.prompt_factor=2.0",
+                 "tlt.tail.batching.response_factor=1.5"]
 ARMS = {  # arm -> verl overrides (D to G are not in the default run: `tlt demo --arms ACD` measures
     # the model-free drafter's contribution, `tlt demo --arms BCE` tail consolidation's: E is C without it)
     "A": ["tlt.speculation.enable=false", "tlt.drafter.train=false", "tlt.buffer.capture=off"],
@@ -88,11 +90,11 @@ ARMS = {  # arm -> verl overrides (D to G are not in the default run: `tlt demo 
     "D": ["tlt.speculation.ngram=false", "tlt.tail.consolidate.mode=auto"],
     "E": [],
     # F, G and H are A, C and B with RollPacker's tail batching: `tlt demo --arms ABCFGH` and
-    # `tlt bench tail-batching --from OUT` compare them on the same seeds
-    "F": ["tlt.speculation.enable=false", "tlt.drafter.train=false", "tlt.buffer.capture=off",
-          "tlt.tail.batching.enable=true"],
-    "G": ["tlt.tail.consolidate.mode=auto", "tlt.tail.batching.enable=true"],
-    "H": ["tlt.drafter.train=false", "tlt.buffer.capture=off", "tlt.tail.batching.enable=true"],
+    # `tlt bench tail-batching --from OUT` compare them on the same seeds. Twice the prompts and 1.5x
+    # the responses per short round, so that a 4-step epoch alternates short and long rounds
+    "F": ["tlt.speculation.enable=false", "tlt.drafter.train=false", "tlt.buffer.capture=off", *TAIL_BATCHING],
+    "G": ["tlt.tail.consolidate.mode=auto", *TAIL_BATCHING],
+    "H": ["tlt.drafter.train=false", "tlt.buffer.capture=off", *TAIL_BATCHING],
 }
 
 

@@ -61,8 +61,10 @@ class Knobs:
     remaining_share: float = 0.2
     train_value: float = 0.5
     max_batch: int = 256
+    # RollPacker launches eta * P0 prompts with eta * R0 responses each; eta = 1.25, as the tlt
+    # trainer's tlt.tail.batching defaults
     prompt_over: float = 0.25  # RollPacker: extra prompts launched in a short round
-    response_over: float = 0.0  # RollPacker: extra responses per prompt
+    response_over: float = 0.25  # RollPacker: extra responses per prompt
     tp_speedup: tuple[tuple[int, float], ...] = ((1, 1.0), (2, 1.8), (4, 3.2), (8, 5.6))
     switch_s: float = 2.0  # PAT: reshard and graph recapture, on top of the KV's re-prefill
 
@@ -194,8 +196,14 @@ def run_rollpacker(prompts: Sequence[Sequence[float]], speed: Speed, replicas: i
             at.setdefault(r.group, []).append(r.finished_at)
         kept = sorted((g for g, ts in at.items() if len(ts) >= r0), key=lambda g: at[g][r0 - 1])[:need]
         queue += [i for i in batch if group_base + i not in kept]
-        wasted = sum(r.done for r in res.aborted) + sum(
-            r.length for r in res.finished if r.group not in kept)
+        # thrown away: aborted partial outputs, the responses of prompts not kept, and a kept prompt's
+        # responses past its first r0
+        extra: dict[int, int] = {}
+        wasted, kept_set = sum(r.done for r in res.aborted), set(kept)
+        for r in sorted(res.finished, key=lambda r: r.finished_at):
+            extra[r.group] = extra.get(r.group, 0) + 1
+            if r.group not in kept_set or extra[r.group] > r0:
+                wasted += r.length
         o = _outcome(res)
         out.append(dataclasses.replace(o, wasted_tokens=wasted, trained=tuple(g - group_base for g in kept)))
     return out

@@ -230,8 +230,8 @@ class BatchingSection:
     drops the rest into a queue; a long round runs queued prompts to the end."""
 
     enable: bool = False
-    prompt_factor: float = 2.0     # prompts a short round launches, per prompt a step trains
-    response_factor: float = 1.5   # responses a short round launches per prompt, per response trained
+    prompt_factor: float = 1.25    # prompts a short round launches, per prompt a step trains
+    response_factor: float = 1.25  # responses a short round launches per prompt, per response trained
     long_round_at: int = 0         # queued prompts that start a long round; 0: one step's prompts
 
     def check(self, p: str) -> None:

@@ -80,6 +80,10 @@ class Round:
     keep_prompts: int  # P0: prompts trained
     keep_responses: int  # R0: responses trained per prompt
 
+    @property
+    def requests(self) -> int:
+        return n_rows(self.prompts) * self.n
+
 
 @dataclasses.dataclass(frozen=True)
 class Done:

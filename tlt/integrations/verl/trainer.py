@@ -291,8 +291,7 @@ def trainer_class():
                 if self.tlt.tail.batching.enable:
                     if self._rounds is None:
                         self._rounds = self._tail_rounds()
-                    rnd = self._rounds.plan()
-                    requests = len(next(iter(rnd.prompts.values()))) * rnd.n
+                    requests = self._rounds.plan().requests
                 self._t_rollout = time.monotonic()
                 if self._mover is not None:
                     self._mover.start(requests, self._lengths)
