@@ -114,7 +114,7 @@ def finish_short_round(rnd: Round, uids: Sequence[str], servers: Callable[[], li
         if choice is None:  # cannot be: the reports only grew
             raise RuntimeError("tail batching: the reports lost finished responses")
         rows = [k for k in _list("train") if k.split("_", 1)[0] in want and k not in want]
-        clear = [u for u in choice.dropped_uids]
+        clear = list(choice.dropped_uids)
         for k in rows:
             uid, sample, _ = k.rsplit("_", 2)
             if uid not in choice.kept or int(sample) not in choice.kept[uid]:
