@@ -62,10 +62,10 @@ from tlt.integrations.verl.batcher import Generation, RequestBatcher
 from tlt.integrations.verl.config import TLTConfig
 from tlt.integrations.verl.history_log import HISTORY_FILE, read_history
 from tlt.integrations.verl.moves import MOVED, MOVED_KEY, moved_in
-from tlt.integrations.verl.tail_batching import DROPPED
 from tlt.integrations.verl.requests import engine_params
 from tlt.integrations.verl.spot_wiring import BufferFeed, add_captured, spot_config, start_spot_agent
 from tlt.integrations.verl.step_stats import StepStats
+from tlt.integrations.verl.tail_batching import DROPPED
 from tlt.integrations.verl.weight_sync import DriftProbe, copy_policy, load_spot_drafter
 
 log = logging.getLogger(__name__)
