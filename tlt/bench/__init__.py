@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import logging
 from collections.abc import Iterator
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 # name -> module under tlt.bench (imported lazily: some need optional packages)
 BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs": "graphs",
@@ -39,3 +41,18 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def pyplot(path: Path) -> Any | None:
+    """matplotlib's pyplot on the Agg backend, or None (with a warning naming ``path``, the plot not
+    written) where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logging.getLogger(__name__).warning("matplotlib is not installed: no %s (pip install 'tlt-rollout[demo]')",
+                                            path)
+        return None
+    return plt

@@ -32,6 +32,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from tlt.bench import pyplot
 from tlt.coordinator.tail import StepCurve, TailConfig
 from tlt.sim.policies import (
     POLICIES,
@@ -248,13 +249,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def _plot(rec: dict, path: Path) -> None:
     """Rollout speedup over plain decoding per policy and scale, for the headline curves."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no %s", path)
+    plt = pyplot(path)
+    if plt is None:
         return
     name = next((k for k in rec["results"] if "Llama-8B shape, device step" in k), next(iter(rec["results"])))
     by = rec["results"][name]

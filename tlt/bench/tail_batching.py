@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import logging
 import os
 import platform
 import statistics
 from pathlib import Path
 
+from tlt.bench import pyplot
 from tlt.demo.summary import summarize
 from tlt.sim.workloads import arm_lines
 
-log = logging.getLogger(__name__)
 PAIRS = {"F": "A", "G": "C", "H": "B"}  # tail batching arm -> its default
 
 
@@ -154,13 +153,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def _plot(rec: dict, path: Path) -> None:
     """Rollout seconds per step (short rounds marked) and the reward, each arm against its default."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no %s", path)
+    plt = pyplot(path)
+    if plt is None:
         return
     from tlt.demo.summary import ARM_LABELS, COLOURS
 
