@@ -51,6 +51,7 @@ def main(site: str, model: str, max_len: str, out_dir: str) -> None:
         s.http = TLTHttpEngine(model_path=model, host="127.0.0.1", port=port, launch_server=False, device="cpu")
         s.agent, s.stats, s.eagle, s.global_steps = None, StepStats(), False, 1
         s.rank, s.step, s._in_flight, s._released, s._rollout_over, s._idle_task = 0, 0, 0, False, True, None
+        s._rids, s._dropping = set(), False  # tail batching's (TLTSGLangServer.__init__)
         prompt = [1, 5, 7, 9, 11]
 
         def sampling(n):

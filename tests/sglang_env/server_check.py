@@ -60,6 +60,7 @@ def main(site: str) -> None:
     s.http, s.agent, s.buffer, s.stats = Http(), Agent(), [object()], StepStats()
     s.rank, s.step, s.eagle, s.global_steps = 0, 0, True, 1
     s._in_flight, s._released, s._rollout_over, s._gate, s._idle_task = 0, False, True, None, None
+    s._rids, s._dropping = set(), False  # tail batching's (TLTSGLangServer.__init__)
 
     async def scenario():
         s._gate = asyncio.Lock()
