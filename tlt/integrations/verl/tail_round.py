@@ -26,6 +26,7 @@ it samples is exactly the kept rows.
 
 from __future__ import annotations
 
+import collections
 import logging
 import statistics
 import time
@@ -236,9 +237,7 @@ class RoundDriver:
             raise RuntimeError(f"tail batching: the sampled batch ({len(got)} responses) is not the short round's "
                                f"{len(self.kept)} kept ones ({len(got - self.kept)} not kept, "
                                f"{len(self.kept - got)} missing)")
-        per_uid: dict[str, int] = {}
-        for k in got:
-            per_uid[k.rsplit("_", 2)[0]] = per_uid.get(k.rsplit("_", 2)[0], 0) + 1
+        per_uid = collections.Counter(k.rsplit("_", 2)[0] for k in got)  # verl's keys: {uid}_{sample}_{output}
         if len(per_uid) != rnd.keep_prompts or set(per_uid.values()) != {rnd.keep_responses}:
             raise RuntimeError(f"tail batching: {rnd.kind} round trains {len(per_uid)} prompts with "
                                f"{sorted(set(per_uid.values()))} responses; {rnd.keep_prompts} x "
