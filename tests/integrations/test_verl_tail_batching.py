@@ -56,7 +56,7 @@ def test_tail_batching_trains_each_prompt_once_per_epoch_across_a_resume(tmp_pat
     size = demo.QUICK
     _run(tmp_path, 1, "trainer.resume_mode=disable")
     arm = tmp_path / "arm-G"
-    saved = torch.load(arm / "global_step_1" / "tlt" / "tail_batching.pt", weights_only=False)
+    saved = torch.load(arm / "global_step_1" / "tlt_tail_batching.pt", weights_only=False)
     queued = sorted(int(i) for i in saved["queue"]["index"])
     assert len(queued) == size.batch  # the short round's 8 launched, 4 trained, 4 queued
 

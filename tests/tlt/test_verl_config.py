@@ -250,6 +250,7 @@ def test_shipped_config_passes_check_verl_config():
     ("data.gen_batch_size=16", "data.gen_batch_size=16"),
     ("tlt.tail.batching.long_round_at=3", "tlt.tail.batching.long_round_at=3"),
     ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable=true"),
+    ("trainer.v1.sampler.sync_refill_failed_groups=true", "sync_refill_failed_groups=true"),
     ("actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent", "default_agent_loop=tlt_agent"),
 ])
 def test_tail_batching_refuses_what_it_cannot_work_with(override, key):

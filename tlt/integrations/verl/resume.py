@@ -9,8 +9,11 @@ would have served:
     spot/step-XXXXXXXX   the accepted and previous spot checkpoints (hard links where the file
                          system allows): the spot trainer may prune them before the run resumes
     history.jsonl        the draft history as of step N (the run directory's log goes on past N)
-    tail_batching.pt     with tail batching: the queue of dropped prompts, the prompts fetched and
-                         not launched yet, and the epoch's position (:mod:`.tail_batching`)
+
+With tail batching, ``global_step_N/tlt_tail_batching.pt`` (beside ``tlt/``) holds the queue of
+dropped prompts, the prompts fetched and not launched yet, and the epoch's position
+(:mod:`.tail_batching`). It is written before verl's own checkpoint, so a checkpoint verl resumes
+from always has it.
 
 A resumed run reads it once its replicas hold the checkpoint's policy (verl's ``on_init_end``):
 the spot steps go back into the spot root where they are missing, the history log is replaced and
@@ -41,13 +44,12 @@ log = logging.getLogger(__name__)
 
 FOLDER = "tlt"
 STATE = "state.json"
-ROUNDS = "tail_batching.pt"
+ROUNDS = "tlt_tail_batching.pt"  # beside tlt/, in global_step_N
 
 
 def save(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list], spot_root: str | None,
-         history: Path | None, rounds: dict | None = None) -> Path:
-    """Write ``step_folder/tlt`` (whole or not at all); returns it. ``rounds``: tail batching's
-    state (:meth:`~tlt.integrations.verl.tail_batching.TailBatcher.state`)."""
+         history: Path | None) -> Path:
+    """Write ``step_folder/tlt`` (whole or not at all); returns it."""
     final, tmp = Path(step_folder) / FOLDER, Path(step_folder) / f"{FOLDER}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -56,8 +58,6 @@ def save(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list], 
         _link_tree(step_dir(spot_root, s), step_dir(tmp / "spot", s))
     if history is not None and history.is_file():
         shutil.copy2(history, tmp / "history.jsonl")
-    if rounds is not None:
-        torch.save(rounds, tmp / ROUNDS)
     tuners = ray.get([s.tuner_state.remote() for s in servers()], timeout=120)
     (tmp / STATE).write_text(json.dumps({"pusher": pusher.state(), "spot_steps": spot, "tuners": tuners}))
     shutil.rmtree(final, ignore_errors=True)
@@ -102,13 +102,22 @@ def restore(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list
             "tuners": loaded}
 
 
+def save_rounds(step_folder: Path, rounds: dict) -> Path:
+    """Write tail batching's state into ``step_folder`` (whole or not at all). The trainer calls it
+    before verl writes its checkpoint and the tracker file naming it, so a checkpoint a resume finds
+    has it; a failure fails the checkpoint."""
+    path, tmp = Path(step_folder) / ROUNDS, Path(step_folder) / f"{ROUNDS}.tmp"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(rounds, tmp)
+    os.replace(tmp, path)
+    return path
+
+
 def load_rounds(step_folder: Path) -> dict | None:
-    """Tail batching's state saved with ``step_folder`` (None, with a warning, if there is none:
-    the prompts queued then are not trained this epoch)."""
-    path = Path(step_folder) / FOLDER / ROUNDS
+    """Tail batching's state saved with ``step_folder``; None if there is none (a checkpoint of a
+    run without tail batching)."""
+    path = Path(step_folder) / ROUNDS
     if not path.is_file():
-        log.warning("tlt: %s holds no tail batching state: the run starts with an empty queue and a fresh "
-                    "epoch position (prompts queued at the checkpoint are not trained this epoch)", step_folder)
         return None
     return torch.load(path, weights_only=False)  # our own file: dataloader columns (numpy object arrays)
 

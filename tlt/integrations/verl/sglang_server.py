@@ -151,6 +151,9 @@ class TLTSGLangServer(SGLangHttpServer):
                     self._idle_task.cancel()
                     self._idle_task = None
                 await self._wake()
+            if self._dropping:  # dropped while it waited at the gate: it never reaches SGLang
+                return TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
+                                   stop_reason=DROPPED, extra_fields={"global_steps": self.global_steps})
             self.stats.resumed(time.monotonic())
             return await self._generate(request_id, list(prompt_ids), dict(sampling_params))
         finally:
@@ -207,6 +210,11 @@ class TLTSGLangServer(SGLangHttpServer):
         rids = list(self._rids)
         if self.http is not None:
             for rid in rids:
+                await self.http.abort_request(rid=rid)
+            # an abort that reached SGLang before its request did is ignored: abort the ones still in
+            # flight once more (SGLang answers an unknown id with nothing)
+            await asyncio.sleep(0.1)
+            for rid in [r for r in rids if r in self._rids]:
                 await self.http.abort_request(rid=rid)
         return len(rids)
 

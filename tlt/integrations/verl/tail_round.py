@@ -108,6 +108,9 @@ def finish_short_round(rnd: Round, uids: Sequence[str], servers: Callable[[], li
     dropped = sum(ray.get([s.drop_requests.remote() for s in handles], timeout=300))
     try:
         while not _terminal(want):
+            if time.monotonic() - t_keep > timeout_s:
+                raise RuntimeError(f"tail batching: the dropped round's prompts did not all end within "
+                                   f"{timeout_s:.0f}s (an agent loop worker lost?)")
             time.sleep(poll_s)
         t_settled = time.monotonic()
         done = read_done(want)

@@ -223,6 +223,8 @@ def trainer_class():
 
         # -------------------------------------------------------------- checkpoints (tlt.integrations.verl.resume)
         def _save_checkpoint(self):
+            if self._rounds is not None:  # before verl's tracker file names this step (a resume finds it)
+                resume.save_rounds(self._step_folder(self.global_steps), self._rounds.state())
             out = super()._save_checkpoint()
             self._checkpointed = self.global_steps
             return out
@@ -257,6 +259,10 @@ def trainer_class():
                                  poll_s=self.tlt.replay_poll_s)
             if self._rounds_state is not None:
                 rounds.restore(self._rounds_state)
+            elif self.global_steps > 1:  # resumed from a run without tail batching: its steps each fetched one batch
+                rounds.batcher.fetched = (self.global_steps - 1) % len(self.train_dataloader)
+                log.warning("tlt: the checkpoint holds no tail batching state (saved without it): tail batching "
+                            "starts at the epoch's batch %d", rounds.batcher.fetched)
             return rounds
 
         def on_init_end(self):
@@ -352,8 +358,7 @@ def trainer_class():
             if self._checkpointed == self.global_steps:  # after the push: what step N + 1 serves
                 with marked_timer("tlt_save_checkpoint", self.timing_raw):
                     counted(self._failures, "checkpoint", resume.save, self._step_folder(self.global_steps),
-                            self._pusher, self._servers, runtime.current().spot_root, self._history_path(),
-                            self._rounds.state() if self._rounds is not None else None)
+                            self._pusher, self._servers, runtime.current().spot_root, self._history_path())
             self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}),
                                           **self._metrics()}
             return out

@@ -123,6 +123,9 @@ def _check_batching(config, tlt: TLTConfig) -> None:
     if at and at < p0:
         raise ValueError(f"tlt.tail.batching.long_round_at={at}: a long round trains data.train_batch_size ({p0}) "
                          f"queued prompts; use 0 or a count >= {p0}")
+    if OmegaConf.select(config, "trainer.v1.sampler.sync_refill_failed_groups", default=False):
+        raise ValueError("trainer.v1.sampler.sync_refill_failed_groups=true: verl then refills with fresh prompts "
+                         "one at a time, outside tail batching's rounds and epochs; set it to false")
     if OmegaConf.select(config, "algorithm.filter_groups.enable", default=False):
         raise ValueError("algorithm.filter_groups.enable=true: DAPO's group filter and tail batching both decide "
                          "which groups a step trains; turn one of them off")
