@@ -82,7 +82,7 @@ QUICK = DemoSize(target=TargetSpec(hidden_size=64, num_layers=2, intermediate_si
 
 TAIL_BATCHING = ["tlt.tail.batching.enable=true", "tlt.tail.batching.prompt_factor=2.0",
                  "tlt.tail.batching.response_factor=1.5"]
-ARMS = {  # arm -> verl overrides (D to G are not in the default run: `tlt demo --arms ACD` measures
+ARMS = {  # arm -> verl overrides (D to H are not in the default run: `tlt demo --arms ACD` measures
     # the model-free drafter's contribution, `tlt demo --arms BCE` tail consolidation's: E is C without it)
     "A": ["tlt.speculation.enable=false", "tlt.drafter.train=false", "tlt.buffer.capture=off"],
     "B": ["tlt.drafter.train=false", "tlt.buffer.capture=off"],
