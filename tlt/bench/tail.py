@@ -53,7 +53,15 @@ from tlt.sim.workloads import (
 )
 
 log = logging.getLogger(__name__)
-BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench"
+
+
+def _records() -> Path:
+    """docs/bench/ of a checkout, or its curve records installed from a wheel as ``tlt.records``."""
+    here = Path(__file__).resolve().parents[2] / "docs" / "bench"
+    return here if here.is_dir() else Path(__file__).resolve().parents[1] / "records"
+
+
+BENCH = _records()
 CHAIN_MAX = 5.0  # a depth-4 chain commits at most 5 tokens per verify
 
 
