@@ -155,6 +155,8 @@ class _Live:
 
 
 class RolloutEngine:
+    MAX_STEP_HISTORY = 65536  # kept step records when nobody forgets them (about 10 MB)
+
     def __init__(self, target: TargetModel, cfg: EngineConfig = EngineConfig(), *,
                  proposer: Proposer | None = None, tuner: Tuner | None = None,
                  sink: FeatureSink | None = None, proposers: dict[str, Proposer] | None = None) -> None:
@@ -182,8 +184,12 @@ class RolloutEngine:
         self._seqs: dict[int, list[int]] = {}  # prompt + committed tokens (the last one's KV is pending)
         self._plens: dict[int, int] = {}
         self._groups: dict[int, Hashable] = {}
-        self.steps: list[StepRecord] = []  # every step this engine ran
-        self._accept: list[list[int]] = []  # per step: committed tokens per request (speculative steps)
+        # Step telemetry, by absolute step number: records [_forgotten, steps_run) are kept until their
+        # reader forgets them (generate() and the verl batcher, once per generation), and never more than
+        # MAX_STEP_HISTORY (a caller that steps the engine itself and never forgets loses the oldest).
+        self._steps: list[StepRecord] = []
+        self._accept: list[list[int]] = []  # per kept step: committed tokens per request (speculative steps)
+        self._forgotten = 0  # steps before this one were dropped
         self.lifecycle: collections.Counter[str] = collections.Counter()  # joined, left, aborted requests
         # requests whose features the sink received, by how they left (finished, aborted, left)
         self.fed: collections.Counter[str] = collections.Counter()
@@ -217,13 +223,15 @@ class RolloutEngine:
         seeds = list(seeds) if seeds is not None else [derive(self.cfg.seed, i) for i in range(n)]
         t_start = time.perf_counter()
         rids = self.add([RequestState(tuple(p), sp, sd, g) for p, sp, sd, g in zip(prompts, plist, seeds, groups)])
-        first = len(self.steps)
+        first = self.steps_run
         done: dict[int, Finished] = {}
         while len(done) < n:
             done.update((f.rid, f) for f in self.step())
         outs = [done[r].state for r in rids]
-        return RolloutResult([list(o.output) for o in outs], self.steps[first:], self.accept_lengths_since(first),
-                             time.perf_counter() - t_start, [list(o.logprobs) for o in outs])
+        res = RolloutResult([list(o.output) for o in outs], self.steps_since(first), self.accept_lengths_since(first),
+                            time.perf_counter() - t_start, [list(o.logprobs) for o in outs])
+        self.forget_steps(self.steps_run)
+        return res
 
     # ------------------------------------------------------------------ request lifecycle
     def add(self, requests: Sequence[RequestState]) -> list[int]:
@@ -273,8 +281,10 @@ class RolloutEngine:
             inp = ProposerInput(self._generation, tuple(self._rows), self._seqs, self._plens, self._groups, None,
                                 Arm.off(), self._state.sampling, self._state)
             tokens, lps, rec, acc = self._step(inp)
-            self.steps.append(rec)
+            self._steps.append(rec)
             self._accept.append(acc)
+            if len(self._steps) > self.MAX_STEP_HISTORY:
+                self.forget_steps(self.steps_run - self.MAX_STEP_HISTORY // 2)
             self._commit(tokens, lps, range(len(self._rows)), out)
         return out
 
@@ -303,9 +313,35 @@ class RolloutEngine:
         self.lifecycle[reason] += len(rids)
         return out
 
+    @property
+    def steps_run(self) -> int:
+        """Steps this engine ran (the absolute number of the next step)."""
+        return self._forgotten + len(self._steps)
+
+    @property
+    def steps(self) -> list[StepRecord]:
+        """The kept step records (see :meth:`forget_steps`), oldest first."""
+        return self._steps
+
+    def steps_since(self, first: int) -> list[StepRecord]:
+        """The records of steps ``first`` (an absolute step number, :attr:`steps_run`) onward."""
+        return self._steps[self._kept(first):]
+
     def accept_lengths_since(self, first: int) -> list[int]:
         """Committed tokens per request per speculative step, over the steps from ``first`` on."""
-        return [a for acc in self._accept[first:] for a in acc]
+        return [a for acc in self._accept[self._kept(first):] for a in acc]
+
+    def forget_steps(self, before: int) -> None:
+        """Drop the records of steps before ``before`` (their reader is done with them)."""
+        k = max(0, min(before - self._forgotten, len(self._steps)))
+        del self._steps[:k], self._accept[:k]
+        self._forgotten += k
+
+    def _kept(self, first: int) -> int:
+        if first < self._forgotten:
+            raise ValueError(f"steps before {self._forgotten} were forgotten (asked from {first}): read a "
+                             "generation's steps before forgetting them")
+        return first - self._forgotten
 
     # ------------------------------------------------------------------ internals: rows
     def _admit(self, out: list[Finished]) -> None:

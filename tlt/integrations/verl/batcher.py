@@ -233,7 +233,7 @@ class RequestBatcher:
         eng = self.engine()
         live: dict[int, Request] = {}
         done: list[Finished] = []
-        first, t0, tokens, counts = len(eng.steps), time.monotonic(), 0, collections.Counter(eng.lifecycle)
+        first, t0, tokens, counts = eng.steps_run, time.monotonic(), 0, collections.Counter(eng.lifecycle)
         with self._mu:  # exits posted before now named requests that had finished: none of this generation's
             self._exits.clear()
         try:
@@ -287,11 +287,11 @@ class RequestBatcher:
                     joined += 1
                 if eng.active:
                     running_before = eng.running  # requests decoding before this step's joins
-                    n_steps, t_step = len(eng.steps), time.monotonic()
+                    n_steps, t_step = eng.steps_run, time.monotonic()
                     outs = eng.step()
                     answer(outs)
                     if self.track_load:
-                        if len(eng.steps) > n_steps:  # a decode step ran (its prefill of joining requests included)
+                        if eng.steps_run > n_steps:  # a decode step ran (its prefill of joining requests included)
                             self._measure(eng.steps[-1], time.monotonic() - t_step, joined if running_before else 0)
                         progress = eng.progress()  # the requests still running: each ran this step
                         for rid in progress:
@@ -306,7 +306,9 @@ class RequestBatcher:
             for req in live.values():
                 loop.call_soon_threadsafe(self._answer, req, e)
         finally:
-            self.on_close(Generation(done, eng.steps[first:], t0, time.monotonic() - t0, tokens,
+            steps = eng.steps_since(first)
+            eng.forget_steps(eng.steps_run)  # handed over with the generation: the engine keeps no history
+            self.on_close(Generation(done, steps, t0, time.monotonic() - t0, tokens,
                                      dict(collections.Counter(eng.lifecycle) - counts)))
 
 
