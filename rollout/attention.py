@@ -1,0 +1,222 @@
+"""Attention over a block-table KV cache that reads each row's real context.
+
+Owns :class:`AttnMeta`, the one contract between whoever lays out a step (the engine, the drafter,
+a prefill) and the attention that every layer of that step runs, and :class:`PagedBackend`, the
+:class:`~tlt.drafter.model_core.AttentionBackend` that writes a step's keys/values and attends.
+
+What a row sees. Row ``b``'s keys sit at logical positions; position ``p`` lives in physical block
+``blocks[b, p // block_size]`` at offset ``p % block_size`` of the cache (a column past the table's
+width, or a padding row's table, names the scratch block). A step's queries see
+- the *prefix* ``[start_b, ctx_b)``, read without a mask (``start``: the lowest visible position,
+  the drafter's floor; 0 for the target), and
+- the *tail* ``[ctx_b, ctx_b + W)``: this step's tokens (a draft tree, a prefill chunk, the
+  drafter's levels), where query ``i`` sees tail position ``j`` iff ``tail[b, i, j]`` (``tail`` None:
+  causal, ``j <= i``). The queries are the tail's last ``Q`` positions, and are written there.
+
+The decomposition (FlashDecoding): the prefix is cut into ``splits`` chunks per row, each of its
+own length's share, and the tail is one more part; each part yields a partial output and its
+log-sum-exp, merged exactly. Lengths and tables are device tensors, so one captured graph serves
+every context length; ``splits`` is fixed per graph. Two implementations of the same parts: a Triton
+kernel on CUDA (:mod:`tlt.rollout.attention_triton`, query tokens packed with the query heads of one
+KV head, bytes read following each row's length) and this module's torch path (CPU, and CUDA without
+Triton), which with one split is a single part: one SDPA call under the step's mask.
+
+The one-block-per-row layout of :class:`~tlt.rollout.kv_cache.StaticKVCache` is the case
+``block_size = slots per row``, ``blocks[b] = [row b]``; a paged cache adds real blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class AttnMeta:
+    """One step's attention layout, shared by every layer (derived masks are built once, lazily)."""
+
+    blocks: torch.Tensor  # [B, C] int32: physical block of each logical block of each row
+    block_size: int  # slots per block
+    start: torch.Tensor  # [B] long: first visible prefix position
+    ctx: torch.Tensor  # [B] long: prefix end = tail start
+    width: int  # W: tail positions
+    tail: torch.Tensor | None = None  # [B, Q, W] bool, None: causal (W == Q)
+    span: int | None = None  # an upper bound on ctx + W over rows, known on the host (None: the table's width)
+    splits: int = 1  # prefix chunks per row (a static shape)
+    row0: int | None = None  # host promise: blocks[b] == [row0 + b] (the one-block-per-row layout: views)
+    scratch: int = 0  # a block no live row reads: where positions past the table's width are written
+    _cache: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.splits < 1:
+            raise ValueError(f"splits={self.splits}: at least 1")
+        if self.tail is not None and self.tail.shape[-1] != self.width:
+            raise ValueError(f"tail mask [B, Q, W] has W={self.tail.shape[-1]}, width={self.width}")
+
+    @classmethod
+    def rows(cls, ctx: torch.Tensor, width: int, slots: int, *, row0: int = 0, start: torch.Tensor | None = None,
+             tail: torch.Tensor | None = None, span: int | None = None, splits: int = 1) -> "AttnMeta":
+        """The one-block-per-row layout: row ``b`` is cache row ``row0 + b`` of ``slots`` slots."""
+        b = ctx.shape[0]
+        blocks = torch.arange(row0, row0 + b, dtype=torch.int32, device=ctx.device)[:, None]
+        return cls(blocks, slots, torch.zeros_like(ctx) if start is None else start, ctx, width, tail,
+                   span, splits, row0)
+
+    @property
+    def capacity(self) -> int:
+        """Positions the block table addresses per row."""
+        return self.blocks.shape[1] * self.block_size
+
+    def _get(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def physical(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [B, T] long logical positions -> (block [B, T], offset [B, T]); a position past the
+        table's width maps to the scratch block."""
+        col = torch.div(pos, self.block_size, rounding_mode="floor")
+        inside = col < self.blocks.shape[1]
+        blk = self.blocks.gather(1, col.clamp(0, self.blocks.shape[1] - 1)).long()
+        return torch.where(inside, blk, self.scratch), pos - col * self.block_size
+
+    def query_positions(self, q: int) -> torch.Tensor:
+        """[B, Q] the positions of the step's queries: the tail's last ``q``."""
+        return self._get(("qpos", q), lambda: self.ctx[:, None] + (self.width - q) + torch.arange(
+            q, device=self.ctx.device))
+
+    def read_span(self) -> int:
+        return min(self.span, self.capacity) if self.span is not None else self.capacity
+
+    def visible(self, q: int, part: int | None = None) -> torch.Tensor:
+        """[B, Q, S] bool over positions [0, S = read_span): what each query sees (``part``: only
+        prefix chunk ``part`` of ``splits``, or the tail for ``part == splits``)."""
+        return self._get(("vis", q, part), lambda: self._visible(q, part))
+
+    def _visible(self, q: int, part: int | None) -> torch.Tensor:
+        s, dev = self.read_span(), self.ctx.device
+        kpos = torch.arange(s, device=dev)[None, None]  # [1, 1, S]
+        lo, hi = self.start[:, None, None], self.ctx[:, None, None]
+        if part is not None and part < self.splits:
+            chunk = torch.div(hi - lo + self.splits - 1, self.splits, rounding_mode="floor")
+            lo, hi = lo + part * chunk, torch.minimum(lo + (part + 1) * chunk, hi)
+        prefix = (kpos >= lo) & (kpos < hi)  # [B, 1, S]
+        if part is not None and part < self.splits:
+            return prefix.expand(-1, q, -1)
+        j = kpos - self.ctx[:, None, None]  # tail index of each position [B, 1, S]
+        in_tail = (j >= 0) & (j < self.width)
+        if self.tail is None:
+            qi = (self.width - q) + torch.arange(q, device=dev)[None, :, None]  # tail index of each query
+            seen = in_tail & (j <= qi)
+        else:  # the tail mask's entry at each position's tail index
+            seen = in_tail & self.tail.gather(2, j.clamp(0, self.width - 1).expand(-1, q, -1))
+        return seen if part is not None else (seen | prefix)
+
+    def additive(self, q: int, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, Q, S] additive mask of :meth:`visible` (the most negative finite value where hidden,
+        so a query with nothing visible stays finite)."""
+        return self._get(("add", q, dtype), lambda: torch.zeros((), dtype=dtype, device=self.ctx.device).masked_fill(
+            ~self.visible(q), torch.finfo(dtype).min)[:, None])
+
+    def gather(self, layer_kv: torch.Tensor, b: int) -> torch.Tensor:
+        """layer_kv [NB, KV, BS, D] -> [B, KV, S, D] the rows' positions [0, S)."""
+        s = self.read_span()
+        if self.row0 is not None:  # a view
+            return layer_kv[self.row0: self.row0 + b, :, :s]
+        blk, off = self._get("read", lambda: self.physical(torch.arange(s, device=self.ctx.device).expand(b, s)))
+        return layer_kv[blk, :, off].transpose(1, 2)  # [B, S, KV, D] -> [B, KV, S, D]
+
+
+class PagedBackend:
+    """Writes a step's keys/values at its query positions, then attends by :class:`AttnMeta`.
+    ``k``, ``v`` [NL, NB, KV, BS, D]: the cache's tensors (every layer)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> None:
+        self.k, self.v, self.meta = k, v, meta
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [B, H, Q, D]; k, v: [B, KV, Q, D] -> [B, H, Q, D]
+        m = self.meta
+        blk, off = m._get(("write", q.shape[2]), lambda: m.physical(m.query_positions(q.shape[2])))
+        kl, vl = self.k[layer_idx], self.v[layer_idx]
+        kl[blk, :, off] = k.transpose(1, 2)  # [B, Q, KV, D] at (block, offset)
+        vl[blk, :, off] = v.transpose(1, 2)
+        return attend(q, kl, vl, m)
+
+
+def attend(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    """q [B, H, Q, D] over one layer's cache kl, vl [NB, KV, BS, D] -> [B, H, Q, D]."""
+    if q.is_cuda and _triton_ok(q, kl):
+        from tlt.rollout.attention_triton import paged_attention
+
+        return paged_attention(q, kl, vl, meta)
+    return attend_torch(q, kl, vl, meta)
+
+
+def attend_torch(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    """The decomposition in torch: ``splits`` prefix parts and the tail part, merged by log-sum-exp;
+    with one split the parts are one (a single SDPA call under the step's mask)."""
+    b, _, nq, _ = q.shape
+    keys, vals = meta.gather(kl, b), meta.gather(vl, b)  # [B, KV, S, D]
+    if meta.splits == 1:
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=meta.additive(nq, q.dtype), enable_gqa=True)
+    parts = [partial_attention(q, keys, vals, meta.visible(nq, p)) for p in range(meta.splits + 1)]
+    return merge_partials([o for o, _ in parts], [lse for _, lse in parts]).to(q.dtype)
+
+
+def partial_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+                      visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over the visible keys only: (output [B, H, Q, D] fp32, log-sum-exp [B, H, Q]
+    fp32, -inf where nothing is visible, with a zero output). q [B, H, Q, D]; keys, vals [B, KV, S, D];
+    visible [B, Q, S] bool."""
+    g = q.shape[1] // keys.shape[1]
+    k = keys.float().repeat_interleave(g, 1)
+    v = vals.float().repeat_interleave(g, 1)
+    scores = (q.float() @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [B, H, Q, S]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    m = scores.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m)
+    l = p.sum(-1, keepdim=True)  # [B, H, Q, 1]
+    out = (p @ v) / l.clamp_min(torch.finfo(torch.float32).tiny)
+    return out, (m + l.log())[..., 0]
+
+
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Exact merge of partial attentions over disjoint key sets: weights exp(lse_i - max lse)."""
+    lse = torch.stack(lses)  # [P, B, H, Q]
+    top = lse.amax(0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp(lse - top)  # [P, B, H, Q]; 0 for an empty part
+    num = sum(wi[..., None] * o for wi, o in zip(w, outs))
+    return num / w.sum(0)[..., None].clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def default_splits(batch: int, kv_heads: int, slots: int, device: torch.device) -> int:
+    """Prefix chunks per row so that a step fills the device: on CUDA about two programs per
+    multiprocessor over (rows x KV heads), no chunk under 256 positions, at most 64; 1 elsewhere."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-2 * sms // max(batch * kv_heads, 1))
+    return max(1, min(want, 64, slots // 256))
+
+
+def _triton_ok(q: torch.Tensor, kl: torch.Tensor) -> bool:
+    if os.environ.get("TLT_ATTENTION", "") == "torch":
+        return False
+    d = q.shape[-1]
+    if d < 16 or d & (d - 1) or q.shape[1] % kl.shape[1]:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
