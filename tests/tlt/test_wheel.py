@@ -6,6 +6,7 @@ checkout, runs the CLI."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -57,9 +58,11 @@ def test_the_listing_check_sees_subpackages():
 def test_the_wheel_installs_and_runs(tmp_path):
     """Build with --no-build-isolation (nothing downloaded), install --no-deps into a new venv whose
     path reaches this venv's site-packages after its own, outside the checkout."""
-    wheels = tmp_path / "wheels"
+    wheels, src = tmp_path / "wheels", tmp_path / "src"  # a copy: setuptools builds in the source tree
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".sglang-envs", "runs", ".tlt_cache", "build",
+                                                               "*.egg-info", "__pycache__", ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
-                    str(ROOT)], check=True, cwd=tmp_path)
+                    str(src)], check=True, cwd=tmp_path)
     (whl,) = wheels.glob("tlt_rollout-*.whl")
     names = zipfile.ZipFile(whl).namelist()
     for pkg in product_packages():
