@@ -28,14 +28,15 @@ The one-block-per-row layout of :class:`~tlt.rollout.kv_cache.StaticKVCache` is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+KERNELS = ("auto", "torch")
 
 
 @dataclasses.dataclass
@@ -52,22 +53,26 @@ class AttnMeta:
     splits: int = 1  # prefix chunks per row (a static shape)
     row0: int | None = None  # host promise: blocks[b] == [row0 + b] (the one-block-per-row layout: views)
     scratch: int = 0  # a block no live row reads: where positions past the table's width are written
+    kernel: str = "auto"  # "auto": the Triton kernel on CUDA where Triton imports, else "torch"
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.splits < 1:
             raise ValueError(f"splits={self.splits}: at least 1")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel={self.kernel!r}: use one of {KERNELS}")
         if self.tail is not None and self.tail.shape[-1] != self.width:
             raise ValueError(f"tail mask [B, Q, W] has W={self.tail.shape[-1]}, width={self.width}")
 
     @classmethod
     def rows(cls, ctx: torch.Tensor, width: int, slots: int, *, row0: int = 0, start: torch.Tensor | None = None,
-             tail: torch.Tensor | None = None, span: int | None = None, splits: int = 1) -> "AttnMeta":
+             tail: torch.Tensor | None = None, span: int | None = None, splits: int = 1,
+             kernel: str = "auto") -> "AttnMeta":
         """The one-block-per-row layout: row ``b`` is cache row ``row0 + b`` of ``slots`` slots."""
         b = ctx.shape[0]
         blocks = torch.arange(row0, row0 + b, dtype=torch.int32, device=ctx.device)[:, None]
         return cls(blocks, slots, torch.zeros_like(ctx) if start is None else start, ctx, width, tail,
-                   span, splits, row0)
+                   span, splits, row0, kernel=kernel)
 
     @property
     def capacity(self) -> int:
@@ -81,7 +86,11 @@ class AttnMeta:
 
     def physical(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [B, T] long logical positions -> (block [B, T], offset [B, T]); a position past the
-        table's width maps to the scratch block."""
+        table's width maps to the scratch block (in the one-block-per-row layout: the row's last slot,
+        where only a padding query past every real one writes)."""
+        if self.row0 is not None:
+            rows = torch.arange(self.row0, self.row0 + pos.shape[0], device=pos.device)[:, None]
+            return rows.expand_as(pos), pos.clamp(max=self.block_size - 1)
         col = torch.div(pos, self.block_size, rounding_mode="floor")
         inside = col < self.blocks.shape[1]
         blk = self.blocks.gather(1, col.clamp(0, self.blocks.shape[1] - 1)).long()
@@ -136,24 +145,45 @@ class AttnMeta:
 
 class PagedBackend:
     """Writes a step's keys/values at its query positions, then attends by :class:`AttnMeta`.
-    ``k``, ``v`` [NL, NB, KV, BS, D]: the cache's tensors (every layer)."""
+    ``k``, ``v`` [NL, NB, KV, BS, D]: the cache's tensors (every layer). What does not change from
+    layer to layer (write indices, the path, the mask) is settled at the first layer."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> None:
         self.k, self.v, self.meta = k, v, meta
+        self._plan: tuple | None = None
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B, H, Q, D]; k, v: [B, KV, Q, D] -> [B, H, Q, D]
-        m = self.meta
-        blk, off = m._get(("write", q.shape[2]), lambda: m.physical(m.query_positions(q.shape[2])))
+        if self._plan is None:
+            self._plan = self._settle(q, k)
+        rows, idx, sdpa = self._plan
         kl, vl = self.k[layer_idx], self.v[layer_idx]
-        kl[blk, :, off] = k.transpose(1, 2)  # [B, Q, KV, D] at (block, offset)
-        vl[blk, :, off] = v.transpose(1, 2)
-        return attend(q, kl, vl, m)
+        if rows is not None:  # the one-block-per-row layout: a scatter along each row's slots
+            kl[rows].scatter_(2, idx, k)
+            vl[rows].scatter_(2, idx, v)
+        else:
+            kl[idx[0], :, idx[1]] = k.transpose(1, 2)  # [B, Q, KV, D] at (block, offset)
+            vl[idx[0], :, idx[1]] = v.transpose(1, 2)
+        if sdpa is not None:  # one part over row views: a single SDPA call under the step's mask
+            span, mask = sdpa
+            return F.scaled_dot_product_attention(q, kl[rows, :, :span], vl[rows, :, :span], attn_mask=mask,
+                                                  enable_gqa=True)
+        return attend(q, kl, vl, self.meta)
+
+    def _settle(self, q: torch.Tensor, k: torch.Tensor) -> tuple:
+        m, (b, kvh, nq, d) = self.meta, k.shape
+        blk, off = m.physical(m.query_positions(nq))
+        if m.row0 is None:
+            return None, (blk, off), None
+        rows = slice(m.row0, m.row0 + b)
+        idx = off[:, None, :, None].expand(-1, kvh, -1, d)
+        one_part = m.splits == 1 and not (q.is_cuda and m.kernel == "auto" and _triton_ok(q, self.k[0]))
+        return rows, idx, (m.read_span(), m.additive(nq, q.dtype)) if one_part else None
 
 
 def attend(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
     """q [B, H, Q, D] over one layer's cache kl, vl [NB, KV, BS, D] -> [B, H, Q, D]."""
-    if q.is_cuda and _triton_ok(q, kl):
+    if q.is_cuda and meta.kernel == "auto" and _triton_ok(q, kl):
         from tlt.rollout.attention_triton import paged_attention
 
         return paged_attention(q, kl, vl, meta)
@@ -199,10 +229,11 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
     return num / w.sum(0)[..., None].clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def default_splits(batch: int, kv_heads: int, slots: int, device: torch.device) -> int:
-    """Prefix chunks per row so that a step fills the device: on CUDA about two programs per
-    multiprocessor over (rows x KV heads), no chunk under 256 positions, at most 64; 1 elsewhere."""
-    if device.type != "cuda":
+def default_splits(batch: int, kv_heads: int, slots: int, device: torch.device, kernel: str = "auto") -> int:
+    """Prefix chunks per row so that a step fills the device: for the Triton kernel about two
+    programs per multiprocessor over (rows x KV heads), no chunk under 256 positions, at most 64;
+    1 for the torch path (one SDPA call)."""
+    if device.type != "cuda" or kernel != "auto":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = -(-2 * sms // max(batch * kv_heads, 1))
@@ -210,13 +241,16 @@ def default_splits(batch: int, kv_heads: int, slots: int, device: torch.device) 
 
 
 def _triton_ok(q: torch.Tensor, kl: torch.Tensor) -> bool:
-    if os.environ.get("TLT_ATTENTION", "") == "torch":
-        return False
+    """The kernel takes a power-of-two head dimension >= 16 and whole GQA groups; Triton imports."""
     d = q.shape[-1]
-    if d < 16 or d & (d - 1) or q.shape[1] % kl.shape[1]:
-        return False
+    return d >= 16 and not d & (d - 1) and q.shape[1] % kl.shape[1] == 0 and _has_triton()
+
+
+@functools.cache
+def _has_triton() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
+        log.warning("triton is not installed: attention runs the torch path (pip install triton)")
         return False
     return True

@@ -52,7 +52,8 @@ import torch
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.draft_tree import DraftTree, ProposerInput, right_pad
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, DraftLoopGraphKey, GraphPlanConfig
-from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, to_additive
+from tlt.rollout.attention import KERNELS, AttnMeta, default_splits
+from tlt.rollout.kv_cache import StaticKVCache, compact_rows
 from tlt.rollout.sampling import gumbel, token_hash
 from tlt.rollout.strategy import Arm
 from tlt.rollout.timing import Span
@@ -64,12 +65,15 @@ log = logging.getLogger(__name__)
 class EagleProposer:
     def __init__(self, drafter: Drafter, *, max_batch: int, max_len: int, catch_up_window: int = 16,
                  start_window: int | None = None, shared_noise: bool = True, static_shapes: bool | None = None,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, attention: str = "auto") -> None:
         if catch_up_window < 1:
             raise ValueError(f"catch_up_window={catch_up_window} must be >= 1")
         if start_window is not None and start_window < 1:
             raise ValueError(f"start_window={start_window} must be None (the whole request) or >= 1")
+        if attention not in KERNELS:
+            raise ValueError(f"attention={attention!r}: use one of {KERNELS}")
         cfg = drafter.config.layer
+        self.attention = attention  # the attention kernel (tlt.rollout.attention)
         self.drafter = drafter.eval()
         self.device = drafter.embed_weight.device
         self.shared_noise = shared_noise
@@ -91,6 +95,7 @@ class EagleProposer:
         self.start_window = start_window if start_window is not None else max_len
         self._starting: set[int] = set()  # requests whose first catch-up is next
         self.pairs_processed = 0  # total catch-up work, for tests and metrics
+        self.catch_up_tokens = 16384  # pairs per catch-up forward, over the rows: a longer one runs in chunks
         self._catch_up = Span(self.device)  # the last proposal's catch-up (CUDA events on CUDA)
         self.static = static_shapes if static_shapes is not None else self.device.type == "cuda"
         sizes = tuple(c for c in DEFAULT_CAPTURE_BATCH_SIZES if c < max_batch) + (max_batch,)
@@ -225,15 +230,12 @@ class EagleProposer:
             exp_anc = anc.gather(1, top[..., None].expand(-1, -1, anc.shape[-1]))  # [B, k, E]
             e = anc.shape[-1]
             exp_anc = torch.cat([exp_anc, own], -1)  # [B, k, E + k]
-            slots = base[:, None] + e + at_k
-            span = span_of(e)
-            vis = ((torch.arange(span, device=self.device)[None, None] < base[:, None, None])
-                   & self._above_floor(floor, span)[:, None])
-            tree_vis = torch.zeros(b, k, span, dtype=torch.bool, device=self.device)
-            tree_vis.scatter_(2, (base[:, None, None] + torch.arange(e + k, device=self.device)).expand(b, k, -1),
-                              exp_anc)
+            # the prefix [floor, base) unmasked; the expanded candidates' slots base .. base + e + k under
+            # their ancestry; this level's k candidates are written at the last k of them
+            meta = AttnMeta.rows(base, e + k, self.cache.max_len, start=floor, tail=exp_anc, span=span_of(e),
+                                 splits=self._splits(b), kernel=self.attention)
             pos = (base[:, None] + level - 1).expand(b, k)
-            out = d(exp_tok, exp_feat, pos, CachedBackend(self.cache, slots, to_additive(vis | tree_vis)))
+            out = d(exp_tok, exp_feat, pos, self.cache.backend(meta))
             lp = scores_at(d.logits(out), level)  # [B, k, Vd]
             child_score, child_idx = lp.topk(k, -1)  # [B, k, k]
             child_score = child_score + lvl_scores.gather(1, top)[..., None]
@@ -372,16 +374,24 @@ class EagleProposer:
         [max_batch, S, F]. Runs them through the drafter cache; returns the last pair's output [C, H]."""
         m = ids.shape[1]
         base = self._seen[:c].clone()
-        pos = base[:, None] + torch.arange(m, device=self.device)  # [C, m]
         rows = torch.arange(c, device=self.device)
-        x = feats[rows[:, None], pos.clamp(0, feats.shape[1] - 1)]
-        visible = prefill_mask(lens, span, start=base, t=m) & self._above_floor(self._floor[:c], span)[:, None]
-        out = self.drafter(ids, x.to(self.drafter.fc.weight.dtype), pos.clamp(min=0),
-                           CachedBackend(self.cache, pos.clamp(0, self.cache.max_len - 1), to_additive(visible)))
+        last = None  # [C, H] the output of each row's last pair
+        chunk = max(16, self.catch_up_tokens // c)
+        for c0 in range(0, m, chunk):  # chunks: a long first catch-up in bounded memory
+            part = ids[:, c0: c0 + chunk]  # [C, mc]
+            mc = part.shape[1]
+            pos = base[:, None] + c0 + torch.arange(mc, device=self.device)  # [C, mc]
+            x = feats[rows[:, None], pos.clamp(0, feats.shape[1] - 1)]
+            # the floor .. the chunk unmasked (skipped pairs stay invisible), the chunk causally
+            meta = AttnMeta.rows(base + c0, mc, self.cache.max_len, start=self._floor[:c], span=span,
+                                 splits=self._splits(c) if mc <= 64 else 1,  # (many queries fill the device)
+                                 kernel=self.attention)
+            out = self.drafter(part, x.to(self.drafter.fc.weight.dtype), pos, self.cache.backend(meta))
+            here = (lens - 1 - c0).clamp(0, mc - 1)
+            inside = ((lens - 1 >= c0) & (lens - 1 < c0 + mc))[:, None]
+            last = out[rows, here] if last is None else torch.where(inside, out[rows, here], last)
         self._seen[:c] = base + lens
-        return out[rows, (lens - 1).clamp(min=0)]
+        return last
 
-    def _above_floor(self, floor: torch.Tensor, span: int) -> torch.Tensor:
-        """[B, span] bool: slots at or above each row's floor (skipped pairs stay invisible).
-        floor: [B] long."""
-        return torch.arange(span, device=self.device)[None] >= floor[:, None]
+    def _splits(self, b: int) -> int:
+        return default_splits(b, self.cache.k.shape[2], self.cache.max_len, self.device, self.attention)

@@ -53,7 +53,8 @@ from tlt.drafter.seeds import derive
 from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, GraphPlanConfig
-from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, compact_rows, prefill_mask, swap_remove, to_additive, tree_mask
+from tlt.rollout.attention import KERNELS, AttnMeta, default_splits
+from tlt.rollout.kv_cache import StaticKVCache, compact_rows, swap_remove, tree_ancestors
 from tlt.rollout.request import Finished, RequestState
 from tlt.rollout.row_state import RowState
 from tlt.rollout.sampling import RowSampling, sample
@@ -100,10 +101,19 @@ class EngineConfig:
     # the whole cache): what CUDA graphs need. None: on CUDA only (eager dynamic shapes on CPU).
     static_shapes: bool | None = None
     cuda_graphs: bool = True  # with static shapes on CUDA: replay captured graphs (rollout.static_step)
+    # tokens per prefill forward, over the joining rows: a longer prefill runs in chunks (bounded memory)
+    prefill_tokens: int = 16384
+    # attention kernel (tlt.rollout.attention): "auto" = the Triton kernel on CUDA (each row reads its
+    # own length), else the torch path; "torch" = the torch path everywhere (SDPA under one mask)
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
             raise ValueError(f"max_batch >= 1 and max_len >= 2 required, got {self.max_batch}, {self.max_len}")
+        if self.prefill_tokens < 16:
+            raise ValueError(f"prefill_tokens={self.prefill_tokens}: at least 16 tokens per prefill forward")
+        if self.attention not in KERNELS:
+            raise ValueError(f"attention={self.attention!r}: use one of {KERNELS}")
         if self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
         if self.arm is not None and self.arm.tokens_to_verify > self.max_draft_tokens:
@@ -199,7 +209,8 @@ class RolloutEngine:
     def _new_static_step(self) -> StaticTargetStep:
         sizes = tuple(c for c in DEFAULT_CAPTURE_BATCH_SIZES if c < self.cfg.max_batch) + (self.cfg.max_batch,)
         return StaticTargetStep(self.target, self.cache, GraphPlanConfig(capture_batch_sizes=sizes),
-                                self._capture, self._features, cuda_graphs=self.cfg.cuda_graphs)
+                                self._capture, self._features, cuda_graphs=self.cfg.cuda_graphs,
+                                attention=self.cfg.attention)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -408,6 +419,15 @@ class RolloutEngine:
                 self._state = self._state.select(torch.tensor(keep, device=self.device))
         self._rows = [self._rows[k] for k in keep]
 
+    def close(self) -> None:
+        """Give the captured graphs (the verify step's, the proposers') back now, not at a collection
+        that might run during another engine's capture."""
+        if self.static_step is not None:
+            self.static_step.close()
+        for p in self.proposers.values():
+            if hasattr(p, "close"):
+                p.close()
+
     @property
     def proposer(self) -> Proposer | None:
         """The main proposer (arms with ``proposer=""``)."""
@@ -472,25 +492,50 @@ class RolloutEngine:
         b, t = ids.shape
         sampling = RowSampling.build([r.state.params for r in reqs], [r.state.seed for r in reqs], self.device)
         pending = torch.tensor([r.seq[-1] if r.state.output else -1 for r in reqs], device=self.device)  # [B]
-        pos = torch.arange(t, device=self.device).expand_as(ids)
-        mask = to_additive(prefill_mask(lens, t, t=t))
-        out = self.target(ids, pos, CachedBackend(self.cache, pos, mask, row0), capture=self._capture)
-        last = out.logits[torch.arange(b, device=self.device), lens - 1][:, None]  # [B, 1, V]
-        tok, lp = sample(last, sampling, lens[:, None])  # a fresh request's first token sits at position len(prompt)
+        # Chunks of the prompts: each attends to the chunks cached before it without a mask and causally
+        # within itself, over the rows with tokens in it; logits only at each prompt's last token.
+        chunk = max(16, self.cfg.prefill_tokens // b)
+        host_lens = [len(x) for x in ids_host]
+        last = torch.zeros(b, self.target.config.hidden_size, dtype=self.cache.k.dtype, device=self.device)  # [B, H]
+        for c0 in range(0, t, chunk):  # (a chunk's query rows fill the device: no context splits)
+            alive = [i for i, n in enumerate(host_lens) if n > c0]
+            tc = min(chunk, max(host_lens[i] for i in alive) - c0)
+            ctx = torch.full((len(alive),), c0, device=self.device)
+            if len(alive) == b:  # every row: cache rows row0 .. (views)
+                idx = torch.arange(b, device=self.device)
+                part = ids[:, c0: c0 + tc]
+                meta = AttnMeta.rows(ctx, tc, self.cache.max_len, row0=row0, span=c0 + tc, kernel=self.cfg.attention)
+            else:  # the rows still going: their cache rows by block table
+                idx = torch.tensor(alive, device=self.device)
+                part = ids[idx, c0: c0 + tc]
+                meta = AttnMeta((row0 + idx)[:, None].int(), self.cache.max_len, torch.zeros_like(ctx), ctx, tc,
+                                span=c0 + tc, kernel=self.cfg.attention)
+            pos = torch.arange(c0, c0 + tc, device=self.device).expand(len(alive), tc)
+            out = self.target(part, pos, self.cache.backend(meta), capture=self._capture, logits=False)
+            n = lens[idx]
+            h = out.hidden[torch.arange(len(alive), device=self.device), (n - 1 - c0).clamp(0, tc - 1)]
+            last[idx] = torch.where(((n - 1 >= c0) & (n - 1 < c0 + tc))[:, None], h, last[idx])
+            self._keep_features(out, row0 + idx, c0)
+        logits = self.target.lm_head(last)[:, None]  # [B, 1, V]
+        tok, lp = sample(logits, sampling, lens[:, None])  # a fresh request's first token sits at position len(prompt)
         tok = torch.where(pending[:, None] >= 0, pending[:, None], tok)
         host = torch.cat([tok.double(), lp.double()], 1).tolist()  # one host read
         state = RowState.start(ids, lens, tok[:, 0], stop_table([r.state.params.stop_ids for r in reqs], self.device),
                                sampling, self.cache.max_len)
         # The pending token's KV (and feature) is written by the next step, as its tree root.
-        feats = self._features(out)
-        if feats is not None:
-            if self._features_buf is None or self._features_buf.shape[-1] != feats.shape[-1]:
-                if row0:  # cannot happen: what is captured only changes between generations
-                    raise RuntimeError("the feature layout changed while requests were running")
-                self._features_buf = torch.zeros(self.cfg.max_batch, self.cache.max_len, feats.shape[-1],
-                                                 dtype=feats.dtype, device=self.device)
-            self._features_buf[row0: row0 + b, :t] = feats
         return [int(r[0]) for r in host], [r[1] for r in host], state
+
+    def _keep_features(self, out, rows: torch.Tensor, c0: int) -> None:
+        """A prefill chunk's features into the buffer at ``rows`` [B'] (cache rows), positions ``c0 ..``."""
+        feats = self._features(out)
+        if feats is None:
+            return
+        if self._features_buf is None or self._features_buf.shape[-1] != feats.shape[-1]:
+            if self._rows:  # cannot happen: what is captured only changes between generations
+                raise RuntimeError("the feature layout changed while requests were running")
+            self._features_buf = torch.zeros(self.cfg.max_batch, self.cache.max_len, feats.shape[-1],
+                                             dtype=feats.dtype, device=self.device)
+        self._features_buf[rows, c0: c0 + feats.shape[1]] = feats
 
     def _hand_over(self, row: int, req: "_Live") -> None:
         """A leaving request's tokens and the features of those not handed over yet, to the sink,
@@ -570,20 +615,22 @@ class RolloutEngine:
         parents[:, 1:] = torch.where(tree.valid, parents[:, 1:], -1)
         depth = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=self.device),
                            tree.depths() + 1], 1)
-        slots = roots[:, None] + torch.arange(1 + n, device=self.device)
+        tail = tree_ancestors(parents)  # [B, 1 + N, 1 + N]: what each node sees of the tree
         if self.static_step is not None:  # attention over the whole cache: a static shape; one graph on CUDA
-            mask = to_additive(tree_mask(roots, parents, self.cache.max_len))
-            res = self.static_step.verify(ids, roots[:, None] + depth, slots, mask, tree, st.sampling, st.stops,
+            res = self.static_step.verify(ids, roots[:, None] + depth, roots, tail, tree, st.sampling, st.stops,
                                           min(arm.depth, n), self._features_buf)
             kept = self._features_buf is not None
         else:
             span = max(lengths) + n  # the largest slot + 1, known on the host
-            mask = to_additive(tree_mask(roots, parents, span))
-            out = self.target(ids, roots[:, None] + depth, CachedBackend(self.cache, slots, mask),
-                              capture=self._capture)
+            kernel = self.cfg.attention
+            meta = AttnMeta.rows(roots, 1 + n, self.cache.max_len, tail=tail, span=span, kernel=kernel,
+                                 splits=default_splits(b, self.target.config.num_key_value_heads, span, self.device,
+                                                       kernel))
+            out = self.target(ids, roots[:, None] + depth, self.cache.backend(meta), capture=self._capture)
             feats = self._features(out)
             kept = feats is not None
             if kept:  # laid out like the KV cache: row, slot
+                slots = roots[:, None] + torch.arange(1 + n, device=self.device)
                 self._features_buf[torch.arange(b, device=self.device)[:, None], slots] = feats
             res = verify(out.logits, tree, st.sampling, roots[:, None] + depth + 1, st.stops, depth=min(arm.depth, n))
         # Move accepted nodes' keys/values (and features) right after the root: fixed-size index

@@ -12,7 +12,8 @@ import dataclasses
 import torch
 
 from tlt.rollout.draft_tree import right_pad
-from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive
+from tlt.rollout.attention import AttnMeta
+from tlt.rollout.kv_cache import StaticKVCache
 from tlt.rollout.sampling import RowSampling, sample
 from tlt.rollout.target import TargetModel
 
@@ -53,13 +54,13 @@ def generate(model: TargetModel, prompts: list[list[int]], params: SamplingParam
     ids = right_pad(prompts, device=device)  # [B, T]
     pos = torch.arange(ids.shape[1], device=device).expand_as(ids)
     rs = RowSampling.build([params] * b, seeds if seeds is not None else list(range(b)), device)
-    out = model(ids, pos, CachedBackend(cache, pos, to_additive(prefill_mask(lengths, span))))
+    t = ids.shape[1]  # right-padded: a shorter prompt's padding is written past it, then overwritten
+    out = model(ids, pos, cache.backend(AttnMeta.rows(torch.zeros_like(lengths), t, span, span=t)))
     tok = sample(out.logits[torch.arange(b), lengths - 1][:, None], rs, lengths[:, None])[0][:, 0]
     results: list[list[int]] = [[] for _ in range(b)]
     done = torch.zeros(b, dtype=torch.bool, device=device)
     cur = lengths.clone()
     stops = torch.tensor(params.stop_ids, device=device, dtype=torch.long)
-    slot_range = torch.arange(span, device=device)
     for step in range(params.max_new_tokens):
         for i in torch.nonzero(~done).flatten().tolist():
             results[i].append(int(tok[i]))
@@ -67,8 +68,7 @@ def generate(model: TargetModel, prompts: list[list[int]], params: SamplingParam
         if bool(done.all()) or step == params.max_new_tokens - 1:
             break
         slots = cur[:, None]
-        mask = to_additive(slot_range[None, None] <= cur[:, None, None])
-        out = model(tok[:, None], slots, CachedBackend(cache, slots, mask))
+        out = model(tok[:, None], slots, cache.backend(AttnMeta.rows(cur, 1, span)))
         tok = sample(out.logits, rs, slots + 1)[0][:, 0]
         cur = cur + 1
     return results

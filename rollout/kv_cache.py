@@ -1,15 +1,18 @@
-"""Preallocated static KV cache written by slot, and the attention backend that reads it.
+"""Preallocated static KV cache written by slot, and the tree masks of a step's own tokens.
 
-Owns the cache tensors (allocated once, so the hot step can be captured in a CUDA graph) and the
-masks that say which cached slots each query sees: right-padded prefill, decode, and token trees.
-Masks are additive float tensors; a masked entry holds the dtype's most negative finite value so
-rows with nothing visible (padding) stay finite.
+Owns the cache tensors (allocated once, so the hot step can be captured in a CUDA graph), their
+one row-compaction routine, and the ancestor closure of a draft tree (which of a step's own tokens
+each one sees). In :mod:`tlt.rollout.attention`'s terms the cache is the one-block-per-row layout:
+cache row ``r`` is block ``r`` of ``max_len`` slots, and a row's table is ``[r]``
+(:meth:`AttnMeta.rows <tlt.rollout.attention.AttnMeta.rows>`); padding rows of a static step are
+free rows, which hold no live request.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from tlt.rollout.attention import AttnMeta, PagedBackend
 
 
 class StaticKVCache:
@@ -24,11 +27,9 @@ class StaticKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row0: int = 0) -> None:
-        # slots: [B, T] long; k, v: [B, KV, T, D] written to rows row0..row0+B-1
-        idx = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        self.k[layer, row0: row0 + k.shape[0]].scatter_(2, idx, k)
-        self.v[layer, row0: row0 + k.shape[0]].scatter_(2, idx, v)
+    def backend(self, meta: AttnMeta) -> PagedBackend:
+        """The attention backend of one step laid out by ``meta`` over this cache."""
+        return PagedBackend(self.k, self.v, meta)
 
     def compact_rows(self, keep: list[int]) -> None:
         """Row ``keep[i]`` becomes row ``i`` (finished requests retired, see :func:`swap_remove`)."""
@@ -64,69 +65,14 @@ def swap_remove(n: int, gone: set[int]) -> list[int]:
     return [next(tail) if i in gone else i for i in range(m)]
 
 
-class CachedBackend:
-    """Writes this step's keys/values to cache slots, then attends over the first ``S`` slots.
-    The batch's rows are cache rows ``row0 ..`` (a prefill of requests joining running ones)."""
-
-    def __init__(self, cache: StaticKVCache, slots: torch.Tensor, mask: torch.Tensor, row0: int = 0) -> None:
-        self.cache, self.slots, self.row0 = cache, slots, row0  # slots: [B, T]
-        self.mask = mask  # [B, 1, T, S] additive float
-        self.span = mask.shape[-1]
-
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.write(layer_idx, self.slots, k, v, self.row0)
-        rows = slice(self.row0, self.row0 + q.shape[0])
-        keys = self.cache.k[layer_idx, rows, :, : self.span]
-        vals = self.cache.v[layer_idx, rows, :, : self.span]
-        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=self.mask.to(q.dtype),
-                                              enable_gqa=True)
-
-
-def to_additive(visible: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Boolean visibility [B, T, S] -> additive mask [B, 1, T, S]."""
-    neg = torch.finfo(dtype).min
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
-        ~visible, neg)[:, None]
-
-
-def prefill_mask(lengths: torch.Tensor, span: int, start: torch.Tensor | None = None,
-                 t: int | None = None) -> torch.Tensor:
-    """Visibility for right-padded chunks: row b's token i sits at slot start_b + i.
-
-    lengths: [B] valid tokens per row in this chunk; start: [B] tokens already cached; t: the
-    longest chunk if the caller knows it on the host (else read from ``lengths``).
-    Returns bool [B, T, S] with T = max(lengths); padded query rows see slot 0 only.
-    """
-    b = lengths.shape[0]
-    t = int(lengths.max()) if t is None else t
-    start = torch.zeros_like(lengths) if start is None else start
-    qpos = start[:, None] + torch.arange(t, device=lengths.device)[None]  # [B, T]
-    kpos = torch.arange(span, device=lengths.device)[None, None]  # [1, 1, S]
-    visible = kpos <= qpos[..., None]
-    valid_q = torch.arange(t, device=lengths.device)[None] < lengths[:, None]
-    visible = visible & valid_q[..., None]
-    visible[..., 0] |= ~valid_q
-    assert visible.shape == (b, t, span)
-    return visible
-
-
-def tree_mask(prefix_len: torch.Tensor, parents: torch.Tensor, span: int) -> torch.Tensor:
-    """Visibility for a token tree appended after each row's prefix.
-
-    prefix_len: [B] cached tokens per row; parents: [B, T] index of each node's parent within the
-    tree (-1 for children of the prefix), nodes in topological order. Node j sits at slot
-    prefix_len_b + j and sees the whole prefix plus its ancestors and itself.
-    """
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] bool: node ``i`` sees node ``j`` iff ``j`` is ``i`` or one of its ancestors.
+    parents: [B, T] index of each node's parent within the tree (-1: a child of the prefix), nodes in
+    topological order. Closed by repeated squaring: ceil(log2(T)) batched products."""
     b, t = parents.shape
-    # ancestor-or-self [B, T, T], closed by repeated squaring: ceil(log2(T)) batched products
     anc = torch.eye(t, dtype=torch.bool, device=parents.device).expand(b, t, t)
     if t > 1:  # a plain step's tree is its root alone
         anc = anc | (parents[..., None] == torch.arange(t, device=parents.device))  # self and parent
     for _ in range(max(t - 1, 0).bit_length()):
         anc = torch.bmm(anc.float(), anc.float()) > 0
-    kpos = torch.arange(span, device=parents.device)[None, None]
-    visible = kpos < prefix_len[:, None, None]
-    off = prefix_len[:, None] + torch.arange(t, device=parents.device)[None]  # [B, T] node slots
-    tree_slots = torch.zeros(b, t, span, dtype=torch.bool, device=parents.device)
-    tree_slots.scatter_(2, off[:, None, :].expand(b, t, t), anc)
-    return visible | tree_slots
+    return anc

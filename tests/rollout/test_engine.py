@@ -12,6 +12,7 @@ from tlt.rollout.draft_tree import DraftTree
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams, generate
+from tlt.rollout.request import RequestState
 from tlt.rollout.ngram import NgramProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
@@ -200,3 +201,30 @@ def test_swap_remove_moves_only_rows_that_fill_holes():
     cache.k[:, :, 0, 0, 0] = torch.arange(6.0)
     cache.compact_rows(swap_remove(6, {0, 2}))
     assert cache.k[0, :4, 0, 0, 0].tolist() == [4.0, 1.0, 5.0, 3.0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_prefill_in_chunks_is_token_identical(setup, warm_drafters, temperature):
+    """Prompts of different lengths prefilled 16 tokens per forward (rows leave the chunks as their
+    prompts end), then EAGLE speculation from the features those chunks kept: the tokens of a
+    prefill in one forward, and of the plain loop. Only the prompts' last tokens reach the LM head."""
+    model, prompts, _ = setup
+    prompts = [p[: 8 + 7 * i] for i, p in enumerate(prompts[:6])]
+    params = [SamplingParams(max_new_tokens=20, temperature=temperature)] * 6
+    seeds = list(range(6))
+    whole = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512)).generate(prompts, params, seeds=seeds)
+    heads = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: heads.append(i[0].shape))
+    try:
+        drafter = Drafter.load(warm_drafters["eagle"], model.embed_weight, model.lm_head.weight)
+        eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=Arm(3, 1, 3), prefill_tokens=16),
+                            proposer=EagleProposer(drafter, max_batch=8, max_len=600))
+        eng.add([RequestState(
+            tuple(p), sp, s) for p, sp, s in zip(prompts, params, seeds)])
+        eng.step()  # the prefill (and the first step)
+        assert heads[0] == (6, model.config.hidden_size)  # the prefill's LM head: one position per prompt
+    finally:
+        hook.remove()
+    chunked = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=Arm(3, 1, 3), prefill_tokens=16),
+                            proposer=EagleProposer(drafter, max_batch=8, max_len=600)).generate(prompts, params, seeds=seeds)
+    assert chunked.outputs == whole.outputs and sum(chunked.accept_lengths) > len(chunked.accept_lengths)

@@ -217,7 +217,8 @@ def test_pool_without_cuda_raises():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
 def test_pool_replay_matches_eager_and_bucketed_uses_less_memory():
     from tlt.drafter.model_config import ModelConfig
-    from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, to_additive
+    from tlt.rollout.attention import AttnMeta
+    from tlt.rollout.kv_cache import StaticKVCache
     from tlt.rollout.target import TargetModel
 
     torch.manual_seed(0)
@@ -235,11 +236,10 @@ def test_pool_replay_matches_eager_and_bucketed_uses_less_memory():
         b, cache = key.batch, caches[model]
         inputs = {"ids": torch.zeros(b, q, dtype=torch.long, device=dev),
                   "pos": torch.zeros(b, q, dtype=torch.long, device=dev),
-                  "slots": torch.zeros(b, q, dtype=torch.long, device=dev),
-                  "mask": torch.zeros(b, 1, q, span, device=dev)}
+                  "ctx": torch.zeros(b, dtype=torch.long, device=dev)}
 
-        def fn(x):
-            out = model(x["ids"], x["pos"], CachedBackend(cache, x["slots"], x["mask"]))
+        def fn(x):  # a chain of q tokens after ctx cached ones
+            out = model(x["ids"], x["pos"], cache.backend(AttnMeta.rows(x["ctx"], q, span)))
             if isinstance(key, TargetGraphKey):
                 return {"logits": out.logits, "hidden": out.hidden}
             p, ids = out.logits.float().softmax(-1).topk(key.topk, dim=-1)
@@ -247,10 +247,9 @@ def test_pool_replay_matches_eager_and_bucketed_uses_less_memory():
         return inputs, fn
 
     def step_inputs(b, q):  # a chain of q tokens after a 20-token prefix
-        slots = (prefix + torch.arange(q, device=dev)).expand(b, q).contiguous()
-        visible = torch.arange(span, device=dev)[None, None] <= slots[..., None]
-        return {"ids": torch.randint(0, cfg.vocab_size, (b, q), device=dev), "pos": slots.clone(),
-                "slots": slots, "mask": to_additive(visible)}
+        pos = (prefix + torch.arange(q, device=dev)).expand(b, q).contiguous()
+        return {"ids": torch.randint(0, cfg.vocab_size, (b, q), device=dev), "pos": pos,
+                "ctx": torch.full((b,), prefix, device=dev)}
 
     plan = plan_graphs(GraphPlanConfig(capture_batch_sizes=sizes, buckets=(
         (2, (Arm(4, 4, 16), Arm.off())), (8, (Arm(2, 2, 4), Arm.off()))), draft_graphs="step"))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tlt.rollout.draft_tree import tree_depths
-from tlt.rollout.kv_cache import CachedBackend, StaticKVCache, prefill_mask, to_additive, tree_mask
+from tlt.rollout.attention import AttnMeta
+from tlt.rollout.kv_cache import StaticKVCache, tree_ancestors
 from tlt.rollout.target import TargetModel
 from tests.hf import hf_model
 
@@ -86,7 +87,7 @@ def test_batched_prefill_then_decode_with_static_cache(family, tmp_path):
     pos = torch.arange(t).expand(3, t)
     span = 32
     with torch.no_grad():
-        out = ours(ids, pos, CachedBackend(cache, pos, to_additive(prefill_mask(lengths, span))))
+        out = ours(ids, pos, cache.backend(AttnMeta.rows(torch.zeros(3, dtype=torch.long), t, span, span=t)))
         seqs = [p.tolist() for p in prompts]
         worst = 0.0
         for b in range(3):
@@ -98,8 +99,7 @@ def test_batched_prefill_then_decode_with_static_cache(family, tmp_path):
             for b in range(3):
                 seqs[b].append(int(nxt[b]))
             slots = cur[:, None]
-            vis = torch.arange(span)[None, None] <= cur[:, None, None]
-            out = ours(nxt[:, None], slots, CachedBackend(cache, slots, to_additive(vis)))
+            out = ours(nxt[:, None], slots, cache.backend(AttnMeta.rows(cur, 1, span)))
             for b in range(3):
                 ref = hf(torch.tensor(seqs[b])[None]).logits[0, -1]
                 worst = max(worst, (ref - out.logits[b, 0]).abs().max().item())
@@ -121,11 +121,9 @@ def test_tree_forward_matches_branch_recomputation(family, tmp_path):
     cache = StaticKVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 32, cfg.head_dim)
     with torch.no_grad():
         pos = torch.arange(7)[None]
-        ours(prefix, pos, CachedBackend(cache, pos, to_additive(prefill_mask(torch.tensor([7]), 32))))
+        ours(prefix, pos, cache.backend(AttnMeta.rows(torch.tensor([0]), 7, 32)))
         depth = tree_depths(parents)
-        slots = 7 + torch.arange(7)[None]
-        mask = to_additive(tree_mask(torch.tensor([7]), parents, 32))
-        out = ours(nodes, 7 + depth, CachedBackend(cache, slots, mask))
+        out = ours(nodes, 7 + depth, cache.backend(AttnMeta.rows(torch.tensor([7]), 7, 32, tail=tree_ancestors(parents))))
         worst = 0.0
         for j in range(7):
             path, k = [], j

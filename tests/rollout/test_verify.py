@@ -11,7 +11,8 @@ import torch
 
 from tlt.rollout.draft_tree import DraftTree, tree_depths
 from tlt.rollout.generate import SamplingParams
-from tlt.rollout.kv_cache import tree_mask
+from tlt.rollout.attention import AttnMeta
+from tlt.rollout.kv_cache import tree_ancestors
 from tlt.rollout.sampling import RowSampling
 from tlt.rollout.verify import verify
 
@@ -77,7 +78,7 @@ def test_depths_and_masks_match_a_per_node_reference(t):
     prefix_host = [2, 0, 5]
     prefix = torch.tensor(prefix_host)
     span = 5 + t + 1
-    mask = tree_mask(prefix, parents, span)
+    mask = AttnMeta.rows(prefix, t, span, tail=tree_ancestors(parents)).visible(t)  # [B, T, S]
     for i, par in enumerate(parents.tolist()):
         for j in range(t):
             anc = {j}

@@ -35,7 +35,8 @@ def _measure_cuda(plan: GraphPlan, *, quick: bool, seed: int) -> dict:
     from tlt.drafter.eagle import Drafter, DrafterConfig
     from tlt.drafter.model_config import ModelConfig
     from tlt.rollout.eagle_proposer import EagleProposer
-    from tlt.rollout.kv_cache import CachedBackend, StaticKVCache
+    from tlt.rollout.attention import AttnMeta
+    from tlt.rollout.kv_cache import StaticKVCache
     from tlt.rollout.target import TargetModel
 
     torch.manual_seed(seed)
@@ -59,14 +60,13 @@ def _measure_cuda(plan: GraphPlan, *, quick: bool, seed: int) -> dict:
         is_target = isinstance(key, TargetGraphKey)
         model, q = (target, key.query_tokens) if is_target else (drafter, key.topk)
         b, cache = key.batch, caches[id(model)]
-        # [b, q] ids/positions/slots, [b, 1, q, span] additive mask: all inputs are static buffers
+        # [b, q] ids/positions, [b] cached tokens before them: all inputs are static buffers
         inputs = {"ids": torch.zeros(b, q, dtype=torch.long, device=dev),
                   "pos": torch.zeros(b, q, dtype=torch.long, device=dev),
-                  "slots": torch.zeros(b, q, dtype=torch.long, device=dev),
-                  "mask": torch.zeros(b, 1, q, span, dtype=dtype, device=dev)}
+                  "ctx": torch.zeros(b, dtype=torch.long, device=dev)}
 
-        def fn(x):
-            out = model(x["ids"], x["pos"], CachedBackend(cache, x["slots"], x["mask"]))
+        def fn(x):  # a chain of q tokens after ctx cached ones
+            out = model(x["ids"], x["pos"], cache.backend(AttnMeta.rows(x["ctx"], q, span)))
             if is_target:
                 return {"logits": out.logits.float(), "hidden": out.hidden}
             p, ids = out.logits.float().softmax(-1).topk(key.topk, dim=-1)
