@@ -4,12 +4,21 @@ Owns :class:`CudaGraphPool`: warm-up on a side stream, capture into one shared g
 per policy, replay with inputs copied into the static buffers, and the measured memory of each
 graph. It is model-agnostic: the engine hands it a factory ``make_step(key) -> (static_inputs, fn)``
 for the keys :func:`tlt.rollout.graphs.plan_graphs` lists.
+
+A capture is safe by construction against the two things that invalidated one
+(``cudaErrorStreamCaptureInvalidated``, "operation not permitted when stream is capturing"): the
+garbage collector, which could free a dropped engine's graphs mid-capture, is collected before and
+disabled during the warm-up and capture; and other threads' device work (a replica's drift probe)
+takes :data:`CAPTURE_LOCK`, which a capture holds throughout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -17,6 +26,22 @@ import torch
 from tlt.rollout.graphs import POLICIES, GraphKey
 
 log = logging.getLogger(__name__)
+# Held by every capture; device work on any other thread of the process takes it too.
+CAPTURE_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def capturing():
+    """No collection and no other thread's device work while a graph is warmed up and captured."""
+    with CAPTURE_LOCK:
+        enabled = gc.isenabled()
+        gc.collect()  # a dropped engine's graphs are destroyed now, not inside the capture
+        gc.disable()
+        try:
+            yield
+        finally:
+            if enabled:
+                gc.enable()
 
 StepFn = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 MakeStep = Callable[[GraphKey], tuple[dict[str, torch.Tensor], StepFn]]
@@ -81,7 +106,7 @@ class CudaGraphPool:
         """Capture every key not yet captured under ``policy`` (largest first); their costs."""
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: use one of {POLICIES}")
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.device), capturing():
             pool = self._pools.setdefault(policy, torch.cuda.graph_pool_handle())
             todo = sorted(set(keys), key=lambda k: (-k.tokens, str(k)))
             out = [self._capture_one(policy, k, pool) for k in todo if (policy, k) not in self._graphs]

@@ -128,6 +128,8 @@ def _cmd_bench(a: argparse.Namespace) -> None:
         raise ValueError(f"--threads={a.threads}: must be >= 0 (0: torch's default, 1: a Ray-hosted replica's)")
     if a.prompt_len < 0:
         raise ValueError(f"--prompt-len={a.prompt_len}: must be >= 0 (0: the bench's 128 tokens)")
+    if a.new_tokens < 0:
+        raise ValueError(f"--new-tokens={a.new_tokens}: must be >= 0 (0: the bench's default)")
     result = bench.get(a.which)(a)
     print("\n".join(result["summary"]))
     if a.json:
@@ -290,7 +292,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step-cost: batch sizes to measure, comma-separated (default 1,8,32; 1,4 on a CPU); "
                    "larger ones extend the step-cost curve the tail simulator reads")
     s.add_argument("--prompt-len", type=int, default=0,
-                   help="step-cost: prompt tokens per request (0: 128); e.g. 4096 for a long-context row")
+                   help="step-cost: prompt tokens per request (0: 128); 2048 or more: one engine at a time, "
+                   "e.g. 32768 for the tail's length")
+    s.add_argument("--new-tokens", type=int, default=0,
+                   help="step-cost: tokens generated per request (0: 128, 16 with --quick)")
+    s.add_argument("--baseline", action="store_true",
+                   help="step-cost (long context): also time the engine with attention=torch (SDPA over the "
+                   "whole cache, the engine before its block-table kernel) in the same run")
+    s.add_argument("--mixed", action="store_true",
+                   help="step-cost: add a batch of mixed lengths (1K to 32K) on a 32K cache")
     s.add_argument("--from", dest="runs_from", nargs="+", metavar="DIR",
                    help="consolidation, demo: aggregate these `tlt demo` output directories (consolidation: "
                    "`--arms BCE` runs) instead of running the demo --repeats times (default 3); tail-batching: "

@@ -233,3 +233,48 @@ def test_drafter_graphs_replay_the_eager_proposals(setup, trained_target, warm_d
         _, _, pushed_eager = run(new.drafter, False)
         assert pushed.outputs == ref.outputs and new.replays > 0
         assert pushed.accept_lengths == pushed_eager.accept_lengths != graphed.accept_lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captures_survive_collections_and_a_probe_thread(setup, trained_target, warm_drafters):  # noqa: F811
+    """The way captures failed (1 sampled rollout in 99): engines built one after another and dropped
+    without closing, left to the collector with a collection forced at every allocation
+    (``gc.set_threshold(1)``), while a second thread runs the replica's drift-probe forward in a loop.
+    Every rollout captures its graphs and samples the plain loop's tokens."""
+    import gc
+    import threading
+
+    from tlt.integrations.verl.weight_sync import DriftProbe
+    from tlt.rollout.generate import SamplingParams
+
+    _, prompts, params = setup
+    gpu = TargetModel.from_pretrained(trained_target, device="cuda")
+    prompts = prompts[:4]
+    params = [SamplingParams(max_new_tokens=p.max_new_tokens, stop_ids=p.stop_ids, temperature=1.0) for p in params[:4]]
+    ref = RolloutEngine(gpu, EngineConfig(max_batch=8, max_len=512, static_shapes=False)).generate(
+        prompts, params, seeds=[1, 2, 3, 4])
+    probe = DriftProbe(gpu, threading.Lock())
+    probe.record(prompts)
+    stop = threading.Event()
+
+    def probing():
+        while not stop.is_set():
+            probe.before()
+
+    thread = threading.Thread(target=probing, daemon=True)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    thread.start()
+    try:
+        for i, arm in enumerate((Arm(3, 1, 3), Arm(4, 2, 8)) * 3):
+            drafter = Drafter.load(warm_drafters["eagle"], gpu.embed_weight, gpu.lm_head.weight)
+            eng = RolloutEngine(gpu, EngineConfig(max_batch=8, max_len=512, arm=arm),
+                                proposer=EagleProposer(drafter, max_batch=8, max_len=600))
+            res = eng.generate(prompts, params, seeds=[1, 2, 3, 4])
+            assert eng.static_step.replays == len(res.steps) and res.outputs == ref.outputs, (i, arm)
+            del eng  # not closed: its graphs go with a collection, maybe during the next capture
+    finally:
+        stop.set()
+        thread.join()
+        gc.set_threshold(*threshold)

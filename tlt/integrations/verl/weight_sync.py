@@ -77,11 +77,11 @@ class DriftProbe:
         self._seqs = [list(s) for s in seqs[:self.size]]
 
     def before(self) -> None:
-        with self.lock:
+        with self.lock, CAPTURE_LOCK:  # (no forward during another thread's graph capture)
             self._before = self._argmax()
 
     def after(self) -> None:
-        with self.lock:
+        with self.lock, CAPTURE_LOCK:
             before, self._before = self._before, None
             if before is None:
                 return
