@@ -5,22 +5,29 @@
 # whose figures docs/gpu.md reports, each under its own time limit. Every part writes its log and JSON
 # as soon as it ends, and status.txt says which parts ran and how long they took, so a run cut short
 # still reports what it finished; everything is also packed into OUT/gpu-check.tgz (one file).
-#   PARTS="long tests rollout shapes"   which groups run, in this order (default: all):
-#     long    the long-context checks: attention alone against the HBM bound, the Llama-8B step at
-#             8K/16K/32K (batch 1 against the engine before the kernel, batch 8, a mixed-length batch),
-#             every speculative path at 32K
-#     tests   `pytest -m gpu`, twice in a row in one process each
-#     rollout the demo target's SD/AR and tuner rollouts (tlt bench rollout)
-#     shapes  the short-context step-cost rows and the graph-memory bench
-# QUICK=1: the benches' --quick sizes (a smoke test, also on a CPU).
-# TLT_CACHE (default ./.tlt_cache): the demo's trained target and warm-up drafter, carried along.
+#   PARTS="..."   which parts run, in this order (default: all of them):
+#     kernel     the attention kernel against its float64 reference on CUDA
+#     attention  one layer's attention against the HBM bound, with a sweep of the kernel's launch shapes;
+#                the best one is exported (TLT_ATTENTION_TUNING) to every later part
+#     b1         the Llama-8B step at LENGTHS (default 32768 16384 8192), batch 1, against the engine before
+#                the kernel (--baseline); the 8K run adds the mixed-length batch
+#     b8         the same at batch 8 (prefill of 8 long prompts, peak memory)
+#     arms       every speculative path at 32K (chain and tree, EAGLE and EAGLE-3, greedy and sampled)
+#     profile    the kernels of plain and speculative steps at 32K, batch 8, by device time
+#     tests      `pytest -m gpu`, twice in a row
+#     rollout    the demo target's SD/AR and tuner rollouts (tlt bench rollout)
+#     shapes     the short-context step-cost rows and the graph-memory bench
+# LOGS: where the logs and records are kept (default a new temporary folder; give the same one to two
+# runs to pack both into one OUT/gpu-check.tgz). QUICK=1: the benches' --quick sizes (a smoke test, also
+# on a CPU). TLT_CACHE (default ./.tlt_cache): the demo's trained target and warm-up drafter, carried along.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-check}}
-logs=$(mktemp -d)
-mkdir -p "$out"
+logs=${LOGS:-$(mktemp -d)}
+mkdir -p "$out" "$logs"
 export TLT_CACHE=${TLT_CACHE:-$PWD/.tlt_cache}
-parts=${PARTS:-long tests rollout shapes}
+parts=${PARTS:-kernel attention b1 b8 arms profile tests rollout shapes}
+lengths=${LENGTHS:-32768 16384 8192}
 quick=()
 [ "${QUICK:-0}" = 1 ] && quick=(--quick)
 long=(--shape llama-8b --new-tokens 48)
@@ -43,20 +50,38 @@ python -c "import tlt.rollout" 2>/dev/null || \
   part install 120 python -m pip install --no-deps --no-build-isolation -e .
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
 torch.cuda.get_device_name() if torch.cuda.is_available() else '')" | tee "$logs/device.txt"
-if has long; then
+tuned() {  # the sweep's best launch shape, once the attention part recorded one
+  [ -f "$logs/attention_gpu.json" ] && python -c "import json, sys
+s = json.load(open(sys.argv[1])).get('sweep')
+print(json.dumps(s['candidates'][0]['tuning']) if s else '')" "$logs/attention_gpu.json"
+}
+if has kernel; then
   part attention-kernel 120 python -m pytest -q -m gpu -p no:cacheprovider tests/rollout/test_attention.py
-  part attention 150 tlt -q bench attention "${quick[@]}" --json "$logs/attention_gpu.json"
-  for n in 32768 16384 8192; do
+fi
+if has attention; then
+  part attention 150 tlt -q bench attention --sweep "${quick[@]}" --json "$logs/attention_gpu.json"
+fi
+best=$(tuned)
+[ -n "$best" ] && export TLT_ATTENTION_TUNING="$best" && echo "TLT_ATTENTION_TUNING=$best" | tee -a "$logs/status.txt"
+for b in 1 8; do
+  has "b$b" || continue
+  for n in $lengths; do
     extra=()
-    [ "$n" = 8192 ] && extra=(--mixed)
-    part "step-cost-llama-8b-${n}-b1" 120 tlt -q bench step-cost "${long[@]}" --prompt-len "$n" --batches 1 \
-      --baseline "${extra[@]}" --json "$logs/step_cost_llama8b_${n}_b1_gpu.json"
-    part "step-cost-llama-8b-${n}-b8" 150 tlt -q bench step-cost "${long[@]}" --prompt-len "$n" --batches 8 \
-      --json "$logs/step_cost_llama8b_${n}_b8_gpu.json"
+    [ "$b" = 1 ] && extra=(--baseline)
+    [ "$b" = 1 ] && [ "$n" = 8192 ] && extra+=(--mixed)
+    part "step-cost-llama-8b-${n}-b$b" 150 tlt -q bench step-cost "${long[@]}" --prompt-len "$n" --batches "$b" \
+      "${extra[@]}" --json "$logs/step_cost_llama8b_${n}_b${b}_gpu.json"
   done
+done
+if has arms; then
   arms=()
   [ "${QUICK:-0}" = 1 ] && arms=(--quick)
   part arms-32k 150 python examples/long_context_arms.py "${arms[@]}" --json "$logs/long_context_arms_gpu.json"
+fi
+if has profile; then
+  prof=(--prompt-len 32768 --batch 8)
+  [ "${QUICK:-0}" = 1 ] && prof=(--quick --batch 2)
+  part profile-32k-b8 150 python examples/profile_step.py "${prof[@]}"
 fi
 if has tests; then
   for i in 1 2; do

@@ -29,14 +29,50 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 KERNELS = ("auto", "torch")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tuning:
+    """The Triton kernel's launch shape; ``TLT_ATTENTION_TUNING`` (JSON of these fields) overrides
+    the defaults for a device they do not suit (``tlt bench attention --sweep`` measures candidates)."""
+
+    block_n: int = 64  # positions per tile
+    stages: int = 2  # software-pipelining depth
+    warps: int = 4
+    programs_per_sm: int = 2  # context splits: about this many programs per multiprocessor
+    max_splits: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "stages", "warps", "programs_per_sm", "max_splits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Tuning.{name}={getattr(self, name)}: must be >= 1")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"Tuning.block_n={self.block_n}: a power of two >= 16")
+
+    @classmethod
+    def from_env(cls) -> "Tuning":
+        text = os.environ.get("TLT_ATTENTION_TUNING", "")
+        if not text:
+            return cls()
+        try:
+            fields = json.loads(text)
+            return cls(**fields)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"TLT_ATTENTION_TUNING={text!r}: a JSON object of {[f.name for f in dataclasses.fields(cls)]}"
+                             f" ({e})") from e
+
+
+TUNING = Tuning.from_env()
 
 
 @dataclasses.dataclass
@@ -229,15 +265,17 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
     return num / w.sum(0)[..., None].clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def default_splits(batch: int, kv_heads: int, slots: int, device: torch.device, kernel: str = "auto") -> int:
-    """Prefix chunks per row so that a step fills the device: for the Triton kernel about two
-    programs per multiprocessor over (rows x KV heads), no chunk under 256 positions, at most 64;
-    1 for the torch path (one SDPA call)."""
+def default_splits(batch: int, kv_heads: int, slots: int, device: torch.device, kernel: str = "auto",
+                   tuning: Tuning | None = None) -> int:
+    """Prefix chunks per row so that a step fills the device: for the Triton kernel about
+    ``programs_per_sm`` programs per multiprocessor over (rows x KV heads), no chunk under 256
+    positions, at most ``max_splits``; 1 for the torch path (one SDPA call)."""
     if device.type != "cuda" or kernel != "auto":
         return 1
+    t = tuning or TUNING
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-2 * sms // max(batch * kv_heads, 1))
-    return max(1, min(want, 64, slots // 256))
+    want = -(-t.programs_per_sm * sms // max(batch * kv_heads, 1))
+    return max(1, min(want, t.max_splits, slots // 256))
 
 
 def _triton_ok(q: torch.Tensor, kl: torch.Tensor) -> bool:

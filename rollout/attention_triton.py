@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tlt.rollout.attention import AttnMeta
+from tlt.rollout.attention import TUNING, AttnMeta, Tuning
 
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -150,8 +150,10 @@ def _merge(OP, LP, O, so_b, so_h, so_p, so_m, sl_b, sl_h, sl_p, sout_b, sout_h, 
              out.to(O.dtype.element_ty), mask=m_ok[:, None])
 
 
-def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: AttnMeta,
+                    tuning: Tuning | None = None) -> torch.Tensor:
     """q [B, H, Q, D] over one layer's cache kl, vl [NB, KV, BS, D] -> [B, H, Q, D] (q's dtype)."""
+    t = tuning or TUNING
     b, h, ql, d = q.shape
     kvh = kl.shape[1]
     g = h // kvh
@@ -161,7 +163,7 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
         raise ValueError("the cache's head dimension must be contiguous")
     rows = ql * g
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = 64 if d <= 128 else 32
+    block_n = t.block_n if d <= 128 else min(t.block_n, 32)
     parts = meta.splits + 1
     tail = meta._get("tail_i8", lambda: meta.tail.to(torch.int8) if meta.tail is not None else None)
     op = torch.empty(b, kvh, parts, rows, d, dtype=torch.float32, device=q.device)
@@ -176,7 +178,7 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
                     LOG2E / d ** 0.5, meta.scratch,
                     KVH=kvh, C=meta.blocks.shape[1], BS=meta.block_size, QL=ql, G=g, W=meta.width,
                     SPLITS=meta.splits, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=meta.tail is None,
-                    PREC=prec, INTERPRET=INTERPRET, num_warps=4, num_stages=2)
+                    PREC=prec, INTERPRET=INTERPRET, num_warps=t.warps, num_stages=t.stages)
     out = torch.empty_like(q)
     _merge[(b * kvh, triton.cdiv(rows, block_m))](
         op, lp, out, op.stride(0), op.stride(1), op.stride(2), op.stride(3), lp.stride(0), lp.stride(1), lp.stride(2),

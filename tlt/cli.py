@@ -299,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--baseline", action="store_true",
                    help="step-cost (long context): also time the engine with attention=torch (SDPA over the "
                    "whole cache, the engine before its block-table kernel) in the same run")
+    s.add_argument("--sweep", action="store_true",
+                   help="attention (CUDA): also time candidate launch shapes of the Triton kernel, best first "
+                   "(TLT_ATTENTION_TUNING takes one as JSON)")
     s.add_argument("--mixed", action="store_true",
                    help="step-cost: add a batch of mixed lengths (1K to 32K) on a 32K cache")
     s.add_argument("--from", dest="runs_from", nargs="+", metavar="DIR",

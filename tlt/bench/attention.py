@@ -10,7 +10,8 @@ CUDA, fp32 on CPU), with two kernels side by side on the same cache:
   with one split and no length hint).
 The bound is the bytes of K and V the rows' real lengths hold, divided by the device's bandwidth
 (nominal: 3.35 TB/s for an H100 SXM, 4.8 TB/s for an H200; measured: a device-to-device copy, in
-the record too). A mixed-length row (lengths 1K to 32K in one batch, the cache sized for 32K) shows
+the record too). ``--sweep`` times candidate launch shapes of the kernel
+(:class:`~tlt.rollout.attention.Tuning`) and records them, best first. A mixed-length row (lengths 1K to 32K in one batch, the cache sized for 32K) shows
 that time follows the sum of the real lengths. On CUDA each time is the median over replays of a CUDA
 graph of 20 calls (launch overhead out), else of eager calls.
 """
@@ -18,6 +19,7 @@ graph of 20 calls (launch overhead out), else of eager calls.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import platform
 import statistics
@@ -25,7 +27,7 @@ import time
 
 import torch
 
-from tlt.rollout.attention import AttnMeta, attend, default_splits
+from tlt.rollout.attention import TUNING, AttnMeta, Tuning, attend, default_splits
 
 log = logging.getLogger(__name__)
 
@@ -80,19 +82,46 @@ def time_call(dev: torch.device, fn, repeats: int) -> float:
     return statistics.median(_clock(dev, g.replay) for _ in range(repeats)) / 20
 
 
+SWEEP = (Tuning(block_n=64, stages=3, warps=4, programs_per_sm=4), Tuning(block_n=64, stages=4, warps=4, programs_per_sm=4),
+         Tuning(block_n=128, stages=3, warps=8, programs_per_sm=4), Tuning(block_n=128, stages=2, warps=4, programs_per_sm=2),
+         Tuning(block_n=32, stages=3, warps=4, programs_per_sm=8, max_splits=128),
+         Tuning(block_n=64, stages=3, warps=4, programs_per_sm=8, max_splits=128),
+         Tuning(block_n=128, stages=3, warps=4, programs_per_sm=4))
+
+
 def case(dev: torch.device, dtype: torch.dtype, lengths: list[int], q: int, w: int, slots: int, kernel: str,
-         repeats: int, seed: int) -> float:
+         repeats: int, seed: int, tuning: Tuning | None = None) -> float:
     """Seconds of one attention call: rows of ``lengths`` cached tokens (prefix), a tail of ``w`` with
-    the last ``q`` as queries (causal), a cache of ``slots`` per row."""
+    the last ``q`` as queries (causal), a cache of ``slots`` per row (``tuning``: the Triton kernel's)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     b, h, kvh, d = len(lengths), SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
     kl = torch.randn(b, kvh, slots, d, generator=g, device=dev, dtype=dtype)
     vl = torch.randn(b, kvh, slots, d, generator=g, device=dev, dtype=dtype)
     qs = torch.randn(b, h, q, d, generator=g, device=dev, dtype=dtype)
     ctx = torch.tensor(lengths, device=dev)
-    splits = default_splits(b, kvh, slots, dev, kernel)
+    splits = default_splits(b, kvh, slots, dev, kernel, tuning)
     meta = AttnMeta.rows(ctx, w, slots, splits=splits, kernel=kernel)
+    if tuning is not None:
+        from tlt.rollout.attention_triton import paged_attention
+
+        return time_call(dev, lambda: paged_attention(qs, kl, vl, meta, tuning), repeats)
     return time_call(dev, lambda: attend(qs, kl, vl, meta), repeats)
+
+
+def sweep(dev: torch.device, dtype: torch.dtype, kv_bytes: int, tbs: float, repeats: int, seed: int) -> dict:
+    """The kernel's launch shapes on decode and verify at 32K (batch 1, 8) and 16K (batch 1):
+    each candidate's time over the bound, summed; the best first."""
+    shapes = ((32768, 1), (32768, 8), (16384, 1))
+    out = []
+    for t in (TUNING, *SWEEP):
+        cells = {}
+        for ctx, b in shapes:
+            for kind, q in (("decode", 1), ("verify", 5)):
+                s = case(dev, dtype, [ctx] * b, q, q, ctx + 64, "auto", repeats, seed, t)
+                cells[f"{kind} {ctx}x{b}"] = s / (b * (ctx + q) * kv_bytes / (tbs * 1e12))
+        out.append({"tuning": dataclasses.asdict(t), "over_bound": cells, "score": sum(cells.values())})
+        log.info("%s: %.1f", t, out[-1]["score"])
+    return {"candidates": sorted(out, key=lambda r: r["score"]), "default": dataclasses.asdict(TUNING)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -130,11 +159,17 @@ def run(args: argparse.Namespace) -> dict:
                      f"({t_mixed / bound:.1f}x the bound of its real lengths); every row at {max(lens)}: "
                      f"{1e3 * t_full:.3f} ms; time ratio {t_mixed / t_full:.2f} vs length ratio "
                      f"{mixed['sum_over_max']:.2f}")
+    swept = None
+    if getattr(args, "sweep", False) and cuda:
+        swept = sweep(dev, dtype, kv_bytes, tbs, repeats, args.seed)
+        for r in swept["candidates"]:
+            lines.append(f"  tuning {r['tuning']}: sum over the bound {r['score']:.1f} ("
+                         + ", ".join(f"{k} {v:.1f}x" for k, v in r["over_bound"].items()) + ")")
     where = torch.cuda.get_device_name() if cuda else platform.processor() or "CPU"
     head = (f"attention, one layer (32 heads, 8 KV heads, d128, {dtype}) on {where}: median of {repeats}; bound = "
             f"K and V of the rows' real lengths at {tbs:.2f} TB/s ({'nominal' if nominal else 'measured'}; a copy "
             f"measured {measured:.2f} TB/s)")
     return {"bench": "attention", "quick": quick, "dtype": str(dtype), "device": where, "shape": SHAPE,
             "bandwidth_tbs": {"nominal": nominal, "measured_copy": measured, "used": tbs}, "rows": rows,
-            "mixed": mixed, "machine": {"python": platform.python_version(), "torch": torch.__version__},
+            "mixed": mixed, "tuning": dataclasses.asdict(TUNING), "sweep": swept, "machine": {"python": platform.python_version(), "torch": torch.__version__},
             "summary": [head, *lines]}
