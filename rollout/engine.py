@@ -132,6 +132,12 @@ class StepRecord:
     seconds: float
     drafted: int = 0  # draft tokens proposed (valid tree nodes), summed over the batch
     draft_seconds: float = 0.0  # of ``seconds``: the proposer's share (catch-up + drafting)
+    # Of ``seconds``: graph captures (the verify step's and the proposer's first uses of a shape),
+    # the proposer's catch-up, and the host's own time (all but the wait in the step's one read for
+    # the device: on a GPU, host_seconds near seconds means a host-bound step).
+    capture_seconds: float = 0.0
+    catch_up_seconds: float = 0.0
+    host_seconds: float = 0.0
 
 
 @dataclasses.dataclass
@@ -647,16 +653,17 @@ class RolloutEngine:
         st.commit(res.committed, res.count)
         seconds = time.perf_counter() - t0  # the verifier's read synchronised with the device
         draft_s = drafting.seconds()
+        catch_up_s = min(draft_s, getattr(prop, "catch_up_s", 0.0)) if prop is not None else 0.0
         if prop is not None and switched:
-            switch_s = min(draft_s, getattr(prop, "catch_up_s", 0.0))
+            switch_s = catch_up_s
         accepted = sum(len(x) for x in res.nodes)
-        if self.static_step is not None:  # a first use's graph capture is no arm's cost either
-            switch_s += self.static_step.capture_s - capture0
-        if prop is not None:  # ... nor is the draft loop's
-            switch_s += getattr(prop, "capture_s", 0.0) - prop_capture0
+        capture_s = self.static_step.capture_s - capture0 if self.static_step is not None else 0.0
+        if prop is not None:
+            capture_s += getattr(prop, "capture_s", 0.0) - prop_capture0
+        switch_s += capture_s  # a first use's graph capture is no arm's cost either
         if sd and self.tuner is not None and self.cfg.arm is None:
             self.tuner.record(b, arm, accepted, max(seconds - switch_s, 1e-9))
         rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(len(t) for t in res.tokens), seconds,
-                         res.drafted, draft_s)
+                         res.drafted, draft_s, capture_s, catch_up_s, max(seconds - res.wait_s, 0.0))
         acc = [len(t) for t in res.tokens] if rec.sd else []
         return res.tokens, res.logprobs, rec, acc

@@ -20,6 +20,7 @@ committed = accepted + 1.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -38,6 +39,7 @@ class VerifyResult:
     path: torch.Tensor | None = None  # [B, D] long: accepted node at each depth, -1 past the last
     committed: torch.Tensor | None = None  # [B, D + 1] long: committed tokens (valid up to count)
     count: torch.Tensor | None = None  # [B] long: committed tokens per request (accepted + 1)
+    wait_s: float = 0.0  # seconds the host waited in the read for the device to finish the step
 
 
 def stop_table(stop_ids: list[tuple[int, ...]], device: torch.device | str) -> torch.Tensor:
@@ -96,8 +98,10 @@ def read_verdict(out: dict[str, torch.Tensor], b: int | None = None) -> VerifyRe
     ``b`` rows: a padded batch's real ones)."""
     rows = slice(None) if b is None else slice(0, b)
     d = out["path"].shape[1]
+    t0 = time.perf_counter()
     with intended_sync(out["packed"].device):
         host = out["packed"][rows].tolist()
+    wait_s = time.perf_counter() - t0
     out_tokens, out_nodes, out_lps = [], [], []
     for row in host:
         c = int(row[0])
@@ -105,7 +109,7 @@ def read_verdict(out: dict[str, torch.Tensor], b: int | None = None) -> VerifyRe
         out_lps.append(row[3 + d: 3 + d + c])
         out_nodes.append([int(x) for x in row[4 + 2 * d: 4 + 2 * d + c - 1]])
     return VerifyResult(out_tokens, out_nodes, out_lps, int(sum(r[1] for r in host)), out["path"][rows],
-                        out["committed"][rows], out["count"][rows])
+                        out["committed"][rows], out["count"][rows], wait_s)
 
 
 def verify(logits: torch.Tensor, tree: DraftTree, sampling: RowSampling, positions: torch.Tensor,

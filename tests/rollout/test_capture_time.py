@@ -52,9 +52,15 @@ def test_graph_capture_time_stays_out_of_tuner_rewards():
     step = engine.static_step
     step.pool = _SlowCapturePool(step)
     prompts = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [7, 8, 9, 7, 8, 9, 7, 8]]
-    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=24)).outputs
+    res = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=24))
+    out = res.outputs
     assert len(step.pool.keys) >= 2 and step.capture_s >= CAPTURE_S * len(step.pool.keys) * 0.99
     assert times and max(times) < CAPTURE_S, times  # every capture happened inside a timed step
+    # the step records say where each capture went, and that a CPU step is all host time
+    captured = [s for s in res.steps if s.capture_seconds > 0]
+    assert len(captured) == len(step.pool.keys) and all(s.capture_seconds >= CAPTURE_S * 0.99 for s in captured)
+    assert all(s.capture_seconds <= s.host_seconds <= s.seconds for s in res.steps)
+    assert sum(s.host_seconds for s in res.steps) >= 0.9 * sum(s.seconds for s in res.steps)
     engine.static_step.pool = None  # eager: the same tokens
     assert engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=24)).outputs == out
 

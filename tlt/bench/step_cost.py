@@ -24,6 +24,7 @@ kernel) in the same run, so no ratio improves by slowing the baseline. ``--mixed
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import platform
@@ -37,6 +38,7 @@ from tlt.drafter.model_config import ModelConfig
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.bench.rollout import fixed_batch
+from tlt.rollout.attention import TUNING
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
@@ -85,6 +87,7 @@ def one_engine_at_a_time(model: TargetModel, drafter: Drafter, prompts: list[lis
             steps = res.steps[WARM_STEPS:] or res.steps
             runs[(kernel, name)] = {"step_ms": 1e3 * statistics.median(x.seconds for x in steps),
                                     "draft_ms": 1e3 * statistics.median(x.draft_seconds for x in steps),
+                                    "host_ms": 1e3 * statistics.median(x.host_seconds for x in steps),
                                     "outputs": res.outputs,
                                     "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
             log.info("%s %s: step %.2f ms", kernel, name, runs[(kernel, name)]["step_ms"])
@@ -97,7 +100,8 @@ def one_engine_at_a_time(model: TargetModel, drafter: Drafter, prompts: list[lis
     out = {"ar_step_ms": ar["step_ms"], "sd_step_ms": sd["step_ms"], "draft_ms": sd["draft_ms"],
            "verify_ms": sd["step_ms"] - sd["draft_ms"], "verify_vs_plain": (sd["step_ms"] - sd["draft_ms"]) / ar["step_ms"],
            "all_accepted_limit": (chain.depth + 1) * ar["step_ms"] / sd["step_ms"],
-           "lossless": sd["outputs"] == ar["outputs"], "peak_gb": max(r["peak_gb"] or 0 for r in runs.values()) or None}
+           "lossless": sd["outputs"] == ar["outputs"], "peak_gb": max(r["peak_gb"] or 0 for r in runs.values()) or None,
+           "ar_host_ms": ar["host_ms"], "sd_host_ms": sd["host_ms"], "tuning": dataclasses.asdict(TUNING)}
     if baseline:
         bar, bsd = runs[("torch", "AR")], runs[("torch", "SD")]
         out |= {"baseline_ar_step_ms": bar["step_ms"], "baseline_sd_step_ms": bsd["step_ms"],
