@@ -30,7 +30,7 @@ arm's window (``depth + 1`` pairs: what one speculative step commits), the whole
 catch-up over that fixed window, every draft level with attention over the whole drafter cache,
 top-k and tree selection -- runs at fixed shapes for the batch padded to a captured size, and on
 CUDA replays one CUDA graph per :class:`~tlt.rollout.graphs.DraftLoopGraphKey` (padded batch, arm,
-window, sampled), captured on first use. A longer backlog (after plain steps or another proposer's)
+window, sampled), captured at its ``capture_after``-th use (its first uses run the loop eagerly). A longer backlog (after plain steps or another proposer's)
 runs eagerly at dynamic shapes. A new drafter is a new proposer with graphs of its own, so no graph
 ever replays an old drafter's weights; a re-laid-out feature buffer drops the graphs.
 
@@ -44,6 +44,7 @@ by ``log q`` as before.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -65,13 +66,17 @@ log = logging.getLogger(__name__)
 class EagleProposer:
     def __init__(self, drafter: Drafter, *, max_batch: int, max_len: int, catch_up_window: int = 16,
                  start_window: int | None = None, shared_noise: bool = True, static_shapes: bool | None = None,
-                 cuda_graphs: bool = True, attention: str = "auto") -> None:
+                 cuda_graphs: bool = True, attention: str = "auto", capture_after: int = 2) -> None:
         if catch_up_window < 1:
             raise ValueError(f"catch_up_window={catch_up_window} must be >= 1")
         if start_window is not None and start_window < 1:
             raise ValueError(f"start_window={start_window} must be None (the whole request) or >= 1")
         if attention not in KERNELS:
             raise ValueError(f"attention={attention!r}: use one of {KERNELS}")
+        if capture_after < 1:
+            raise ValueError(f"capture_after={capture_after}: a shape is captured at its first use or later (>= 1)")
+        self.capture_after = capture_after  # a loop shape's first uses run eagerly; captured at this one
+        self._uses: collections.Counter[DraftLoopGraphKey] = collections.Counter()
         cfg = drafter.config.layer
         self.attention = attention  # the attention kernel (tlt.rollout.attention)
         self.drafter = drafter.eval()
@@ -163,7 +168,10 @@ class EagleProposer:
             self._features = inp.features
             key = DraftLoopGraphKey(batch=padded, depth=arm.depth, topk=arm.topk,
                                     tokens_to_verify=arm.tokens_to_verify, window=window, sampled=sampled)
-            if not self.pool.has(key):
+            captured = self.pool.has(key)
+            if not captured:
+                self._uses[key] += 1
+            if not captured and self._uses[key] >= self.capture_after:
                 # The pool's warm-up runs execute the loop: on this step's inputs (the catch-up
                 # rewrites the same pairs, the levels write scratch slots), with the positions restored.
                 t0 = time.perf_counter()
@@ -172,8 +180,12 @@ class EagleProposer:
                 self._pos.copy_(pos)
                 self._capture_inputs = None
                 self.capture_s += time.perf_counter() - t0
-            out = self.pool.replay(key, **x)
-            self.replays += 1
+                captured = True
+            if captured:
+                out = self.pool.replay(key, **x)
+                self.replays += 1
+            else:  # a shape's first uses: not worth a capture yet
+                out = self._loop(x, inp.features, arm, window, sampled)
         tokens, parents, depth, valid = (out[name][:b].clone() for name in ("tokens", "parents", "depth", "valid"))
         return DraftTree(tokens, parents, valid, depth)
 

@@ -106,6 +106,9 @@ class EngineConfig:
     # attention kernel (tlt.rollout.attention): "auto" = the Triton kernel on CUDA (each row reads its
     # own length), else the torch path; "torch" = the torch path everywhere (SDPA under one mask)
     attention: str = "auto"
+    # a step shape's first uses run eagerly and its CUDA graph is captured at this use (1: at the
+    # first): an arm the tuner tries once costs an eager step, not a capture
+    capture_after: int = 2
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -114,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"prefill_tokens={self.prefill_tokens}: at least 16 tokens per prefill forward")
         if self.attention not in KERNELS:
             raise ValueError(f"attention={self.attention!r}: use one of {KERNELS}")
+        if self.capture_after < 1:
+            raise ValueError(f"capture_after={self.capture_after}: a shape is captured at its first use or later (>= 1)")
         if self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
         if self.arm is not None and self.arm.tokens_to_verify > self.max_draft_tokens:
@@ -216,7 +221,7 @@ class RolloutEngine:
         sizes = tuple(c for c in DEFAULT_CAPTURE_BATCH_SIZES if c < self.cfg.max_batch) + (self.cfg.max_batch,)
         return StaticTargetStep(self.target, self.cache, GraphPlanConfig(capture_batch_sizes=sizes),
                                 self._capture, self._features, cuda_graphs=self.cfg.cuda_graphs,
-                                attention=self.cfg.attention)
+                                attention=self.cfg.attention, capture_after=self.cfg.capture_after)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],

@@ -10,8 +10,9 @@ forward, the write of its features into the engine's buffer (EAGLE-3's layers to
 draws, the acceptance walk and the packed verdict -- then runs from one graph of a
 :class:`~tlt.rollout.graph_pool.CudaGraphPool`, captured on first use of its :class:`VerifyGraphKey`
 (padded batch, query, walk depth, stop-table width, and the sampling flags that decide on the host
-whether the full-vocabulary sort and the noise run) -- so only the shapes the tuner really picks
-are ever captured, a subset of the bucketed plan -- or eagerly (CPU, or a batch above the largest
+whether the full-vocabulary sort and the noise run) at its ``capture_after``-th use -- so only the
+shapes the tuner really picks are ever captured, a subset of the bucketed plan, and an arm it tries
+once costs an eager step, not a capture -- or eagerly (CPU, or a batch above the largest
 captured size). The host then makes the step's one read. Padding rows are free cache rows (no running request
 holds them): context 0, each node seeing itself, greedy draws; padded tree nodes are invalid, so
 the walk never takes them. The dynamic-shape and static-shape engines are token-identical
@@ -21,6 +22,7 @@ address).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -54,10 +56,14 @@ class VerifyGraphKey(TargetGraphKey):
 class StaticTargetStep:
     def __init__(self, target: TargetModel, cache: StaticKVCache, sizes: GraphPlanConfig,
                  capture: tuple[int, ...], features: Callable[[TargetOutput], torch.Tensor | None], *,
-                 cuda_graphs: bool, attention: str = "auto") -> None:
+                 cuda_graphs: bool, attention: str = "auto", capture_after: int = 2) -> None:
         # sizes: the captured batch sizes; features: the engine's feature extraction (None: none);
-        # attention: the kernel (tlt.rollout.attention.KERNELS)
+        # attention: the kernel (tlt.rollout.attention.KERNELS); capture_after: a shape's first uses run
+        # eagerly, and its graph is captured at this one (the tuner's exploration costs no capture)
         self.target, self.cache, self.sizes, self.attention = target, cache, sizes, attention
+        self.capture_after = capture_after
+        self._uses: collections.Counter[VerifyGraphKey] = collections.Counter()  # uses of shapes not captured
+        self.eager = 0  # steps run eagerly while their shape was not captured yet
         self.capture, self.features = capture, features
         self.rows = cache.k.shape[1]
         self.pool = None
@@ -95,6 +101,10 @@ class StaticTargetStep:
         self._buffer = buffer
         key = VerifyGraphKey(batch=padded, query_tokens=q, depth=depth, stops=width, masked=flags[0], sampled=flags[1])
         if not self.pool.has(key):
+            self._uses[key] += 1
+            if self._uses[key] < self.capture_after:
+                self.eager += 1
+                return read_verdict(self._step(x, buffer, depth, *flags), b)
             t0 = time.perf_counter()
             self.pool.capture([key])
             self.capture_s += time.perf_counter() - t0

@@ -47,7 +47,7 @@ def test_graph_capture_time_stays_out_of_tuner_rewards():
     times: list[float] = []
     record = tuner.record
     tuner.record = lambda b, arm, acc, s: (times.append(s), record(b, arm, acc, s))[1]
-    engine = RolloutEngine(model, EngineConfig(max_batch=2, max_len=96, static_shapes=True),
+    engine = RolloutEngine(model, EngineConfig(max_batch=2, max_len=96, static_shapes=True, capture_after=1),
                            proposers={"suffix": NgramProposer()}, tuner=tuner)
     step = engine.static_step
     step.pool = _SlowCapturePool(step)
@@ -91,7 +91,7 @@ def test_draft_loop_capture_time_stays_out_of_tuner_rewards():
     from tests.rollout.test_transfers import _models
 
     model, drafter = _models()
-    prop = EagleProposer(drafter, max_batch=2, max_len=128, static_shapes=True)
+    prop = EagleProposer(drafter, max_batch=2, max_len=128, static_shapes=True, capture_after=1)
     prop.pool = _SlowLoopPool(lambda key: prop.loop_graph_step(key, prop._features))
     tuner = BegMab(TunerConfig.for_device("cpu", seed=0))
     times: list[float] = []
@@ -102,3 +102,30 @@ def test_draft_loop_capture_time_stays_out_of_tuner_rewards():
     engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=40))
     assert prop.pool.graphs and prop.capture_s >= CAPTURE_S * len(prop.pool.graphs) * 0.99
     assert times and max(times) < CAPTURE_S, times
+
+
+def test_a_shape_is_captured_at_its_second_use_and_an_arm_tried_once_never():
+    """The default ``capture_after=2``: exploring an arm once costs an eager step, not a capture.
+    Every captured shape was used twice before it was, every other one once; the tokens are the
+    eager engine's."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = TargetModel(cfg).eval()
+    prompts = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [7, 8, 9, 7, 8, 9, 7, 8]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+
+    def engine():
+        return RolloutEngine(model, EngineConfig(max_batch=2, max_len=96, static_shapes=True),
+                             proposers={"suffix": NgramProposer()},
+                             tuner=BegMab(TunerConfig.for_device("cpu", proposers=("suffix",), seed=0)))
+
+    eng = engine()
+    step = eng.static_step
+    step.pool = _SlowCapturePool(step)
+    res = eng.generate(prompts, params)
+    assert step.pool.keys and all(step._uses[k] == 2 for k in step.pool.keys)
+    assert all(n == 1 for k, n in step._uses.items() if k not in step.pool.keys)
+    assert step.eager == len(step._uses) and step.capture_s < CAPTURE_S * (len(step.pool.keys) + 0.5)
+    assert len([s for s in res.steps if s.capture_seconds > 0]) == len(step.pool.keys)
+    assert res.outputs == engine().generate(prompts, params).outputs

@@ -109,8 +109,10 @@ def test_a_sampled_speculative_rollout_makes_no_unintended_sync(arm):
     are captured in a first rollout; the second, counted one replays them."""
     with torch.device("cuda"):
         target, drafter = _models()
-    props = {"suffix": NgramProposer()} if arm.proposer else {"": EagleProposer(drafter, max_batch=4, max_len=96)}
-    eng = RolloutEngine(target, EngineConfig(max_batch=4, max_len=72, arm=arm, elastic_threshold=4), proposers=props)
+    props = {"suffix": NgramProposer()} if arm.proposer else {"": EagleProposer(drafter, max_batch=4, max_len=96,
+                                                                                capture_after=1)}
+    eng = RolloutEngine(target, EngineConfig(max_batch=4, max_len=72, arm=arm, elastic_threshold=4, capture_after=1),
+                        proposers=props)
     prompts = [[1 + i, 2, 3 + i, 2, 3 + i] for i in range(4)]
     params = [SamplingParams(max_new_tokens=20 + 7 * i, temperature=1.0) for i in range(4)]
     first = eng.generate(prompts, params, groups=[0, 0, 1, 1])
