@@ -60,6 +60,11 @@ ROWS = {
         ("rollout_gpu.json", lambda r: (_by_batch(r, "paired", ("1", "4", "8", "32")), "1")),
     "one draft level / a plain step on a GPU, Llama-8B shape, batch 1, 8, 32":
         ("step_cost_llama8b_gpu.json", lambda r: (_by_batch(r, "draft_level_vs_plain", ("1", "8", "32")), "1")),
+    "with all 4 drafts accepted, at most x plain decoding on a GPU, Llama-8B shape, 32K-token context, batch 1 "
+    "(before the block-table attention)":
+        ("step_cost_llama8b_32768_b1_gpu.json", lambda r: (f"{r['by_batch']['1']['all_accepted_limit']:.2f}x "
+                                                           f"({r['by_batch']['1']['baseline_all_accepted_limit']:.2f}x)",
+                                                           "1")),
 }
 
 
