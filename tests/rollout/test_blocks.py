@@ -1,0 +1,72 @@
+"""The block pool's bookkeeping: growth by positions, release, the scratch block, exhaustion without
+side effects, and a random workload whose blocks are never shared or lost."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tlt.rollout.blocks import BlockPool, PoolExhausted
+
+
+def test_grow_release_and_table():
+    pool = BlockPool(6, 4)  # 5 usable blocks, block 5 is scratch
+    assert (pool.capacity, pool.free, pool.scratch) == (5, 5, 5)
+    assert pool.grow("a", 5) == [0, 1] and pool.grow("a", 8) == [] and pool.grow("a", 9) == [2]
+    assert pool.grow("b", 1) == [3]
+    assert pool.table(["b", "a"], 4) == [[3, 5, 5, 5], [0, 1, 2, 5]]
+    assert pool.shortfall({"a": 12, "b": 8}) == 0 and pool.shortfall({"a": 16, "b": 8}) == 1
+    assert pool.release("a") == 3 and pool.free == 4 and pool.peak == 4
+    assert pool.grow("c", 4) == [0]  # freed blocks come back lowest first
+
+
+def test_exhaustion_takes_nothing():
+    pool = BlockPool(4, 2)
+    pool.grow("a", 4)
+    with pytest.raises(PoolExhausted, match="needs 2 more blocks"):
+        pool.grow("b", 3)
+    assert pool.held("b") == [] and pool.free == 1
+    with pytest.raises(ValueError, match="2 blocks, the table has 1"):
+        pool.table(["a"], 1)
+
+
+@pytest.mark.parametrize("bad", [dict(num_blocks=1, block_size=4), dict(num_blocks=4, block_size=0)])
+def test_refuses_a_pool_that_cannot_hold_anything(bad):
+    with pytest.raises(ValueError):
+        BlockPool(**bad)
+
+
+def test_a_random_workload_never_shares_or_loses_a_block():
+    rng = random.Random(0)
+    pool, lengths = BlockPool(64, 16), {}
+    for step in range(2000):
+        r = rng.randrange(12)
+        if r in lengths and rng.random() < 0.1:
+            pool.release(r)
+            del lengths[r]
+            continue
+        want = lengths.get(r, 0) + rng.randrange(1, 40)
+        try:
+            pool.grow(r, want)
+            lengths[r] = want
+        except PoolExhausted:
+            pass
+        held = [b for q in lengths for b in pool.held(q)]
+        assert len(held) == len(set(held)) and pool.scratch not in held
+        assert len(held) + pool.free == pool.capacity
+        assert all(len(pool.held(q)) == pool.blocks_for(n) for q, n in lengths.items())
+
+
+def test_victims_by_rule_cover_the_shortfall_and_spare_the_last_request():
+    from tlt.rollout.eviction import Candidate, choose_victims
+
+    run = [Candidate(1, blocks=4, tokens=60, admitted=0), Candidate(2, blocks=1, tokens=10, admitted=1),
+           Candidate(3, blocks=2, tokens=30, admitted=2)]
+    assert choose_victims(run, 2, "youngest") == [3]
+    assert choose_victims(run, 2, "fewest-tokens") == [2, 3]
+    assert choose_victims(run, 2, "most-tokens") == [1]
+    assert choose_victims(run, 100, "youngest") == [3, 2]  # never all three
+    assert choose_victims(run[:1], 5, "youngest") == [] and choose_victims(run, 0, "youngest") == []
+    with pytest.raises(ValueError, match="eviction rule"):
+        choose_victims(run, 1, "oldest")
