@@ -258,11 +258,15 @@ def test_captures_survive_collections_and_a_probe_thread(setup, trained_target, 
         prompts, params, seeds=[1, 2, 3, 4])
     probe = DriftProbe(gpu, threading.Lock())
     probe.record(prompts)
-    stop = threading.Event()
+    stop, probed, errors = threading.Event(), [], []
 
     def probing():
-        while not stop.is_set():
-            probe.before()
+        try:
+            while not stop.is_set():
+                probe.before()
+                probed.append(1)
+        except Exception as e:  # the test fails on it below
+            errors.append(e)
 
     thread = threading.Thread(target=probing, daemon=True)
     threshold = gc.get_threshold()
@@ -280,3 +284,4 @@ def test_captures_survive_collections_and_a_probe_thread(setup, trained_target, 
         stop.set()
         thread.join()
         gc.set_threshold(*threshold)
+    assert not errors and len(probed) > 6, (errors, len(probed))  # the probe ran forwards all along

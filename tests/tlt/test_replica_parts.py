@@ -248,6 +248,7 @@ def test_a_long_run_through_the_batcher_keeps_bounded_memory():
         for g in range(50):
             await asyncio.gather(*(b.submit(RequestState((1 + i, 2, 3), params, seed=g * 4 + i, group=i), f"g{g}r{i}")
                                    for i in range(2)))
+            await _until(lambda: len(gens) == g + 1)  # the answers come before the generation closes
             if g == 4:  # after warm-up: allocator pools and caches are filled
                 tracemalloc.start()
                 before = tracemalloc.take_snapshot()

@@ -20,6 +20,7 @@ import torch
 
 from tlt.drafter.checkpoint import load_weights
 from tlt.drafter.eagle import Drafter, DrafterConfig
+from tlt.rollout.graph_pool import CAPTURE_LOCK
 from tlt.rollout.target import TargetModel
 
 log = logging.getLogger(__name__)
