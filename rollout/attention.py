@@ -127,10 +127,7 @@ class AttnMeta:
         if self.row0 is not None:
             rows = torch.arange(self.row0, self.row0 + pos.shape[0], device=pos.device)[:, None]
             return rows.expand_as(pos), pos.clamp(max=self.block_size - 1)
-        col = torch.div(pos, self.block_size, rounding_mode="floor")
-        inside = col < self.blocks.shape[1]
-        blk = self.blocks.gather(1, col.clamp(0, self.blocks.shape[1] - 1)).long()
-        return torch.where(inside, blk, self.scratch), pos - col * self.block_size
+        return physical(self.blocks, self.block_size, pos, self.scratch)
 
     def query_positions(self, q: int) -> torch.Tensor:
         """[B, Q] the positions of the step's queries: the tail's last ``q``."""
@@ -177,6 +174,15 @@ class AttnMeta:
             return layer_kv[self.row0: self.row0 + b, :, :s]
         blk, off = self._get("read", lambda: self.physical(torch.arange(s, device=self.ctx.device).expand(b, s)))
         return layer_kv[blk, :, off].transpose(1, 2)  # [B, S, KV, D] -> [B, KV, S, D]
+
+
+def physical(blocks: torch.Tensor, block_size: int, pos: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logical positions pos [B, T] of rows with tables blocks [B, C] -> (block [B, T] long, offset
+    [B, T] long); a position past the table's width maps to the scratch block."""
+    col = torch.div(pos, block_size, rounding_mode="floor")
+    inside = col < blocks.shape[1]
+    blk = blocks.gather(1, col.clamp(0, blocks.shape[1] - 1)).long()
+    return torch.where(inside, blk, scratch), pos - col * block_size
 
 
 class PagedBackend:

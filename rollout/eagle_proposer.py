@@ -53,7 +53,7 @@ import torch
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.draft_tree import DraftTree, ProposerInput, right_pad
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, DraftLoopGraphKey, GraphPlanConfig
-from tlt.rollout.attention import KERNELS, AttnMeta, default_splits
+from tlt.rollout.attention import KERNELS, AttnMeta, default_splits, physical
 from tlt.rollout.kv_cache import StaticKVCache, compact_rows
 from tlt.rollout.sampling import gumbel, token_hash
 from tlt.rollout.strategy import Arm
@@ -85,8 +85,14 @@ class EagleProposer:
         # [Vd] hashed target ids of the draft vocabulary: the noise key's token word
         self._draft_hash = token_hash(drafter.draft_to_target(torch.arange(drafter.vocab_size, device=self.device)))
         self.feature_layers = drafter.feature_layers
+        # the drafter's KV: one row per running request (max_len slots), or, in an engine with a paged
+        # cache, laid out by the engine's block ids (its tables in the proposal's RowState), chosen at
+        # the first proposal that brings tables (_use_layout)
+        self.max_len = max_len
         self.cache = StaticKVCache(1, max_batch, cfg.num_key_value_heads, max_len, cfg.head_dim,
                                    dtype=drafter.fc.weight.dtype, device=self.device)
+        self._paged = False
+        self._blocks: torch.Tensor | None = None  # [B, C] int32: this proposal's rows' tables (paged)
         self.generation: int | None = None
         self.rows: list[int] = []  # request id per drafter cache row
         self.seen: dict[int, int] = {}  # pairs up to this position went through the drafter cache
@@ -126,12 +132,15 @@ class EagleProposer:
             return DraftTree.empty(b, self.device)
         if inp.features is None:
             raise ValueError("EagleProposer needs the target features (ProposerInput.features)")
+        self._use_layout(inp)
         self._follow_rows(inp)
         window = arm.depth + 1
         ends, lens_host = self._host_catch_up(inp)
         padded = self.sizes.padded_batch(b) if self.static and inp.state is not None else None
-        if padded is not None and max(lens_host) <= window and padded <= min(self.cache.k.shape[1],
-                                                                               inp.features.shape[0]):
+        # padding rows: free drafter rows (paged: the scratch block)
+        rows_free = self._pos.shape[1] if self._paged else min(self.cache.k.shape[1], inp.features.shape[0])
+        self._blocks = inp.state.blocks if self._paged else None
+        if padded is not None and max(lens_host) <= window and padded <= rows_free:
             self._catch_up = Span(self.device)  # inside the loop: no separate catch-up cost
             return self._propose_static(inp, arm, window, padded)
         self._catch_up.start()
@@ -157,6 +166,8 @@ class EagleProposer:
              "tokens": torch.cat([st.tokens, st.tokens.new_zeros(extra, st.tokens.shape[1])]),
              "keys": torch.cat([st.sampling.keys, st.sampling.keys.new_zeros(extra)]),
              "temp": torch.cat([st.sampling.temperature, st.sampling.temperature.new_zeros(extra)])}
+        if st.blocks is not None:  # padding rows read the scratch block (the buffer's last)
+            x["blocks"] = torch.cat([st.blocks, st.blocks.new_full((extra, st.blocks.shape[1]), inp.features.shape[0] - 1)])
         self.static_proposals += 1
         if self.pool is None:
             out = self._loop(x, inp.features, arm, window, sampled)
@@ -207,7 +218,8 @@ class EagleProposer:
               sampled: bool) -> dict[str, torch.Tensor]:
         """One whole proposal at fixed shapes: x lens [C], tokens [C, T], keys [C], temp [C] by
         (padded) row; feats [max_batch, S, F]. Returns the tree's tokens, parents and depths [C, n]."""
-        c, span = x["lens"].shape[0], self.cache.max_len
+        self._blocks = x.get("blocks")  # (while a graph captures: its static input)
+        c, span = x["lens"].shape[0], self._slots
         end = x["lens"] - 1  # [C] pairs available: positions < end
         root = self._catch_up_device(end, x["tokens"], feats, c, window, span)
         tokens, parents, depth, valid = self._draft(root, self._seen[:c], self._floor[:c], x["keys"], x["temp"],
@@ -244,8 +256,7 @@ class EagleProposer:
             exp_anc = torch.cat([exp_anc, own], -1)  # [B, k, E + k]
             # the prefix [floor, base) unmasked; the expanded candidates' slots base .. base + e + k under
             # their ancestry; this level's k candidates are written at the last k of them
-            meta = AttnMeta.rows(base, e + k, self.cache.max_len, start=floor, tail=exp_anc, span=span_of(e),
-                                 splits=self._splits(b), kernel=self.attention)
+            meta = self._meta(base, e + k, floor, exp_anc, span_of(e), self._splits(b))
             pos = (base[:, None] + level - 1).expand(b, k)
             out = d(exp_tok, exp_feat, pos, self.cache.backend(meta))
             lp = scores_at(d.logits(out), level)  # [B, k, Vd]
@@ -314,11 +325,12 @@ class EagleProposer:
             return
         where = {r: i for i, r in enumerate(self.rows)}
         taken = {where[r] for r in inp.rows if r in where}
-        free = iter(i for i in range(self.cache.k.shape[1]) if i not in taken)
+        free = iter(i for i in range(self._pos.shape[1]) if i not in taken)
         keep = [where[r] if r in where else next(free) for r in inp.rows]
         new = [i for i, r in enumerate(inp.rows) if r not in where]
         with intended_sync(self.device):  # requests leaving and joining: index uploads
-            compact_rows((self.cache.k, self.cache.v, self._pos), keep, dim=1)
+            # (paged: a row's KV stays in its blocks; only the positions follow the rows)
+            compact_rows((self._pos,) if self._paged else (self.cache.k, self.cache.v, self._pos), keep, dim=1)
             if new:
                 at = torch.tensor(new, device=self.device)
                 self._pos[:2, at] = 0
@@ -393,11 +405,13 @@ class EagleProposer:
             part = ids[:, c0: c0 + chunk]  # [C, mc]
             mc = part.shape[1]
             pos = base[:, None] + c0 + torch.arange(mc, device=self.device)  # [C, mc]
-            x = feats[rows[:, None], pos.clamp(0, feats.shape[1] - 1)]
+            if self._blocks is None:  # the engine's features by (row, position)
+                x = feats[rows[:, None], pos.clamp(0, feats.shape[1] - 1)]
+            else:  # by the rows' block tables (feats [blocks, block_size, F], the last block scratch)
+                x = feats[physical(self._blocks[:c], feats.shape[1], pos, feats.shape[0] - 1)]
             # the floor .. the chunk unmasked (skipped pairs stay invisible), the chunk causally
-            meta = AttnMeta.rows(base + c0, mc, self.cache.max_len, start=self._floor[:c], span=span,
-                                 splits=self._splits(c) if mc <= 64 else 1,  # (many queries fill the device)
-                                 kernel=self.attention)
+            meta = self._meta(base + c0, mc, self._floor[:c], None, span,
+                              self._splits(c) if mc <= 64 else 1)  # (many queries fill the device)
             out = self.drafter(part, x.to(self.drafter.fc.weight.dtype), pos, self.cache.backend(meta))
             here = (lens - 1 - c0).clamp(0, mc - 1)
             inside = ((lens - 1 >= c0) & (lens - 1 < c0 + mc))[:, None]
@@ -406,4 +420,30 @@ class EagleProposer:
         return last
 
     def _splits(self, b: int) -> int:
-        return default_splits(b, self.cache.k.shape[2], self.cache.max_len, self.device, self.attention)
+        return default_splits(b, self.cache.k.shape[2], self._slots, self.device, self.attention)
+
+    @property
+    def _slots(self) -> int:
+        """Positions a row's attention may span: a row's slots, or its table's."""
+        return self._blocks.shape[1] * self.cache.max_len if self._blocks is not None else self.cache.max_len
+
+    def _meta(self, ctx: torch.Tensor, width: int, start: torch.Tensor, tail: torch.Tensor | None, span: int,
+              splits: int) -> AttnMeta:
+        """The drafter cache's attention layout for rows [0, B): by row, or by the engine's tables."""
+        if self._blocks is None:
+            return AttnMeta.rows(ctx, width, self.cache.max_len, start=start, tail=tail, span=span, splits=splits,
+                                 kernel=self.attention)
+        return AttnMeta(self._blocks[: ctx.shape[0]], self.cache.max_len, start, ctx, width, tail, span, splits,
+                        scratch=self.cache.k.shape[1] - 1, kernel=self.attention)
+
+    def _use_layout(self, inp: ProposerInput) -> None:
+        """At the first proposal of an engine with a paged cache: the drafter's KV moves to the engine's
+        block layout ([blocks, block_size], the features buffer's), its graphs and rows start over."""
+        if self._paged or inp.state is None or inp.state.blocks is None:
+            return
+        n, bs = inp.features.shape[:2]
+        c = self.cache
+        self.cache = StaticKVCache(1, n, c.k.shape[2], bs, c.k.shape[4], dtype=c.k.dtype, device=self.device)
+        self._paged, self.generation = True, None
+        if self.pool is not None:
+            self.pool.close()

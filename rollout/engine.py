@@ -53,7 +53,9 @@ from tlt.drafter.seeds import derive
 from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, GraphPlanConfig
-from tlt.rollout.attention import KERNELS, AttnMeta, default_splits
+from tlt.rollout.attention import KERNELS, AttnMeta, default_splits, physical
+from tlt.rollout.blocks import BlockPool
+from tlt.rollout.eviction import RULES, Candidate, choose_victims
 from tlt.rollout.kv_cache import StaticKVCache, compact_rows, swap_remove, tree_ancestors
 from tlt.rollout.request import Finished, RequestState
 from tlt.rollout.row_state import RowState
@@ -109,6 +111,20 @@ class EngineConfig:
     # a step shape's first uses run eagerly and its CUDA graph is captured at this use (1: at the
     # first): an arm the tuner tries once costs an eager step, not a capture
     capture_after: int = 2
+    # The KV cache's layout. None: one block of max_len + max_draft_tokens slots per row, rows
+    # compacted by copying (the static cache). N: a paged cache of N-position blocks shared by the
+    # target's KV, the drafter's KV and the feature buffer, held as requests grow and freed as they
+    # leave; kv_blocks of them (None: max_batch rows' worth), and when the pool cannot grow every running
+    # row for the next step, the draft shrinks, then requests are evicted (by ``eviction``) and
+    # prefilled again later, token-identical (tlt.rollout.eviction).
+    block_size: int | None = None
+    kv_blocks: int | None = None
+    # or the pool sized by memory (the target's KV and the feature buffer per block): kv_bytes bytes
+    # (any device), or on CUDA kv_fraction of the device's total memory less what is allocated (the
+    # weights) when the engine is built, as vLLM's gpu_memory_utilization
+    kv_bytes: int | None = None
+    kv_fraction: float | None = None
+    eviction: str = "youngest"
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -119,6 +135,23 @@ class EngineConfig:
             raise ValueError(f"attention={self.attention!r}: use one of {KERNELS}")
         if self.capture_after < 1:
             raise ValueError(f"capture_after={self.capture_after}: a shape is captured at its first use or later (>= 1)")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size}: None (one block per row) or >= 1 positions per block")
+        if self.kv_blocks is not None and (self.block_size is None or self.kv_blocks < 1):
+            raise ValueError(f"kv_blocks={self.kv_blocks}: needs a block_size, and at least 1 block")
+        if self.kv_bytes is not None and (self.block_size is None or self.kv_bytes < 1):
+            raise ValueError(f"kv_bytes={self.kv_bytes}: needs a block_size, and a positive byte count")
+        if self.kv_fraction is not None and (self.block_size is None or not 0 < self.kv_fraction <= 1):
+            raise ValueError(f"kv_fraction={self.kv_fraction}: needs a block_size, and a fraction in (0, 1]")
+        if sum(x is not None for x in (self.kv_blocks, self.kv_bytes, self.kv_fraction)) > 1:
+            raise ValueError("kv_blocks, kv_bytes and kv_fraction each size the pool: give one")
+        if self.eviction not in RULES:
+            raise ValueError(f"eviction={self.eviction!r}: use one of {RULES}")
+
+    @property
+    def slots(self) -> int:
+        """Positions a request may reach: its tokens and a draft tree."""
+        return self.max_len + self.max_draft_tokens
         if self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
         if self.arm is not None and self.arm.tokens_to_verify > self.max_draft_tokens:
@@ -143,6 +176,10 @@ class StepRecord:
     capture_seconds: float = 0.0
     catch_up_seconds: float = 0.0
     host_seconds: float = 0.0
+    # a paged cache: requests evicted before this step, and tokens re-prefilled at its admission
+    # (evicted requests coming back)
+    evicted: int = 0
+    recomputed: int = 0
 
 
 @dataclasses.dataclass
@@ -191,10 +228,17 @@ class RolloutEngine:
         self.set_proposers(named, tuner)
         mc = target.config
         self.device = target.embed_weight.device
-        self.cache = StaticKVCache(mc.num_hidden_layers, cfg.max_batch, mc.num_key_value_heads,
-                                   cfg.max_len + cfg.max_draft_tokens, mc.head_dim, dtype=target.embed_weight.dtype,
-                                   device=self.device)
-        self._features_buf: torch.Tensor | None = None  # [max_batch, slots, F], allocated on first use
+        # rows layout: cache row r = running row r, of cfg.slots slots; paged: blocks of a BlockPool,
+        # the last one scratch, each row's table in RowState.blocks [B, table_width]
+        self.pool: BlockPool | None = None
+        if cfg.block_size is not None:
+            self.pool = BlockPool(self._pool_blocks() + 1, cfg.block_size)
+        self.table_width = -(-cfg.slots // cfg.block_size) if self.pool else 1
+        self.cache = StaticKVCache(mc.num_hidden_layers, self.pool.capacity + 1 if self.pool else cfg.max_batch,
+                                   mc.num_key_value_heads, cfg.block_size or cfg.slots, mc.head_dim,
+                                   dtype=target.embed_weight.dtype, device=self.device)
+        # [blocks, block_size, F] (rows layout: [max_batch, slots, F]), allocated on first use
+        self._features_buf: torch.Tensor | None = None
         self._generation = 0  # bumped when requests arrive at an idle engine (proposers start over)
         self._next_rid = 0
         self._queue: list[tuple[int, RequestState]] = []  # waiting for a row, in arrival order
@@ -211,17 +255,50 @@ class RolloutEngine:
         self._steps: list[StepRecord] = []
         self._accept: list[list[int]] = []  # per kept step: committed tokens per request (speculative steps)
         self._forgotten = 0  # steps before this one were dropped
-        self.lifecycle: collections.Counter[str] = collections.Counter()  # joined, left, aborted requests
+        self.lifecycle: collections.Counter[str] = collections.Counter()  # joined, left, aborted, evicted requests
+        self._admitted = 0  # admissions so far (the eviction rule's age)
+        self._admitted_at: dict[int, int] = {}  # running request -> its admission number
+        self._evicted_now = 0  # evictions before the next step's record
+        self._recomputed_now = 0  # tokens re-prefilled for evicted requests, for the next step's record
+        self._evicted_rids: set[int] = set()  # evicted requests waiting to come back
         # requests whose features the sink received, by how they left (finished, aborted, left)
         self.fed: collections.Counter[str] = collections.Counter()
         static = cfg.static_shapes if cfg.static_shapes is not None else self.device.type == "cuda"
         self.static_step: StaticTargetStep | None = self._new_static_step() if static else None
 
+    def block_bytes(self) -> int:
+        """Bytes a block of the paged pools takes: the target's keys and values over every layer, and
+        the feature buffer's row (the last hidden state and the captured layers)."""
+        mc, bs = self.target.config, self.cfg.block_size or self.cfg.slots
+        elem = self.target.embed_weight.element_size()
+        feats = (mc.hidden_size if self._stores_hidden else 0) + mc.hidden_size * len(self._aux_layers)
+        return bs * elem * (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim + feats)
+
+    def _pool_blocks(self) -> int:
+        cfg = self.cfg
+        if cfg.kv_blocks is not None:
+            return cfg.kv_blocks
+        if cfg.kv_bytes is not None:
+            n, how = cfg.kv_bytes // self.block_bytes(), f"kv_bytes={cfg.kv_bytes}"
+        elif cfg.kv_fraction is not None:
+            if self.device.type != "cuda":
+                raise ValueError(f"kv_fraction={cfg.kv_fraction} sizes the pool by a CUDA device's memory; on "
+                                 f"{self.device.type} give kv_bytes or kv_blocks")
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            free = cfg.kv_fraction * total - torch.cuda.memory_allocated(self.device)
+            n, how = int(free // self.block_bytes()), f"kv_fraction={cfg.kv_fraction} of {total / 2**30:.1f} GiB"
+        else:  # today's capacity: max_batch rows of max_len + max_draft_tokens
+            return cfg.max_batch * -(-cfg.slots // cfg.block_size)
+        if n < 1:
+            raise ValueError(f"{how} holds no block of {self.block_bytes()} bytes: give the pool more memory")
+        return n
+
     def _new_static_step(self) -> StaticTargetStep:
         sizes = tuple(c for c in DEFAULT_CAPTURE_BATCH_SIZES if c < self.cfg.max_batch) + (self.cfg.max_batch,)
         return StaticTargetStep(self.target, self.cache, GraphPlanConfig(capture_batch_sizes=sizes),
                                 self._capture, self._features, cuda_graphs=self.cfg.cuda_graphs,
-                                attention=self.cfg.attention, capture_after=self.cfg.capture_after)
+                                attention=self.cfg.attention, capture_after=self.cfg.capture_after,
+                                paged=(self.cfg.block_size, self.table_width, self.pool.scratch) if self.pool else None)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -278,6 +355,12 @@ class RolloutEngine:
         if len(st.prompt) + st.params.max_new_tokens + 1 > self.cfg.max_len:
             raise ValueError(f"{name}: {len(st.prompt)} prompt tokens + max_new_tokens "
                              f"{st.params.max_new_tokens} exceed EngineConfig.max_len={self.cfg.max_len}")
+        if self.pool is not None:
+            need = self.pool.blocks_for(len(st.prompt) + st.params.max_new_tokens + 1 + self.cfg.max_draft_tokens)
+            if need > self.pool.capacity:
+                raise ValueError(f"{name}: {len(st.prompt)} prompt tokens + max_new_tokens {st.params.max_new_tokens} "
+                                 f"+ a draft of {self.cfg.max_draft_tokens} need {need} blocks of {self.pool.block_size} "
+                                 f"positions; the pool holds {self.pool.capacity} (raise EngineConfig.kv_blocks)")
 
     @property
     def running(self) -> int:
@@ -300,9 +383,14 @@ class RolloutEngine:
         out: list[Finished] = []
         self._admit(out)
         if self._rows:
+            arm = self._choose(len(self._rows))
+            if self.pool is not None:
+                arm = self._make_room(arm)
             inp = ProposerInput(self._generation, tuple(self._rows), self._seqs, self._plens, self._groups, None,
                                 Arm.off(), self._state.sampling, self._state)
-            tokens, lps, rec, acc = self._step(inp)
+            tokens, lps, rec, acc = self._step(inp, arm)
+            rec.evicted, rec.recomputed = self._evicted_now, self._recomputed_now
+            self._evicted_now = self._recomputed_now = 0
             self._steps.append(rec)
             self._accept.append(acc)
             if len(self._steps) > self.MAX_STEP_HISTORY:
@@ -332,6 +420,7 @@ class RolloutEngine:
         self._queue = [(r, st) for r, st in self._queue if r not in rids]
         row = {r: k for k, r in enumerate(self._rows)}
         self._retire({row[r]: reason for r in rids if r in row}, out)
+        self._evicted_rids -= set(rids)
         self.lifecycle[reason] += len(rids)
         return out
 
@@ -367,11 +456,21 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ internals: rows
     def _admit(self, out: list[Finished]) -> None:
-        """Prefill waiting requests into the free rows after the running ones."""
+        """Prefill waiting requests into the free rows after the running ones (a paged cache: as many
+        of the queue's first as its free blocks hold, sparing each running row a block to grow into)."""
         free = self.cfg.max_batch - len(self._rows)
         if not self._queue or free <= 0:
             return
-        if not self._rows:  # an idle engine: a new generation (proposers start over)
+        if self.pool is not None:
+            spare, free = self.pool.free - len(self._rows), min(free, len(self._queue))
+            for k, (_, st) in enumerate(self._queue[:free]):
+                spare -= self.pool.blocks_for(len(st.prompt) + len(st.output) + 1) + 1
+                if spare < 0 and (k or self._rows):  # (an idle pool holds any one request: add() checked)
+                    free = k
+                    break
+            if not free:
+                return
+        if not self._rows and not self._evicted_rids:  # an idle engine: a new generation (proposers start over)
             self._generation += 1
             self._last_proposer = None
             self._reqs.clear()
@@ -384,13 +483,57 @@ class RolloutEngine:
             self._reqs[rid] = _Live(st, list(st.prompt) + list(st.output), list(st.logprobs), st.handed_over)
             self._seqs[rid], self._plens[rid] = self._reqs[rid].seq, len(st.prompt)
             self._groups[rid] = st.group if st.group is not None else ("request", self._generation, rid)
+            self._admitted_at[rid], self._admitted = self._admitted, self._admitted + 1
+            if rid in self._evicted_rids:  # back from an eviction: its tokens are prefilled again
+                self._evicted_rids.discard(rid)
+                self._recomputed_now += len(st.prompt) + len(st.output) - 1
         with intended_sync(self.device):  # prefill: uploads the requests, reads the first tokens
-            first, first_lp, state = self._prefill([self._reqs[rid] for rid, _ in batch], b0)
+            tables = None
+            if self.pool is not None:  # blocks for each prompt and the pending token's slot
+                for rid, st in batch:
+                    self.pool.grow(rid, len(st.prompt) + len(st.output) + 1)
+                tables = torch.tensor(self.pool.table([rid for rid, _ in batch], self.table_width), dtype=torch.int32,
+                                      device=self.device)
+            first, first_lp, state = self._prefill([self._reqs[rid] for rid, _ in batch], b0, tables)
         self._state = state if self._state is None or not self._rows else self._state.cat(state)
         self._rows += [rid for rid, _ in batch]
         self.lifecycle["joined"] += len(batch) if b0 else 0
         fresh = [(k, [tok], [lp]) for k, (tok, lp, (_, st)) in enumerate(zip(first, first_lp, batch)) if not st.output]
         self._commit([t for _, t, _ in fresh], [x for _, _, x in fresh], [b0 + k for k, _, _ in fresh], out)
+
+    def _make_room(self, arm: Arm) -> Arm:
+        """Blocks for every running row to hold the next step's tokens (its pending token and the
+        arm's draft). Short of them: the step speculates not at all; still short: requests are evicted
+        by the configured rule (never the last one) and go back to the queue with their state.
+        Returns the arm the step runs."""
+        def need(a: Arm) -> dict[int, int]:
+            return {rid: len(self._seqs[rid]) + a.tokens_to_verify for rid in self._rows}
+
+        if not arm.is_off and self.pool.shortfall(need(arm)):
+            arm = Arm.off()  # first shrink the draft
+        short = self.pool.shortfall(need(arm))
+        if short:
+            cands = [Candidate(rid, len(self.pool.held(rid)), len(self._seqs[rid]), self._admitted_at[rid])
+                     for rid in self._rows]
+            self._evict(choose_victims(cands, short, self.cfg.eviction))
+        grown = [k for k, (rid, n) in enumerate(need(arm).items()) if self.pool.grow(rid, n)]
+        if grown:  # the step's one upload: the grown rows' tables
+            with intended_sync(self.device):
+                table = torch.tensor(self.pool.table([self._rows[k] for k in grown], self.table_width),
+                                     dtype=torch.int32, device=self.device)
+                self._state.set_blocks(torch.tensor(grown, device=self.device), table)
+        return arm
+
+    def _evict(self, rids: list[int]) -> None:
+        """Running requests leave the cache (features to the sink, blocks freed) and wait at the queue's
+        front with their state and ids; :meth:`_admit` prefills them again."""
+        row = {r: k for k, r in enumerate(self._rows)}
+        left: list[Finished] = []
+        self._retire({row[r]: "evicted" for r in rids}, left)
+        self._queue[:0] = [(f.rid, f.state) for f in left]
+        self._evicted_rids |= set(rids)
+        self._evicted_now += len(rids)
+        self.lifecycle["evicted"] += len(rids)
 
     def _commit(self, tokens: list[list[int]], lps: list[list[float]], rows: Sequence[int],
                 out: list[Finished]) -> None:
@@ -424,10 +567,15 @@ class RolloutEngine:
                     self.fed[gone[k]] += 1
                 out.append(Finished(rid, req.state_now(), gone[k]))
             if len(keep):
-                self.cache.compact_rows(keep)
-                if self._features_buf is not None:
-                    compact_rows((self._features_buf,), keep)
+                if self.pool is None:  # the rows layout: rows move (a paged row's table moves with its state)
+                    self.cache.compact_rows(keep)
+                    if self._features_buf is not None:
+                        compact_rows((self._features_buf,), keep)
                 self._state = self._state.select(torch.tensor(keep, device=self.device))
+        for k in gone:
+            if self.pool is not None:
+                self.pool.release(self._rows[k])
+            self._admitted_at.pop(self._rows[k], None)
         self._rows = [self._rows[k] for k in keep]
 
     def close(self) -> None:
@@ -493,10 +641,12 @@ class RolloutEngine:
                                  f"{sorted(self.proposers)}")
 
     # ------------------------------------------------------------------ internals
-    def _prefill(self, reqs: list["_Live"], row0: int) -> tuple[list[int], list[float], RowState]:
-        """Prefill joining requests into rows ``row0 ..``: each over its prompt, or over prompt +
-        tokens so far but the last (which is pending, as between two steps). Returns the pending
-        tokens (sampled for fresh requests) and their log-probs, and the rows' device state."""
+    def _prefill(self, reqs: list["_Live"], row0: int, tables: torch.Tensor | None = None
+                 ) -> tuple[list[int], list[float], RowState]:
+        """Prefill joining requests into rows ``row0 ..`` (a paged cache: into their blocks, tables
+        [B, C]): each over its prompt, or over prompt + tokens so far but the last (which is pending,
+        as between two steps). Returns the pending tokens (sampled for fresh requests) and their
+        log-probs, and the rows' device state."""
         ids_host = [r.seq[:-1] if r.state.output else r.seq for r in reqs]
         lens = torch.tensor([len(x) for x in ids_host], device=self.device)
         ids = right_pad(ids_host, device=self.device)  # [B, T]
@@ -512,13 +662,14 @@ class RolloutEngine:
             alive = [i for i, n in enumerate(host_lens) if n > c0]
             tc = min(chunk, max(host_lens[i] for i in alive) - c0)
             ctx = torch.full((len(alive),), c0, device=self.device)
-            if len(alive) == b:  # every row: cache rows row0 .. (views)
-                idx = torch.arange(b, device=self.device)
-                part = ids[:, c0: c0 + tc]
+            idx = torch.arange(b, device=self.device) if len(alive) == b else torch.tensor(alive, device=self.device)
+            part = ids[idx, c0: c0 + tc] if len(alive) < b else ids[:, c0: c0 + tc]
+            if tables is not None:  # a paged cache: the rows' blocks
+                meta = AttnMeta(tables[idx], self.cache.max_len, torch.zeros_like(ctx), ctx, tc, span=c0 + tc,
+                                kernel=self.cfg.attention, scratch=self.pool.scratch)
+            elif len(alive) == b:  # every row: cache rows row0 .. (views)
                 meta = AttnMeta.rows(ctx, tc, self.cache.max_len, row0=row0, span=c0 + tc, kernel=self.cfg.attention)
             else:  # the rows still going: their cache rows by block table
-                idx = torch.tensor(alive, device=self.device)
-                part = ids[idx, c0: c0 + tc]
                 meta = AttnMeta((row0 + idx)[:, None].int(), self.cache.max_len, torch.zeros_like(ctx), ctx, tc,
                                 span=c0 + tc, kernel=self.cfg.attention)
             pos = torch.arange(c0, c0 + tc, device=self.device).expand(len(alive), tc)
@@ -526,27 +677,38 @@ class RolloutEngine:
             n = lens[idx]
             h = out.hidden[torch.arange(len(alive), device=self.device), (n - 1 - c0).clamp(0, tc - 1)]
             last[idx] = torch.where(((n - 1 >= c0) & (n - 1 < c0 + tc))[:, None], h, last[idx])
-            self._keep_features(out, row0 + idx, c0)
+            self._keep_features(out, row0 + idx, c0, None if tables is None else tables[idx])
         logits = self.target.lm_head(last)[:, None]  # [B, 1, V]
         tok, lp = sample(logits, sampling, lens[:, None])  # a fresh request's first token sits at position len(prompt)
         tok = torch.where(pending[:, None] >= 0, pending[:, None], tok)
         host = torch.cat([tok.double(), lp.double()], 1).tolist()  # one host read
         state = RowState.start(ids, lens, tok[:, 0], stop_table([r.state.params.stop_ids for r in reqs], self.device),
-                               sampling, self.cache.max_len)
+                               sampling, self.cfg.slots, tables)
         # The pending token's KV (and feature) is written by the next step, as its tree root.
         return [int(r[0]) for r in host], [r[1] for r in host], state
 
-    def _keep_features(self, out, rows: torch.Tensor, c0: int) -> None:
-        """A prefill chunk's features into the buffer at ``rows`` [B'] (cache rows), positions ``c0 ..``."""
+    def _keep_features(self, out, rows: torch.Tensor, c0: int, tables: torch.Tensor | None) -> None:
+        """A prefill chunk's features into the buffer at ``rows`` [B'] (cache rows; a paged cache: by
+        the rows' tables [B', C]), positions ``c0 ..``."""
         feats = self._features(out)
         if feats is None:
             return
         if self._features_buf is None or self._features_buf.shape[-1] != feats.shape[-1]:
             if self._rows:  # cannot happen: what is captured only changes between generations
                 raise RuntimeError("the feature layout changed while requests were running")
-            self._features_buf = torch.zeros(self.cfg.max_batch, self.cache.max_len, feats.shape[-1],
+            self._features_buf = torch.zeros(*self.cache.k.shape[1:2], self.cache.max_len, feats.shape[-1],
                                              dtype=feats.dtype, device=self.device)
-        self._features_buf[rows, c0: c0 + feats.shape[1]] = feats
+        pos = torch.arange(c0, c0 + feats.shape[1], device=self.device).expand(feats.shape[0], -1)
+        self._write_features(rows[:, None], pos, tables, feats)
+
+    def _write_features(self, rows: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor | None,
+                        feats: torch.Tensor) -> None:
+        """feats [B, T, F] at positions pos [B, T] of cache rows rows [B, 1] (a paged cache: of the rows
+        whose tables are tables [B, C]): the buffer is laid out like the KV cache."""
+        if tables is None:
+            self._features_buf[rows, pos] = feats
+        else:
+            self._features_buf[physical(tables, self.cfg.block_size, pos, self.pool.scratch)] = feats
 
     def _hand_over(self, row: int, req: "_Live") -> None:
         """A leaving request's tokens and the features of those not handed over yet, to the sink,
@@ -556,7 +718,12 @@ class RolloutEngine:
         if n <= start:
             return
         h = self.target.config.hidden_size
-        feats = self._features_buf[row, :n].to("cpu", copy=True)  # [n, H (+ A*H)]
+        if self.pool is None:
+            feats = self._features_buf[row, :n].to("cpu", copy=True)  # [n, H (+ A*H)]
+        else:  # position p in the request's block p // block_size
+            blocks, bs = torch.tensor(self.pool.held(self._rows[row]), device=self.device), self.cfg.block_size
+            pos = torch.arange(n, device=self.device)
+            feats = self._features_buf.flatten(0, 1)[blocks[pos // bs] * bs + pos % bs].to("cpu", copy=True)
         aux = feats[:, h:].contiguous() if self.sink.aux_layers else None
         self.sink.add(req.seq[:n], start, feats[:, :h].contiguous(), aux)
         req.handed_over = n - len(req.state.prompt)
@@ -590,13 +757,16 @@ class RolloutEngine:
         cap = self.cfg.elastic_threshold
         return bool(self.proposers) and (cap is None or b <= cap)
 
-    def _step(self, inp: ProposerInput):
+    def _choose(self, b: int) -> Arm:
+        """This step's arm at batch ``b``: off while speculation is off, else the fixed arm or the tuner's."""
+        if not self._speculate(b):
+            return Arm.off()
+        return self.cfg.arm if self.cfg.arm is not None else self.tuner.choose(b)
+
+    def _step(self, inp: ProposerInput, arm: Arm):
         rows, st = inp.rows, inp.state
         b = len(rows)
         sd = self._speculate(b)
-        arm = Arm.off()
-        if sd:
-            arm = self.cfg.arm if self.cfg.arm is not None else self.tuner.choose(b)
         t0 = time.perf_counter()
         switch_s = 0.0  # catching up what other arms committed: the switch's cost, not this arm's
         capture0 = self.static_step.capture_s if self.static_step is not None else 0.0
@@ -629,20 +799,23 @@ class RolloutEngine:
         tail = tree_ancestors(parents)  # [B, 1 + N, 1 + N]: what each node sees of the tree
         if self.static_step is not None:  # attention over the whole cache: a static shape; one graph on CUDA
             res = self.static_step.verify(ids, roots[:, None] + depth, roots, tail, tree, st.sampling, st.stops,
-                                          min(arm.depth, n), self._features_buf)
+                                          min(arm.depth, n), self._features_buf, st.blocks)
             kept = self._features_buf is not None
         else:
             span = max(lengths) + n  # the largest slot + 1, known on the host
             kernel = self.cfg.attention
-            meta = AttnMeta.rows(roots, 1 + n, self.cache.max_len, tail=tail, span=span, kernel=kernel,
-                                 splits=default_splits(b, self.target.config.num_key_value_heads, span, self.device,
-                                                       kernel))
+            splits = default_splits(b, self.target.config.num_key_value_heads, span, self.device, kernel)
+            if self.pool is None:
+                meta = AttnMeta.rows(roots, 1 + n, self.cache.max_len, tail=tail, span=span, kernel=kernel, splits=splits)
+            else:
+                meta = AttnMeta(st.blocks, self.cfg.block_size, torch.zeros_like(roots), roots, 1 + n, tail, span, splits,
+                                scratch=self.pool.scratch, kernel=kernel)
             out = self.target(ids, roots[:, None] + depth, self.cache.backend(meta), capture=self._capture)
             feats = self._features(out)
             kept = feats is not None
             if kept:  # laid out like the KV cache: row, slot
                 slots = roots[:, None] + torch.arange(1 + n, device=self.device)
-                self._features_buf[torch.arange(b, device=self.device)[:, None], slots] = feats
+                self._write_features(torch.arange(b, device=self.device)[:, None], slots, st.blocks, feats)
             res = verify(out.logits, tree, st.sampling, roots[:, None] + depth + 1, st.stops, depth=min(arm.depth, n))
         # Move accepted nodes' keys/values (and features) right after the root: fixed-size index
         # tensors built on the device from the walked path; run when the host's copy of the path
@@ -651,10 +824,14 @@ class RolloutEngine:
             at = torch.arange(res.path.shape[1], device=self.device)  # [D]
             dst = roots[:, None] + 1 + at  # [B, D]
             src = roots[:, None] + 1 + torch.where(res.path >= 0, res.path, at)  # unaccepted depths: in place
-            row = torch.arange(b, device=self.device)[:, None].expand_as(dst)
-            self.cache.move_slots(row.flatten(), src.flatten(), dst.flatten())
+            if self.pool is None:  # (row, slot)
+                row = torch.arange(b, device=self.device)[:, None].expand_as(dst)
+                src, dst = (row, src), (row, dst)
+            else:  # (block, offset)
+                src, dst = (physical(st.blocks, self.cfg.block_size, x, self.pool.scratch) for x in (src, dst))
+            self.cache.move(src, dst)
             if kept:
-                self._features_buf[row, dst] = self._features_buf[row, src]
+                self._features_buf[dst] = self._features_buf[src]
         st.commit(res.committed, res.count)
         seconds = time.perf_counter() - t0  # the verifier's read synchronised with the device
         draft_s = drafting.seconds()

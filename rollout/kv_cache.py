@@ -35,12 +35,13 @@ class StaticKVCache:
         """Row ``keep[i]`` becomes row ``i`` (finished requests retired, see :func:`swap_remove`)."""
         compact_rows((self.k, self.v), keep, dim=1)
 
-    def move_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Per (row, src slot, dst slot) triple, copy the keys/values (all layers) from src to dst.
-        rows, src, dst: [N] long, no two pairs writing one slot; sources are read before writing."""
-        if rows.numel():
-            self.k[:, rows, :, dst] = self.k[:, rows, :, src]
-            self.v[:, rows, :, dst] = self.v[:, rows, :, src]
+    def move(self, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Copy the keys/values (all layers) at (block, offset) pairs src to dst: each a pair of long
+        tensors of one shape, no two pairs writing one slot; sources are read before writing. (In the
+        one-block-per-row layout a block is a row and an offset its slot.)"""
+        if src[0].numel():
+            self.k[:, dst[0], :, dst[1]] = self.k[:, src[0], :, src[1]]
+            self.v[:, dst[0], :, dst[1]] = self.v[:, src[0], :, src[1]]
 
 
 def compact_rows(tensors: tuple[torch.Tensor, ...], keep: list[int], dim: int = 0) -> None:

@@ -285,6 +285,15 @@ class NgramProposer:
         if inp.generation != self._generation:
             self.reset()
             self._generation = inp.generation
+        for r in inp.rows:  # left and came back under its id (an engine's eviction): running again
+            if r in self._started and r not in self._live:
+                seq = self._reqs.get(r)
+                if seq is None:  # its group was dropped meanwhile: it starts over
+                    self._started.discard(r)
+                else:
+                    seq.finished = False
+                    seq.group.running += 1
+                    self._live.add(r)
         new = [r for r in request_ids(inp.tokens) if r not in self._started]  # joined since the last call
         if new:
             self.start(new, [inp.groups[r] for r in new], [inp.tokens[r][: inp.prompt_lens[r]] for r in new])

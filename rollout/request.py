@@ -18,7 +18,7 @@ from collections.abc import Hashable
 
 from tlt.rollout.generate import SamplingParams
 
-REASONS = ("stop", "length", "aborted", "left")
+REASONS = ("stop", "length", "aborted", "left", "evicted")  # evicted: back in the same engine's queue, never returned
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """The running requests' state on the device, one row per KV-cache row.
 
 Owns :class:`RowState`: each running request's committed length, pending token, committed tokens
-by position, stop ids and coupled-sampling settings, as device tensors in the engine's cache-row
-order. A step reads them (roots, the last token, the proposers' catch-up tokens) and updates them
+by position, stop ids, coupled-sampling settings and (paged cache) block table, as device tensors
+in the engine's row order. A step reads them (roots, the last token, the proposers' catch-up tokens) and updates them
 from the verifier's device result, so a step needs no host -> device copy of request state; the
 host keeps its own token lists, filled from the step's one packed read, for stop and budget cuts
 and for the outputs. Rows only change when requests leave (:meth:`select`, the one upload of a
-leaving step) or join (:meth:`start` with the joining requests' prefill, then :meth:`cat`).
+leaving step) or join (:meth:`start` with the joining requests' prefill, then :meth:`cat`); a
+paged cache's table also grows between steps (:meth:`set_blocks`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class RowState:
     tokens: torch.Tensor  # [B, S] long: committed tokens by position (prompt included)
     stops: torch.Tensor  # [B, K] long: stop ids, -1 padding
     sampling: RowSampling  # per row
+    blocks: torch.Tensor | None = None  # [B, C] int32: each row's cache blocks (paged); None: row r is cache row r
 
     @property
     def device(self) -> torch.device:
@@ -33,14 +35,14 @@ class RowState:
 
     @classmethod
     def start(cls, ids: torch.Tensor, lens: torch.Tensor, first: torch.Tensor, stops: torch.Tensor,
-              sampling: RowSampling, width: int) -> "RowState":
+              sampling: RowSampling, width: int, blocks: torch.Tensor | None = None) -> "RowState":
         """After a prefill. ids: [B, T] right-padded prompts; lens: [B] prompt lengths; first: [B]
         the pending token (sampled, or the last of a joining request's tokens so far); width: token slots per row (S >= the longest request)."""
         b, t = ids.shape
         tokens = torch.zeros(b, width, dtype=torch.long, device=ids.device)
         tokens[:, :t] = ids
         tokens.scatter_(1, lens[:, None], first[:, None])
-        return cls(lens + 1, first.clone(), tokens, stops, sampling)
+        return cls(lens + 1, first.clone(), tokens, stops, sampling, blocks)
 
     def commit(self, committed: torch.Tensor, count: torch.Tensor) -> None:
         """Append each row's first ``count`` of ``committed`` [B, D + 1] (count: [B] >= 1), on the device."""
@@ -60,10 +62,15 @@ class RowState:
         """These rows, then ``other``'s (requests joining a running batch)."""
         k = max(self.stops.shape[1], other.stops.shape[1])
         pad = [F.pad(s, (0, k - s.shape[1]), value=-1) for s in (self.stops, other.stops)]
+        blocks = None if self.blocks is None else torch.cat([self.blocks, other.blocks])
         return RowState(torch.cat([self.lens, other.lens]), torch.cat([self.last, other.last]),
-                        torch.cat([self.tokens, other.tokens]), torch.cat(pad), self.sampling.cat(other.sampling))
+                        torch.cat([self.tokens, other.tokens]), torch.cat(pad), self.sampling.cat(other.sampling), blocks)
 
     def select(self, keep: torch.Tensor) -> "RowState":
         """Rows ``keep`` [B'] (indices into these rows), in that order."""
         return RowState(self.lens[keep], self.last[keep], self.tokens[keep], self.stops[keep],
-                        self.sampling.select(keep))
+                        self.sampling.select(keep), None if self.blocks is None else self.blocks[keep])
+
+    def set_blocks(self, rows: torch.Tensor, table: torch.Tensor) -> None:
+        """Rows ``rows`` [N] (indices into these rows) get the table rows ``table`` [N, C]."""
+        self.blocks[rows] = table

@@ -56,16 +56,19 @@ class VerifyGraphKey(TargetGraphKey):
 class StaticTargetStep:
     def __init__(self, target: TargetModel, cache: StaticKVCache, sizes: GraphPlanConfig,
                  capture: tuple[int, ...], features: Callable[[TargetOutput], torch.Tensor | None], *,
-                 cuda_graphs: bool, attention: str = "auto", capture_after: int = 2) -> None:
+                 cuda_graphs: bool, attention: str = "auto", capture_after: int = 2,
+                 paged: tuple[int, int, int] | None = None) -> None:
         # sizes: the captured batch sizes; features: the engine's feature extraction (None: none);
         # attention: the kernel (tlt.rollout.attention.KERNELS); capture_after: a shape's first uses run
         # eagerly, and its graph is captured at this one (the tuner's exploration costs no capture)
         self.target, self.cache, self.sizes, self.attention = target, cache, sizes, attention
         self.capture_after = capture_after
+        # a paged cache: (block size, table width, scratch block); the rows' tables are a step input
+        self.paged = paged
         self._uses: collections.Counter[VerifyGraphKey] = collections.Counter()  # uses of shapes not captured
         self.eager = 0  # steps run eagerly while their shape was not captured yet
         self.capture, self.features = capture, features
-        self.rows = cache.k.shape[1]
+        self.rows = cache.k.shape[1] if paged is None else 1 << 30  # (paged: padding rows use the scratch block)
         self.pool = None
         if cuda_graphs and target.config.rope_parameters.get("rope_type") == "dynamic":
             log.warning("dynamic-NTK RoPE reads the largest position on the host: no CUDA graphs")
@@ -78,19 +81,20 @@ class StaticTargetStep:
         self.capture_s = 0.0  # seconds spent capturing graphs, summed (kept out of tuner rewards)
 
     def verify(self, ids: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor, tail: torch.Tensor, tree: DraftTree,
-               sampling: RowSampling, stops: torch.Tensor, depth: int, buffer: torch.Tensor | None) -> VerifyResult:
+               sampling: RowSampling, stops: torch.Tensor, depth: int, buffer: torch.Tensor | None,
+               blocks: torch.Tensor | None = None) -> VerifyResult:
         """ids, pos: [B, Q] long; ctx: [B] long cached tokens before the step's (the tree's root
         slot); tail: [B, Q, Q] bool what each node sees of the tree; tree: [B, Q - 1] nodes;
-        sampling, stops [B, K]: by row; depth: walk steps; buffer: [max_batch, S, F] the engine's
-        features by row and slot (None: none kept)."""
+        sampling, stops [B, K]: by row; depth: walk steps; buffer: the engine's features laid out like
+        the cache (None: none kept); blocks: [B, C] int32 the rows' tables (a paged cache)."""
         b, q = ids.shape
         padded = self.sizes.padded_batch(b)
         flags = (sampling.masked, sampling.sampled)
         if padded is None or padded > self.rows:
-            x = self._inputs(ids, pos, ctx, tail, tree, sampling, stops)
+            x = self._inputs(ids, pos, ctx, tail, tree, sampling, stops, blocks)
             return read_verdict(self._step(x, buffer, depth, *flags))
         width = 1 << max(stops.shape[1] - 1, 0).bit_length()  # a power of two: few graph keys
-        x = self._inputs(ids, pos, ctx, tail, tree, sampling, stops, pad_rows=padded - b,
+        x = self._inputs(ids, pos, ctx, tail, tree, sampling, stops, blocks, pad_rows=padded - b,
                          pad_stops=width - stops.shape[1])
         if self.pool is None:
             return read_verdict(self._step(x, buffer, depth, *flags), b)
@@ -117,36 +121,47 @@ class StaticTargetStep:
         if self.pool is not None:
             self.pool.close()
 
-    def _inputs(self, ids, pos, ctx, tail, tree: DraftTree, s: RowSampling, stops, *, pad_rows: int = 0,
+    def _inputs(self, ids, pos, ctx, tail, tree: DraftTree, s: RowSampling, stops, blocks, *, pad_rows: int = 0,
                 pad_stops: int = 0) -> dict[str, torch.Tensor]:
-        """The step's tensors by name, with ``pad_rows`` padding rows (free cache rows: context 0, each
-        node seeing itself, no valid node, greedy) and the stop table widened by ``pad_stops``."""
+        """The step's tensors by name, with ``pad_rows`` padding rows (free cache rows, or a paged
+        cache's scratch block: context 0, each node seeing itself, no valid node, greedy) and the stop
+        table widened by ``pad_stops``."""
         q, e = ids.shape[1], pad_rows
         x = {"ids": ids, "pos": pos, "ctx": ctx, "tail": tail, "tokens": tree.tokens, "parents": tree.parents,
              "valid": tree.valid, "keys": s.keys, "temp": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
              "stops": torch.nn.functional.pad(stops, (0, pad_stops), value=-1) if pad_stops else stops}
+        if self.paged is not None:
+            x["blocks"] = blocks
         if e:
             own = torch.eye(q, dtype=torch.bool, device=ids.device).expand(e, q, q)
-            fill = {"tail": own, "parents": -1, "top_p": 1.0, "stops": -1}
+            fill = {"tail": own, "parents": -1, "top_p": 1.0, "stops": -1,
+                    "blocks": self.paged[2] if self.paged is not None else 0}
             for name, t in x.items():
                 f = fill.get(name, 0)
                 x[name] = torch.cat([t, f if isinstance(f, torch.Tensor) else t.new_full((e, *t.shape[1:]), f)])
         return x
 
     def _splits(self, batch: int) -> int:
-        return default_splits(batch, self.cache.k.shape[2], self.cache.max_len, self.cache.k.device, self.attention)
+        slots = self.cache.max_len if self.paged is None else self.paged[0] * self.paged[1]  # a row's reach
+        return default_splits(batch, self.cache.k.shape[2], slots, self.cache.k.device, self.attention)
 
     def _step(self, x: dict[str, torch.Tensor], buffer: torch.Tensor | None, depth: int, masked: bool,
               sampled: bool) -> dict[str, torch.Tensor]:
         """The whole verify step on the device (what a graph captures)."""
         b, q = x["ids"].shape
-        meta = AttnMeta.rows(x["ctx"], q, self.cache.max_len, tail=x["tail"], splits=self._splits(b),
-                             kernel=self.attention)
+        if self.paged is None:
+            meta = AttnMeta.rows(x["ctx"], q, self.cache.max_len, tail=x["tail"], splits=self._splits(b),
+                                 kernel=self.attention)
+        else:
+            meta = AttnMeta(x["blocks"], self.paged[0], torch.zeros_like(x["ctx"]), x["ctx"], q, x["tail"],
+                            splits=self._splits(b), scratch=self.paged[2], kernel=self.attention)
         out = self.target(x["ids"], x["pos"], self.cache.backend(meta), capture=self.capture)
         feats = self.features(out)
-        if feats is not None and buffer is not None:  # laid out like the KV cache: row, slot
-            rows = torch.arange(b, device=x["ids"].device)[:, None]
-            buffer[rows, x["ctx"][:, None] + torch.arange(q, device=x["ids"].device)] = feats
+        if feats is not None and buffer is not None:  # laid out like the KV cache: (row, slot) or (block, offset)
+            slots = x["ctx"][:, None] + torch.arange(q, device=x["ids"].device)
+            at = (torch.arange(b, device=x["ids"].device)[:, None], slots) if self.paged is None else \
+                meta.physical(slots)
+            buffer[at] = feats
         tree = DraftTree(x["tokens"], x["parents"], x["valid"])
         s = RowSampling(x["keys"], x["temp"], x["top_k"], x["top_p"], masked, sampled)
         return verify_on_device(out.logits, tree, s, x["pos"] + 1, x["stops"], depth)
@@ -167,5 +182,8 @@ class StaticTargetStep:
                   "keys": z.clone(), "temp": torch.zeros(b, device=dev), "top_k": z.clone(),
                   "top_p": torch.ones(b, device=dev),
                   "stops": torch.full((b, key.stops), -1, dtype=torch.long, device=dev)}
+        if self.paged is not None:  # a paged cache: the warm-up and capture runs write the scratch block
+            inputs["blocks"] = torch.full((b, self.paged[1]), self.paged[2], dtype=torch.int32, device=dev)
+            inputs["ctx"] = z.clone()
         buffer = self._buffer
         return inputs, lambda x: self._step(x, buffer, key.depth, key.masked, key.sampled)

@@ -54,8 +54,20 @@ def _reference(model, states):
     return res.outputs, res.logprobs
 
 
-def _engine(model, kind, arm, warm_drafters, static=False, sink=None):
-    cfg = dict(max_batch=8, max_len=256, static_shapes=static)
+# A paged cache of 8-position blocks; _paged() sizes it to hold the largest request and little more
+PAGED = dict(block_size=8, max_draft_tokens=8)
+
+
+def _paged(states, extra_blocks: int = 2) -> dict:
+    """PAGED with a pool of the largest request's blocks and ``extra_blocks`` more: too small for the
+    six requests at once, so they are evicted and prefilled again."""
+    need = max(-(-(len(s.prompt) + s.params.max_new_tokens + 1 + PAGED["max_draft_tokens"]) // PAGED["block_size"])
+               for s in states)
+    return {**PAGED, "kv_blocks": need + extra_blocks}
+
+
+def _engine(model, kind, arm, warm_drafters, static=False, sink=None, paged=None):
+    cfg = dict(max_batch=8, max_len=256, static_shapes=static, **(paged or {}))
     if kind == "plain":
         return RolloutEngine(model, EngineConfig(**cfg), sink=sink)
 
@@ -82,23 +94,23 @@ def _check(outs, ref):
                               atol=1e-4)
 
 
-def _join(model, kind, arm, drafters, states, static=False):
+def _join(model, kind, arm, drafters, states, static=False, paged=None):
     """Half the requests start; the rest join after three steps."""
-    eng = _engine(model, kind, arm, drafters, static)
+    eng = _engine(model, kind, arm, drafters, static, paged=paged)
     done = {}
     first = eng.add(states[:3])
     for _ in range(3):
         done.update((f.rid, f) for f in eng.step())
     later = eng.add(states[3:])
     _run(eng, done)
-    assert eng.lifecycle["joined"] == 3
+    assert eng.lifecycle["joined"] == 3 or paged  # (a paged engine admits the rest as blocks free up)
     return [(done[r].state.output, done[r].state.logprobs) for r in first + later], eng
 
 
-def _move(model, kind, arm, drafters, states, static=False):
+def _move(model, kind, arm, drafters, states, static=False, paged=None):
     """All start in A; after four steps three requests leave A and go on in B (fresh proposers),
     where two of them join B's running requests."""
-    a, b = _engine(model, kind, arm, drafters, static), _engine(model, kind, arm, drafters, static)
+    a, b = _engine(model, kind, arm, drafters, static, paged=paged), _engine(model, kind, arm, drafters, static, paged=paged)
     done_a, done_b = {}, {}
     rids = a.add(states)
     for _ in range(4):
@@ -106,13 +118,13 @@ def _move(model, kind, arm, drafters, states, static=False):
     movers = [r for r in rids[::2] if r not in done_a]
     assert movers, "the budgets leave requests running after four steps"
     moved = a.leave(movers)
-    assert all(f.reason == "left" and f.state.output for f in moved)
+    assert all(f.reason == "left" and (f.state.output or paged) for f in moved)  # (paged: some wait unstarted)
     by_b = dict(zip([f.rid for f in moved], b.add([moved[0].state])))
     done_b.update((f.rid, f) for f in b.step())
     by_b.update(zip([f.rid for f in moved[1:]], b.add([f.state for f in moved[1:]])))
     _run(a, done_a)
     _run(b, done_b)
-    assert a.lifecycle["left"] == len(movers) and b.lifecycle["joined"] == len(movers) - 1
+    assert a.lifecycle["left"] == len(movers) and (b.lifecycle["joined"] == len(movers) - 1 or paged)
     outs = []
     for r in rids:
         f = done_b[by_b[r]] if r in by_b else done_a[r]
@@ -120,11 +132,11 @@ def _move(model, kind, arm, drafters, states, static=False):
     return outs, (a, b)
 
 
-def _abort(model, kind, arm, drafters, states, verl_style):
+def _abort(model, kind, arm, drafters, states, verl_style, paged=None):
     """All start; after five steps every request is aborted, then resubmitted from its partial
     output: as its state (into the same engine), or as verl's partial rollout does it (prompt +
     partial output as a new prompt, the budget left, the same seed) into a fresh engine."""
-    eng = _engine(model, kind, arm, drafters)
+    eng = _engine(model, kind, arm, drafters, paged=paged)
     done = {}
     rids = eng.add(states)
     for _ in range(5):
@@ -133,7 +145,7 @@ def _abort(model, kind, arm, drafters, states, verl_style):
     assert not eng.active and aborted and all(f.reason == "aborted" for f in aborted.values())
     assert eng.lifecycle["aborted"] == len(aborted)
     if verl_style:
-        eng = _engine(model, kind, arm, drafters)
+        eng = _engine(model, kind, arm, drafters, paged=paged)
         again = [dataclasses.replace(f.state, prompt=f.state.prompt + f.state.output, output=(), logprobs=(),
                                      params=dataclasses.replace(f.state.params, max_new_tokens=f.state.params.max_new_tokens
                                                                 - len(f.state.output)), handed_over=0)
@@ -193,6 +205,41 @@ def test_lifecycle_under_begmab_and_static_shapes(setup, warm_drafters, sampling
     assert eng.proposer.static_proposals > 0
     outs, _ = _move(model, "eagle", ARMS["chain"], warm_drafters, states, static=True)
     _check(outs, ref)
+
+
+@pytest.mark.parametrize("sampling", sorted(SAMPLING))
+@pytest.mark.parametrize("kind,arm", [("plain", "chain"), ("eagle", "chain"), ("eagle3", "tree"), ("ngram", "tree"),
+                                      ("begmab", None)])
+def test_evictions_are_token_identical(setup, warm_drafters, kind, arm, sampling):
+    """A paged cache too small for every request at once: requests are evicted and prefilled again,
+    alone and mixed with joins, moves and aborts, and sample the uninterrupted run's tokens."""
+    model, tok, prompts = setup
+    states = _states(tok, prompts, sampling)
+    ref = _reference(model, states)
+    arm, paged = ARMS[arm] if arm else None, _paged(states)
+    outs, eng = _join(model, kind, arm, warm_drafters, states, paged=paged)
+    _check(outs, ref)
+    assert eng.lifecycle["evicted"] > 0 and sum(s.recomputed for s in eng.steps) > 0
+    outs, (a, b) = _move(model, kind, arm, warm_drafters, states, paged=paged)
+    _check(outs, ref)
+    _check(_abort(model, kind, arm, warm_drafters, states, verl_style=False, paged=paged), ref)
+    outs, eng = _join(model, kind, arm, warm_drafters, states, static=True, paged=paged)
+    _check(outs, ref)
+    assert eng.lifecycle["evicted"] > 0
+    if kind != "plain":
+        assert sum(eng.accept_lengths_since(0)) > len(eng.accept_lengths_since(0))
+
+
+def test_a_pool_holding_one_request_at_a_time_finishes_every_request(setup, warm_drafters):
+    """No request is evicted forever: with blocks for the largest request's budget and no more, the
+    last running request is never evicted, so every request finishes, with its uninterrupted tokens,
+    and every block comes back."""
+    model, tok, prompts = setup
+    states = _states(tok, prompts, "t1")
+    ref = _reference(model, states)
+    outs, eng = _join(model, "eagle", ARMS["chain"], warm_drafters, states, paged=_paged(states, extra_blocks=0))
+    _check(outs, ref)
+    assert eng.lifecycle["evicted"] > 0 and not eng.active and eng.pool.free == eng.pool.capacity
 
 
 class RecordingSink:
@@ -266,3 +313,27 @@ def test_lifecycle_errors_are_clear(setup):
     done = {}
     _run(eng, done)
     assert set(done) == set(rids[:2]) and all(len(f.state.output) == 4 for f in done.values())
+
+
+def test_evicted_requests_reach_the_sink_once(setup):
+    """A paged cache too small for its requests: each eviction hands the request's features over, its
+    re-prefill takes them as context only, so over the rollout every response position of every
+    request is trained on exactly once, with the features an uninterrupted run computes."""
+    model, tok, _ = setup
+    prompts = [tok.chat_prompt([{"role": "user", "content": p.prompt}])  # distinct: a sample names its request
+               for p in make_corpus(6, CorpusConfig(seed=10, median_steps=3))]
+    states = _states(tok, prompts, "t1")
+    args = ([s.prompt for s in states], [s.params for s in states])
+    whole, sink = RecordingSink(), RecordingSink()
+    RolloutEngine(model, EngineConfig(max_batch=8, max_len=256), sink=whole).generate(
+        *args, seeds=[s.seed for s in states])
+    eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=256, **_paged(states)), sink=sink)
+    eng.generate(*args, seeds=[s.seed for s in states])
+    assert eng.lifecycle["evicted"] > 0 and eng.fed["evicted"] > 0
+    trained: dict[int, list[int]] = {}
+    for toks, start, hidden in sink.samples:
+        k = next(i for i, (t, _, _) in enumerate(whole.samples) if t[:len(toks)] == toks)
+        assert torch.allclose(hidden, whole.samples[k][2][:len(toks)], atol=1e-4)
+        trained.setdefault(k, []).extend(range(start, len(toks)))
+    for k, (toks, start, _) in enumerate(whole.samples):  # every position once: none lost, none doubled
+        assert sorted(trained[k]) == list(range(start, len(toks)))

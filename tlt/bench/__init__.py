@@ -21,7 +21,8 @@ BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs
            "sglang-policy": "sglang_policy", "headroom": "headroom",
            "step-cost": "step_cost", "drafters": "drafters", "resume": "resume", "lifecycle": "lifecycle",
            "consolidation": "consolidation", "demo": "demo_runs", "tail": "tail",
-           "tail-batching": "tail_batching", "attention": "attention"}
+           "tail-batching": "tail_batching", "attention": "attention",
+           "memory": "memory"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:
