@@ -285,3 +285,28 @@ def test_captures_survive_collections_and_a_probe_thread(setup, trained_target, 
         thread.join()
         gc.set_threshold(*threshold)
     assert not errors and len(probed) > 6, (errors, len(probed))  # the probe ran forwards all along
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_paged_graphs_on_cuda_are_token_identical(setup, trained_target, warm_drafters, temperature):  # noqa: F811
+    """fp32 on CUDA, graphs replayed: a paged cache of 16-position blocks, roomy and then too small for
+    the batch (evictions), samples the static cache's tokens, EAGLE chain and tree."""
+    from tlt.rollout.generate import SamplingParams
+
+    _, prompts, params = setup
+    gpu = TargetModel.from_pretrained(trained_target, device="cuda")
+    params = [SamplingParams(max_new_tokens=p.max_new_tokens, stop_ids=p.stop_ids, temperature=temperature)
+              for p in params]
+    seeds = list(range(len(prompts)))
+    ref = RolloutEngine(gpu, EngineConfig(max_batch=8, max_len=512)).generate(prompts, params, seeds=seeds)
+    need = max(-(-(len(p) + sp.max_new_tokens + 1 + 16) // 16) for p, sp in zip(prompts, params))
+    for arm in (Arm(3, 1, 3), Arm(4, 2, 8)):
+        for kv_blocks in (None, need + 2):
+            drafter = Drafter.load(warm_drafters["eagle"], gpu.embed_weight, gpu.lm_head.weight)
+            eng = RolloutEngine(gpu, EngineConfig(max_batch=8, max_len=512, max_draft_tokens=16, arm=arm, block_size=16,
+                                                  kv_blocks=kv_blocks), proposer=EagleProposer(drafter, max_batch=8, max_len=600))
+            res = eng.generate(prompts, params, seeds=seeds)
+            assert res.outputs == ref.outputs, (arm, kv_blocks)
+            assert eng.static_step.replays > 0 and (kv_blocks is None or eng.lifecycle["evicted"] > 0)
