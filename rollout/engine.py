@@ -147,17 +147,17 @@ class EngineConfig:
             raise ValueError("kv_blocks, kv_bytes and kv_fraction each size the pool: give one")
         if self.eviction not in RULES:
             raise ValueError(f"eviction={self.eviction!r}: use one of {RULES}")
-
-    @property
-    def slots(self) -> int:
-        """Positions a request may reach: its tokens and a draft tree."""
-        return self.max_len + self.max_draft_tokens
         if self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
         if self.arm is not None and self.arm.tokens_to_verify > self.max_draft_tokens:
             raise ValueError(f"arm {self.arm} verifies more than max_draft_tokens={self.max_draft_tokens}")
         if self.elastic_threshold is not None and self.elastic_threshold < 0:
             raise ValueError(f"elastic_threshold must be None or >= 0, got {self.elastic_threshold}")
+
+    @property
+    def slots(self) -> int:
+        """Positions a request may reach: its tokens and a draft tree."""
+        return self.max_len + self.max_draft_tokens
 
 
 @dataclasses.dataclass

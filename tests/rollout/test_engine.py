@@ -228,3 +228,13 @@ def test_prefill_in_chunks_is_token_identical(setup, warm_drafters, temperature)
     chunked = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=Arm(3, 1, 3), prefill_tokens=16),
                             proposer=EagleProposer(drafter, max_batch=8, max_len=600)).generate(prompts, params, seeds=seeds)
     assert chunked.outputs == whole.outputs and sum(chunked.accept_lengths) > len(chunked.accept_lengths)
+
+
+@pytest.mark.parametrize("bad", [dict(max_draft_tokens=-3), dict(max_draft_tokens=2, arm=Arm(8, 4, 32)),
+                                 dict(elastic_threshold=-1), dict(prefill_tokens=8), dict(attention="flash"),
+                                 dict(capture_after=0), dict(block_size=0), dict(kv_blocks=4),
+                                 dict(block_size=16, kv_blocks=4, kv_bytes=10), dict(block_size=16, kv_fraction=1.5),
+                                 dict(block_size=16, eviction="oldest")])
+def test_engine_config_refuses_each_bad_value(bad):
+    with pytest.raises(ValueError):
+        EngineConfig(**bad)
