@@ -272,11 +272,11 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
 
 
 def default_splits(batch: int, kv_heads: int, slots: int, device: torch.device, kernel: str = "auto",
-                   tuning: Tuning | None = None) -> int:
+                   tuning: Tuning | None = None, head_dim: int = 128) -> int:
     """Prefix chunks per row so that a step fills the device: for the Triton kernel about
     ``programs_per_sm`` programs per multiprocessor over (rows x KV heads), no chunk under 256
-    positions, at most ``max_splits``; 1 for the torch path (one SDPA call)."""
-    if device.type != "cuda" or kernel != "auto":
+    positions, at most ``max_splits``; 1 wherever the torch path runs (one SDPA call)."""
+    if device.type != "cuda" or kernel != "auto" or head_dim < 16 or head_dim & (head_dim - 1) or not _has_triton():
         return 1
     t = tuning or TUNING
     sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -12,7 +12,8 @@ Owns :func:`paged_attention`: two launches per layer.
 2. ``_merge``: per (row x KV head, tile), the exact log-sum-exp merge of the parts.
 
 Bytes read per row follow ``ctx - start``: the launch grid is sized by the batch and the split
-count only, so one captured graph serves every length.
+count only, so one captured graph serves every length. The query and tail lengths are run-time
+arguments, so a new prefill or catch-up length compiles nothing.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 @triton.jit
 def _tile(q, K, V, BT, TAIL, b, kvh, lo, limit, p0, t, m_ok, offs_d, is_tail, m_i, l_i, acc,
           sk_n, sk_h, sk_s, sv_n, sv_h, sv_s, sbt_b, st_b, st_q, scale2, scratch,
-          C: tl.constexpr, BS: tl.constexpr, QL: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr,
-          CAUSAL: tl.constexpr, PREC: tl.constexpr):
+          QL, W, C: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+          PREC: tl.constexpr):
     """One tile of BLOCK_N positions lo + p0 .. of a part: the online-softmax update."""
     offs_n = p0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < limit
@@ -68,9 +69,9 @@ def _tile(q, K, V, BT, TAIL, b, kvh, lo, limit, p0, t, m_ok, offs_d, is_tail, m_
 def _partials(Q, K, V, BT, START, CTX, TAIL, OP, LP,
               sq_b, sq_h, sq_t, sk_n, sk_h, sk_s, sv_n, sv_h, sv_s, sbt_b, st_b, st_q,
               so_b, so_h, so_p, so_m, sl_b, sl_h, sl_p,
-              scale2, scratch,
-              KVH: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, QL: tl.constexpr, G: tl.constexpr,
-              W: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              scale2, scratch, QL, W,
+              KVH: tl.constexpr, C: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+              SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
     bh = tl.program_id(0)
     part = tl.program_id(1)
@@ -105,13 +106,13 @@ def _partials(Q, K, V, BT, START, CTX, TAIL, OP, LP,
         while p0 < limit:
             m_i, l_i, acc = _tile(q, K, V, BT, TAIL, b, kvh, lo, limit, p0, t, m_ok, offs_d, is_tail, m_i, l_i, acc,
                                   sk_n, sk_h, sk_s, sv_n, sv_h, sv_s, sbt_b, st_b, st_q, scale2, scratch,
-                                  C, BS, QL, W, BLOCK_N, CAUSAL, PREC)
+                                  QL, W, C, BS, BLOCK_N, CAUSAL, PREC)
             p0 += BLOCK_N
     else:
         for p0 in range(0, limit, BLOCK_N):
             m_i, l_i, acc = _tile(q, K, V, BT, TAIL, b, kvh, lo, limit, p0, t, m_ok, offs_d, is_tail, m_i, l_i, acc,
                                   sk_n, sk_h, sk_s, sv_n, sv_h, sv_s, sbt_b, st_b, st_q, scale2, scratch,
-                                  C, BS, QL, W, BLOCK_N, CAUSAL, PREC)
+                                  QL, W, C, BS, BLOCK_N, CAUSAL, PREC)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
@@ -121,9 +122,8 @@ def _partials(Q, K, V, BT, START, CTX, TAIL, OP, LP,
 
 
 @triton.jit
-def _merge(OP, LP, O, so_b, so_h, so_p, so_m, sl_b, sl_h, sl_p, sout_b, sout_h, sout_t,
-           KVH: tl.constexpr, PARTS: tl.constexpr, QL: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-           BLOCK_M: tl.constexpr):
+def _merge(OP, LP, O, so_b, so_h, so_p, so_m, sl_b, sl_h, sl_p, sout_b, sout_h, sout_t, QL,
+           KVH: tl.constexpr, PARTS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
     bh = tl.program_id(0)
     mt = tl.program_id(1)
     b = bh // KVH
@@ -175,13 +175,13 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
                     q.stride(0), q.stride(1), q.stride(2), kl.stride(0), kl.stride(1), kl.stride(2),
                     vl.stride(0), vl.stride(1), vl.stride(2), meta.blocks.stride(0), tails[1], tails[2],
                     op.stride(0), op.stride(1), op.stride(2), op.stride(3), lp.stride(0), lp.stride(1), lp.stride(2),
-                    LOG2E / d ** 0.5, meta.scratch,
-                    KVH=kvh, C=meta.blocks.shape[1], BS=meta.block_size, QL=ql, G=g, W=meta.width,
+                    LOG2E / d ** 0.5, meta.scratch, ql, meta.width,
+                    KVH=kvh, C=meta.blocks.shape[1], BS=meta.block_size, G=g,
                     SPLITS=meta.splits, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=meta.tail is None,
                     PREC=prec, INTERPRET=INTERPRET, num_warps=t.warps, num_stages=t.stages)
     out = torch.empty_like(q)
     _merge[(b * kvh, triton.cdiv(rows, block_m))](
         op, lp, out, op.stride(0), op.stride(1), op.stride(2), op.stride(3), lp.stride(0), lp.stride(1), lp.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), KVH=kvh, PARTS=parts, QL=ql, G=g, D=d, BLOCK_M=block_m,
+        out.stride(0), out.stride(1), out.stride(2), ql, KVH=kvh, PARTS=parts, G=g, D=d, BLOCK_M=block_m,
         num_warps=4)
     return out

@@ -88,11 +88,11 @@ class EagleProposer:
         # the drafter's KV: one row per running request (max_len slots), or, in an engine with a paged
         # cache, laid out by the engine's block ids (its tables in the proposal's RowState), chosen at
         # the first proposal that brings tables (_use_layout)
-        self.max_len = max_len
         self.cache = StaticKVCache(1, max_batch, cfg.num_key_value_heads, max_len, cfg.head_dim,
                                    dtype=drafter.fc.weight.dtype, device=self.device)
         self._paged = False
         self._blocks: torch.Tensor | None = None  # [B, C] int32: this proposal's rows' tables (paged)
+        self._forgotten: set[int] = set()  # requests whose drafter KV went with their blocks (an eviction)
         self.generation: int | None = None
         self.rows: list[int] = []  # request id per drafter cache row
         self.seen: dict[int, int] = {}  # pairs up to this position went through the drafter cache
@@ -151,6 +151,11 @@ class EagleProposer:
         tokens, parents, depth, valid = self._draft(root, base, self._floor[:b], keys, temp, sampled, arm,
                                                     lambda e: base_max + e + k)  # the largest slot + 1, on the host
         return DraftTree(tokens, parents, valid, depth)
+
+    def forget(self, rids) -> None:
+        """Requests the engine evicted: their drafter KV went with their blocks, so each starts over
+        (a first catch-up of up to ``start_window`` pairs) when it next appears."""
+        self._forgotten.update(rids)
 
     def close(self) -> None:
         """Drop the captured draft graphs and give their memory back (the proposer is being replaced)."""
@@ -216,8 +221,9 @@ class EagleProposer:
 
     def _loop(self, x: dict[str, torch.Tensor], feats: torch.Tensor, arm: Arm, window: int,
               sampled: bool) -> dict[str, torch.Tensor]:
-        """One whole proposal at fixed shapes: x lens [C], tokens [C, T], keys [C], temp [C] by
-        (padded) row; feats [max_batch, S, F]. Returns the tree's tokens, parents and depths [C, n]."""
+        """One whole proposal at fixed shapes: x lens [C], tokens [C, T], keys [C], temp [C] (and a paged
+        engine's tables, blocks [C, W]) by (padded) row; feats: the engine's features by (row, position),
+        or by block. Returns the tree's tokens, parents and depths [C, n]."""
         self._blocks = x.get("blocks")  # (while a graph captures: its static input)
         c, span = x["lens"].shape[0], self._slots
         end = x["lens"] - 1  # [C] pairs available: positions < end
@@ -321,9 +327,10 @@ class EagleProposer:
         if inp.generation != self.generation:
             self.generation, self.rows, self.seen, self.floor = inp.generation, [], {}, {}
             self._starting.clear()
-        if list(inp.rows) == self.rows:
+        if list(inp.rows) == self.rows and not self._forgotten:
             return
-        where = {r: i for i, r in enumerate(self.rows)}
+        where = {r: i for i, r in enumerate(self.rows) if r not in self._forgotten}  # (forgotten: start over)
+        self._forgotten.clear()
         taken = {where[r] for r in inp.rows if r in where}
         free = iter(i for i in range(self._pos.shape[1]) if i not in taken)
         keep = [where[r] if r in where else next(free) for r in inp.rows]
@@ -336,8 +343,9 @@ class EagleProposer:
                 self._pos[:2, at] = 0
                 self._pos[2, at] = self.start_window
         self.rows = list(inp.rows)
-        self.seen = {r: self.seen.get(r, 0) for r in self.rows}
-        self.floor = {r: self.floor.get(r, 0) for r in self.rows}
+        fresh = {self.rows[i] for i in new}  # nothing seen: joined, or forgotten
+        self.seen = {r: 0 if r in fresh else self.seen.get(r, 0) for r in self.rows}
+        self.floor = {r: 0 if r in fresh else self.floor.get(r, 0) for r in self.rows}
         self._starting.update(self.rows[i] for i in new)
 
     @property
@@ -420,7 +428,8 @@ class EagleProposer:
         return last
 
     def _splits(self, b: int) -> int:
-        return default_splits(b, self.cache.k.shape[2], self._slots, self.device, self.attention)
+        return default_splits(b, self.cache.k.shape[2], self._slots, self.device, self.attention,
+                              head_dim=self.cache.k.shape[-1])
 
     @property
     def _slots(self) -> int:
@@ -439,7 +448,12 @@ class EagleProposer:
     def _use_layout(self, inp: ProposerInput) -> None:
         """At the first proposal of an engine with a paged cache: the drafter's KV moves to the engine's
         block layout ([blocks, block_size], the features buffer's), its graphs and rows start over."""
-        if self._paged or inp.state is None or inp.state.blocks is None:
+        if self._paged:
+            if inp.state is None or inp.state.blocks is None:
+                raise ValueError("this EagleProposer drafts for an engine with a paged cache (its KV is laid out "
+                                 "by that engine's blocks): give another engine a proposer of its own")
+            return
+        if inp.state is None or inp.state.blocks is None:
             return
         n, bs = inp.features.shape[:2]
         c = self.cache

@@ -24,9 +24,10 @@ construction against ``max_draft_tokens`` and the proposers it names.
 Host <-> device traffic: the running requests' state lives on the device
 (:class:`~tlt.rollout.row_state.RowState`) and each step updates it there from the verifier's device
 result; a step reads one packed result (committed tokens, their log-probs, counts) and uploads at
-most the draft tree of a host-side proposer (the model-free drafter's, in one copy). Prefill and
-leaving requests (row compaction) upload their indices; they are no step's cost
-(:mod:`tlt.rollout.transfers` counts all of it).
+most the draft tree of a host-side proposer (the model-free drafter's, in one copy) and, with a
+paged cache, the table rows of requests that took new blocks (one copy, about one step in
+``block_size``). Prefill and leaving requests (row compaction) upload their indices; they are no
+step's cost (:mod:`tlt.rollout.transfers` counts all of it).
 
 Sampling is coupled (:mod:`tlt.rollout.sampling`): a request's token at a position is a function of its
 seed, the position and the target's logits, so speculative and plain decoding sample the same
@@ -115,8 +116,8 @@ class EngineConfig:
     # compacted by copying (the static cache). N: a paged cache of N-position blocks shared by the
     # target's KV, the drafter's KV and the feature buffer, held as requests grow and freed as they
     # leave; kv_blocks of them (None: max_batch rows' worth), and when the pool cannot grow every running
-    # row for the next step, the draft shrinks, then requests are evicted (by ``eviction``) and
-    # prefilled again later, token-identical (tlt.rollout.eviction).
+    # row for the next step, that step runs without speculation, then requests are evicted (by
+    # ``eviction``) and prefilled again later, token-identical (tlt.rollout.eviction).
     block_size: int | None = None
     kv_blocks: int | None = None
     # or the pool sized by memory (the target's KV and the feature buffer per block): kv_bytes bytes
@@ -212,6 +213,12 @@ class _Live:
                                    handed_over=self.handed_over)
 
 
+def reach(arm: Arm) -> int:
+    """Positions past a request's tokens that a step of ``arm`` writes: the verified tree's nodes, and
+    an EAGLE drafter's levels (``topk`` candidates each after the first, from the last pair on)."""
+    return 0 if arm.is_off else max(arm.tokens_to_verify, (arm.depth - 1) * arm.topk)
+
+
 class RolloutEngine:
     MAX_STEP_HISTORY = 65536  # kept step records when nobody forgets them (about 10 MB)
 
@@ -261,7 +268,8 @@ class RolloutEngine:
         self._evicted_now = 0  # evictions before the next step's record
         self._recomputed_now = 0  # tokens re-prefilled for evicted requests, for the next step's record
         self._evicted_rids: set[int] = set()  # evicted requests waiting to come back
-        # requests whose features the sink received, by how they left (finished, aborted, left)
+        # hand-overs to the sink, by why the request left (finished, aborted, left, evicted: an evicted
+        # request hands over again, its later positions, when it leaves for good)
         self.fed: collections.Counter[str] = collections.Counter()
         static = cfg.static_shapes if cfg.static_shapes is not None else self.device.type == "cuda"
         self.static_step: StaticTargetStep | None = self._new_static_step() if static else None
@@ -356,10 +364,11 @@ class RolloutEngine:
             raise ValueError(f"{name}: {len(st.prompt)} prompt tokens + max_new_tokens "
                              f"{st.params.max_new_tokens} exceed EngineConfig.max_len={self.cfg.max_len}")
         if self.pool is not None:
-            need = self.pool.blocks_for(len(st.prompt) + st.params.max_new_tokens + 1 + self.cfg.max_draft_tokens)
+            draft = max(self.cfg.max_draft_tokens, self._reach)
+            need = self.pool.blocks_for(len(st.prompt) + st.params.max_new_tokens + 1 + draft)
             if need > self.pool.capacity:
                 raise ValueError(f"{name}: {len(st.prompt)} prompt tokens + max_new_tokens {st.params.max_new_tokens} "
-                                 f"+ a draft of {self.cfg.max_draft_tokens} need {need} blocks of {self.pool.block_size} "
+                                 f"+ a draft of {draft} need {need} blocks of {self.pool.block_size} "
                                  f"positions; the pool holds {self.pool.capacity} (raise EngineConfig.kv_blocks)")
 
     @property
@@ -478,7 +487,7 @@ class RolloutEngine:
             self._plens.clear()
             self._groups.clear()
         batch, self._queue = self._queue[:free], self._queue[free:]
-        b0 = len(self._rows)
+        b0, back = len(self._rows), set()
         for rid, st in batch:
             self._reqs[rid] = _Live(st, list(st.prompt) + list(st.output), list(st.logprobs), st.handed_over)
             self._seqs[rid], self._plens[rid] = self._reqs[rid].seq, len(st.prompt)
@@ -486,6 +495,7 @@ class RolloutEngine:
             self._admitted_at[rid], self._admitted = self._admitted, self._admitted + 1
             if rid in self._evicted_rids:  # back from an eviction: its tokens are prefilled again
                 self._evicted_rids.discard(rid)
+                back.add(rid)
                 self._recomputed_now += len(st.prompt) + len(st.output) - 1
         with intended_sync(self.device):  # prefill: uploads the requests, reads the first tokens
             tables = None
@@ -497,7 +507,7 @@ class RolloutEngine:
             first, first_lp, state = self._prefill([self._reqs[rid] for rid, _ in batch], b0, tables)
         self._state = state if self._state is None or not self._rows else self._state.cat(state)
         self._rows += [rid for rid, _ in batch]
-        self.lifecycle["joined"] += len(batch) if b0 else 0
+        self.lifecycle["joined"] += sum(rid not in back for rid, _ in batch) if b0 else 0  # (not evicted ones back)
         fresh = [(k, [tok], [lp]) for k, (tok, lp, (_, st)) in enumerate(zip(first, first_lp, batch)) if not st.output]
         self._commit([t for _, t, _ in fresh], [x for _, _, x in fresh], [b0 + k for k, _, _ in fresh], out)
 
@@ -507,7 +517,7 @@ class RolloutEngine:
         by the configured rule (never the last one) and go back to the queue with their state.
         Returns the arm the step runs."""
         def need(a: Arm) -> dict[int, int]:
-            return {rid: len(self._seqs[rid]) + a.tokens_to_verify for rid in self._rows}
+            return {rid: len(self._seqs[rid]) + reach(a) for rid in self._rows}
 
         if not arm.is_off and self.pool.shortfall(need(arm)):
             arm = Arm.off()  # first shrink the draft
@@ -534,6 +544,9 @@ class RolloutEngine:
         self._evicted_rids |= set(rids)
         self._evicted_now += len(rids)
         self.lifecycle["evicted"] += len(rids)
+        for p in self.proposers.values():  # what they kept of these requests (a drafter's KV) went with the blocks
+            if hasattr(p, "forget"):
+                p.forget(rids)
 
     def _commit(self, tokens: list[list[int]], lps: list[list[float]], rows: Sequence[int],
                 out: list[Finished]) -> None:
@@ -625,7 +638,9 @@ class RolloutEngine:
                 p.close()
 
     def _check_arms(self) -> None:
-        """Every arm this engine may run fits its KV slots and names one of its proposers."""
+        """Every arm this engine may run fits its KV slots and names one of its proposers; sets the
+        farthest any arm writes past a request's tokens (:func:`reach`)."""
+        self._reach = 0
         if not self.proposers:
             return
         arms = [self.cfg.arm] if self.cfg.arm is not None else [
@@ -639,6 +654,7 @@ class RolloutEngine:
             if arm.proposer not in self.proposers:
                 raise ValueError(f"arm {arm} names proposer {arm.proposer!r}, the engine has "
                                  f"{sorted(self.proposers)}")
+            self._reach = max(self._reach, reach(arm))
 
     # ------------------------------------------------------------------ internals
     def _prefill(self, reqs: list["_Live"], row0: int, tables: torch.Tensor | None = None
@@ -696,7 +712,7 @@ class RolloutEngine:
         if self._features_buf is None or self._features_buf.shape[-1] != feats.shape[-1]:
             if self._rows:  # cannot happen: what is captured only changes between generations
                 raise RuntimeError("the feature layout changed while requests were running")
-            self._features_buf = torch.zeros(*self.cache.k.shape[1:2], self.cache.max_len, feats.shape[-1],
+            self._features_buf = torch.zeros(self.cache.k.shape[1], self.cache.max_len, feats.shape[-1],
                                              dtype=feats.dtype, device=self.device)
         pos = torch.arange(c0, c0 + feats.shape[1], device=self.device).expand(feats.shape[0], -1)
         self._write_features(rows[:, None], pos, tables, feats)
@@ -786,9 +802,10 @@ class RolloutEngine:
         if self.static_step is not None:
             tree = tree.padded_to(arm.tokens_to_verify)
         n = tree.num_nodes
-        if n > self.cfg.max_draft_tokens:  # arms were checked: only a proposer breaking its arm gets here
-            raise RuntimeError(f"proposer {arm.proposer!r} drafted {n} > max_draft_tokens="
-                               f"{self.cfg.max_draft_tokens} nodes for arm {arm}")
+        limit = self.cfg.max_draft_tokens if self.pool is None else arm.tokens_to_verify  # (paged: the blocks held)
+        if n > limit:  # arms were checked: only a proposer breaking its arm gets here
+            raise RuntimeError(f"proposer {arm.proposer!r} drafted {n} > {limit} nodes for arm {arm} "
+                               f"(max_draft_tokens={self.cfg.max_draft_tokens})")
         lengths = [len(inp.tokens[r]) for r in rows]  # committed incl. the pending one (host copy: shapes)
         roots = st.lens - 1  # [B] slot of the pending token
         ids = torch.cat([st.last[:, None], tree.tokens], 1)  # [B, 1 + N]
@@ -804,7 +821,8 @@ class RolloutEngine:
         else:
             span = max(lengths) + n  # the largest slot + 1, known on the host
             kernel = self.cfg.attention
-            splits = default_splits(b, self.target.config.num_key_value_heads, span, self.device, kernel)
+            splits = default_splits(b, self.target.config.num_key_value_heads, span, self.device, kernel,
+                                    head_dim=self.target.config.head_dim)
             if self.pool is None:
                 meta = AttnMeta.rows(roots, 1 + n, self.cache.max_len, tail=tail, span=span, kernel=kernel, splits=splits)
             else:

@@ -68,7 +68,7 @@ class StaticTargetStep:
         self._uses: collections.Counter[VerifyGraphKey] = collections.Counter()  # uses of shapes not captured
         self.eager = 0  # steps run eagerly while their shape was not captured yet
         self.capture, self.features = capture, features
-        self.rows = cache.k.shape[1] if paged is None else 1 << 30  # (paged: padding rows use the scratch block)
+        self.rows = cache.k.shape[1]  # rows layout: padding rows are free cache rows
         self.pool = None
         if cuda_graphs and target.config.rope_parameters.get("rope_type") == "dynamic":
             log.warning("dynamic-NTK RoPE reads the largest position on the host: no CUDA graphs")
@@ -90,7 +90,7 @@ class StaticTargetStep:
         b, q = ids.shape
         padded = self.sizes.padded_batch(b)
         flags = (sampling.masked, sampling.sampled)
-        if padded is None or padded > self.rows:
+        if padded is None or (self.paged is None and padded > self.rows):  # (paged: padding rows use the scratch block)
             x = self._inputs(ids, pos, ctx, tail, tree, sampling, stops, blocks)
             return read_verdict(self._step(x, buffer, depth, *flags))
         width = 1 << max(stops.shape[1] - 1, 0).bit_length()  # a power of two: few graph keys
@@ -143,7 +143,8 @@ class StaticTargetStep:
 
     def _splits(self, batch: int) -> int:
         slots = self.cache.max_len if self.paged is None else self.paged[0] * self.paged[1]  # a row's reach
-        return default_splits(batch, self.cache.k.shape[2], slots, self.cache.k.device, self.attention)
+        return default_splits(batch, self.cache.k.shape[2], slots, self.cache.k.device, self.attention,
+                              head_dim=self.cache.k.shape[-1])
 
     def _step(self, x: dict[str, torch.Tensor], buffer: torch.Tensor | None, depth: int, masked: bool,
               sampled: bool) -> dict[str, torch.Tensor]:

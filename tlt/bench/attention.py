@@ -99,7 +99,7 @@ def case(dev: torch.device, dtype: torch.dtype, lengths: list[int], q: int, w: i
     vl = torch.randn(b, kvh, slots, d, generator=g, device=dev, dtype=dtype)
     qs = torch.randn(b, h, q, d, generator=g, device=dev, dtype=dtype)
     ctx = torch.tensor(lengths, device=dev)
-    splits = default_splits(b, kvh, slots, dev, kernel, tuning)
+    splits = default_splits(b, kvh, slots, dev, kernel, tuning, d)
     meta = AttnMeta.rows(ctx, w, slots, splits=splits, kernel=kernel)
     if tuning is not None:
         from tlt.rollout.attention_triton import paged_attention
@@ -138,8 +138,8 @@ def run(args: argparse.Namespace) -> dict:
     rows, lines = [], []
     for ctx in contexts:
         for b in batches:
-            bound = b * (ctx + 5) * kv_bytes / (tbs * 1e12)
             for kind, (q, w) in kinds.items():
+                bound = b * (ctx + w) * kv_bytes / (tbs * 1e12)
                 t = {k: case(dev, dtype, [ctx] * b, q, w, ctx + 64, k, repeats, args.seed) for k in ("auto", "torch")}
                 rows.append({"context": ctx, "batch": b, "kind": kind, "engine_ms": 1e3 * t["auto"],
                              "sdpa_ms": 1e3 * t["torch"], "bound_ms": 1e3 * bound})

@@ -3,9 +3,8 @@
 Owns the memory bench. 256 requests (``--quick``: 32) of the demo target's shape (random weights,
 plain greedy decoding, every response forced to its drawn length) with response lengths drawn
 lognormal from the reasoning profile of :func:`tlt.sim.workloads.reasoning_lengths` under a 32K
-budget, run at 1/``--scale`` of their lengths (default 16: budgets of 2K) with blocks of
-16/``scale`` positions, so a block here stands for a 16-position block at full scale and block
-counts carry over. Runs:
+budget, run at 1/16 of their lengths (``--quick``: 1/64) with 1-position blocks, each standing for
+a 16-position (``--quick``: 64) block at full scale, so block counts carry over. Runs:
 - the pool large enough for every request at once: the blocks the rollout really holds at peak;
 - the pool at half that peak, once per victim rule of :mod:`tlt.rollout.eviction`: evictions,
   tokens recomputed, engine steps and seconds (the rule is chosen by these).
