@@ -70,3 +70,34 @@ def test_victims_by_rule_cover_the_shortfall_and_spare_the_last_request():
     assert choose_victims(run[:1], 5, "youngest") == [] and choose_victims(run, 0, "youngest") == []
     with pytest.raises(ValueError, match="eviction rule"):
         choose_victims(run, 1, "oldest")
+
+
+def test_a_forgotten_request_starts_over_in_the_drafter():
+    """An eviction frees the blocks that held a request's drafter KV: after ``forget`` the EAGLE
+    proposer catches the request up from its first pair again, as for a request it never saw."""
+    import torch
+
+    from tlt.rollout.draft_tree import ProposerInput
+    from tlt.rollout.eagle_proposer import EagleProposer
+    from tlt.rollout.strategy import Arm
+    from tests.rollout.test_transfers import _models
+
+    target, drafter = _models()
+    prop = EagleProposer(drafter, max_batch=4, max_len=64)
+    tokens = {0: list(range(1, 11)), 1: list(range(2, 14))}
+    feats = torch.randn(4, 64, 32)
+
+    def propose():
+        return prop.propose(ProposerInput(1, (0, 1), tokens, {0: 4, 1: 4}, {0: 0, 1: 1}, feats, Arm(3, 1, 3)))
+
+    propose()
+    assert prop.seen == {0: 9, 1: 11}
+    tokens[0].append(20), tokens[1].append(21)
+    before = prop.pairs_processed
+    propose()
+    assert prop.pairs_processed - before == 2  # one new pair each
+    tokens[0].append(22), tokens[1].append(23)
+    prop.forget([1])
+    before = prop.pairs_processed
+    propose()
+    assert prop.pairs_processed - before == 1 + 13  # request 0: one pair; request 1: all of its pairs again
