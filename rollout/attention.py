@@ -115,7 +115,8 @@ class AttnMeta:
         """Positions the block table addresses per row."""
         return self.blocks.shape[1] * self.block_size
 
-    def _get(self, key, make):
+    def cached(self, key, make):
+        """``make()`` once per step (what every layer shares: masks, write indices, a tail's int8 copy)."""
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
@@ -131,7 +132,7 @@ class AttnMeta:
 
     def query_positions(self, q: int) -> torch.Tensor:
         """[B, Q] the positions of the step's queries: the tail's last ``q``."""
-        return self._get(("qpos", q), lambda: self.ctx[:, None] + (self.width - q) + torch.arange(
+        return self.cached(("qpos", q), lambda: self.ctx[:, None] + (self.width - q) + torch.arange(
             q, device=self.ctx.device))
 
     def read_span(self) -> int:
@@ -140,7 +141,7 @@ class AttnMeta:
     def visible(self, q: int, part: int | None = None) -> torch.Tensor:
         """[B, Q, S] bool over positions [0, S = read_span): what each query sees (``part``: only
         prefix chunk ``part`` of ``splits``, or the tail for ``part == splits``)."""
-        return self._get(("vis", q, part), lambda: self._visible(q, part))
+        return self.cached(("vis", q, part), lambda: self._visible(q, part))
 
     def _visible(self, q: int, part: int | None) -> torch.Tensor:
         s, dev = self.read_span(), self.ctx.device
@@ -164,7 +165,7 @@ class AttnMeta:
     def additive(self, q: int, dtype: torch.dtype) -> torch.Tensor:
         """[B, 1, Q, S] additive mask of :meth:`visible` (the most negative finite value where hidden,
         so a query with nothing visible stays finite)."""
-        return self._get(("add", q, dtype), lambda: torch.zeros((), dtype=dtype, device=self.ctx.device).masked_fill(
+        return self.cached(("add", q, dtype), lambda: torch.zeros((), dtype=dtype, device=self.ctx.device).masked_fill(
             ~self.visible(q), torch.finfo(dtype).min)[:, None])
 
     def gather(self, layer_kv: torch.Tensor, b: int) -> torch.Tensor:
@@ -172,7 +173,7 @@ class AttnMeta:
         s = self.read_span()
         if self.row0 is not None:  # a view
             return layer_kv[self.row0: self.row0 + b, :, :s]
-        blk, off = self._get("read", lambda: self.physical(torch.arange(s, device=self.ctx.device).expand(b, s)))
+        blk, off = self.cached("read", lambda: self.physical(torch.arange(s, device=self.ctx.device).expand(b, s)))
         return layer_kv[blk, :, off].transpose(1, 2)  # [B, S, KV, D] -> [B, KV, S, D]
 
 

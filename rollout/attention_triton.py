@@ -165,7 +165,7 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = t.block_n if d <= 128 else min(t.block_n, 32)
     parts = meta.splits + 1
-    tail = meta._get("tail_i8", lambda: meta.tail.to(torch.int8) if meta.tail is not None else None)
+    tail = meta.cached("tail_i8", lambda: meta.tail.to(torch.int8) if meta.tail is not None else None)
     op = torch.empty(b, kvh, parts, rows, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(b, kvh, parts, rows, dtype=torch.float32, device=q.device)
     tails = (tail, tail.stride(0), tail.stride(1)) if tail is not None else (q, 0, 0)  # any pointer when causal

@@ -364,7 +364,7 @@ class RolloutEngine:
             raise ValueError(f"{name}: {len(st.prompt)} prompt tokens + max_new_tokens "
                              f"{st.params.max_new_tokens} exceed EngineConfig.max_len={self.cfg.max_len}")
         if self.pool is not None:
-            draft = max(self.cfg.max_draft_tokens, self._reach)
+            draft = self.cfg.max_draft_tokens  # (>= every arm's reach: _check_arms)
             need = self.pool.blocks_for(len(st.prompt) + st.params.max_new_tokens + 1 + draft)
             if need > self.pool.capacity:
                 raise ValueError(f"{name}: {len(st.prompt)} prompt tokens + max_new_tokens {st.params.max_new_tokens} "
@@ -638,9 +638,8 @@ class RolloutEngine:
                 p.close()
 
     def _check_arms(self) -> None:
-        """Every arm this engine may run fits its KV slots and names one of its proposers; sets the
-        farthest any arm writes past a request's tokens (:func:`reach`)."""
-        self._reach = 0
+        """Every arm this engine may run fits its KV slots (a paged cache: its reach too, :func:`reach`)
+        and names one of its proposers."""
         if not self.proposers:
             return
         arms = [self.cfg.arm] if self.cfg.arm is not None else [
@@ -654,7 +653,10 @@ class RolloutEngine:
             if arm.proposer not in self.proposers:
                 raise ValueError(f"arm {arm} names proposer {arm.proposer!r}, the engine has "
                                  f"{sorted(self.proposers)}")
-            self._reach = max(self._reach, reach(arm))
+            if self.cfg.block_size is not None and reach(arm) > self.cfg.max_draft_tokens:
+                raise ValueError(f"arm {arm}'s drafter writes {reach(arm)} positions past a request's tokens, more than "
+                                 f"EngineConfig.max_draft_tokens={self.cfg.max_draft_tokens} that a paged cache's "
+                                 "tables hold: raise max_draft_tokens or drop the arm")
 
     # ------------------------------------------------------------------ internals
     def _prefill(self, reqs: list["_Live"], row0: int, tables: torch.Tensor | None = None
