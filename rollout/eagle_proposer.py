@@ -44,7 +44,6 @@ by ``log q`` as before.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 
@@ -52,6 +51,7 @@ import torch
 
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.draft_tree import DraftTree, ProposerInput, right_pad
+from tlt.rollout.graph_pool import CaptureGate
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, DraftLoopGraphKey, GraphPlanConfig
 from tlt.rollout.attention import KERNELS, AttnMeta, default_splits, physical
 from tlt.rollout.kv_cache import StaticKVCache, compact_rows
@@ -73,10 +73,7 @@ class EagleProposer:
             raise ValueError(f"start_window={start_window} must be None (the whole request) or >= 1")
         if attention not in KERNELS:
             raise ValueError(f"attention={attention!r}: use one of {KERNELS}")
-        if capture_after < 1:
-            raise ValueError(f"capture_after={capture_after}: a shape is captured at its first use or later (>= 1)")
-        self.capture_after = capture_after  # a loop shape's first uses run eagerly; captured at this one
-        self._uses: collections.Counter[DraftLoopGraphKey] = collections.Counter()
+        self.gate = CaptureGate(capture_after)  # a loop shape's first uses run eagerly
         cfg = drafter.config.layer
         self.attention = attention  # the attention kernel (tlt.rollout.attention)
         self.drafter = drafter.eval()
@@ -185,9 +182,7 @@ class EagleProposer:
             key = DraftLoopGraphKey(batch=padded, depth=arm.depth, topk=arm.topk,
                                     tokens_to_verify=arm.tokens_to_verify, window=window, sampled=sampled)
             captured = self.pool.has(key)
-            if not captured:
-                self._uses[key] += 1
-            if not captured and self._uses[key] >= self.capture_after:
+            if not captured and self.gate.due(key):
                 # The pool's warm-up runs execute the loop: on this step's inputs (the catch-up
                 # rewrites the same pairs, the levels write scratch slots), with the positions restored.
                 t0 = time.perf_counter()

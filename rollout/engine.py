@@ -775,6 +775,22 @@ class RolloutEngine:
         cap = self.cfg.elastic_threshold
         return bool(self.proposers) and (cap is None or b <= cap)
 
+    def _move_accepted(self, path: torch.Tensor, roots: torch.Tensor, blocks: torch.Tensor | None, kept: bool) -> None:
+        """Accepted nodes' keys/values (and features) right after each root, by fixed-size index
+        tensors built on the device from the walked path [B, D]; run when the host's copy of the path
+        (from the step's one read) shows a node off its depth. roots: [B] the roots' positions."""
+        at = torch.arange(path.shape[1], device=self.device)  # [D]
+        dst = roots[:, None] + 1 + at  # [B, D]
+        src = roots[:, None] + 1 + torch.where(path >= 0, path, at)  # unaccepted depths: in place
+        if self.pool is None:  # (row, slot)
+            row = torch.arange(roots.shape[0], device=self.device)[:, None].expand_as(dst)
+            src, dst = (row, src), (row, dst)
+        else:  # (block, offset)
+            src, dst = (physical(blocks, self.cfg.block_size, x, self.pool.scratch) for x in (src, dst))
+        self.cache.move(src, dst)
+        if kept:
+            self._features_buf[dst] = self._features_buf[src]
+
     def _choose(self, b: int) -> Arm:
         """This step's arm at batch ``b``: off while speculation is off, else the fixed arm or the tuner's."""
         if not self._speculate(b):
@@ -837,21 +853,8 @@ class RolloutEngine:
                 slots = roots[:, None] + torch.arange(1 + n, device=self.device)
                 self._write_features(torch.arange(b, device=self.device)[:, None], slots, st.blocks, feats)
             res = verify(out.logits, tree, st.sampling, roots[:, None] + depth + 1, st.stops, depth=min(arm.depth, n))
-        # Move accepted nodes' keys/values (and features) right after the root: fixed-size index
-        # tensors built on the device from the walked path; run when the host's copy of the path
-        # (from the one read) shows a node off its depth.
         if any(node != d for nodes in res.nodes for d, node in enumerate(nodes)):
-            at = torch.arange(res.path.shape[1], device=self.device)  # [D]
-            dst = roots[:, None] + 1 + at  # [B, D]
-            src = roots[:, None] + 1 + torch.where(res.path >= 0, res.path, at)  # unaccepted depths: in place
-            if self.pool is None:  # (row, slot)
-                row = torch.arange(b, device=self.device)[:, None].expand_as(dst)
-                src, dst = (row, src), (row, dst)
-            else:  # (block, offset)
-                src, dst = (physical(st.blocks, self.cfg.block_size, x, self.pool.scratch) for x in (src, dst))
-            self.cache.move(src, dst)
-            if kept:
-                self._features_buf[dst] = self._features_buf[src]
+            self._move_accepted(res.path, roots, st.blocks, kept)
         st.commit(res.committed, res.count)
         seconds = time.perf_counter() - t0  # the verifier's read synchronised with the device
         draft_s = drafting.seconds()

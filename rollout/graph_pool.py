@@ -1,6 +1,7 @@
-"""Capture and replay of the planned CUDA graphs (CUDA only).
+"""Capture and replay of the planned CUDA graphs (CUDA only), and when and how safely to capture.
 
-Owns :class:`CudaGraphPool`: warm-up on a side stream, capture into one shared graph-memory pool
+Owns :class:`CaptureGate` (a shape is captured at its ``after``-th use), :func:`capturing` (below)
+and :class:`CudaGraphPool`: warm-up on a side stream, capture into one shared graph-memory pool
 per policy, replay with inputs copied into the static buffers, and the measured memory of each
 graph. It is model-agnostic: the engine hands it a factory ``make_step(key) -> (static_inputs, fn)``
 for the keys :func:`tlt.rollout.graphs.plan_graphs` lists.
@@ -14,6 +15,7 @@ takes :data:`CAPTURE_LOCK`, which a capture holds throughout.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -66,6 +68,27 @@ class _Captured:
     inputs: dict[str, torch.Tensor]
     outputs: dict[str, torch.Tensor]
     memory: GraphMemory
+
+
+class CaptureGate:
+    """When a step shape's graph is worth capturing: at its ``after``-th use, its first ones running
+    eagerly, so a shape used once (a tuner's exploration of an arm) costs an eager step, not a
+    capture. Pure bookkeeping, shared by the verify step and the draft loop."""
+
+    def __init__(self, after: int) -> None:
+        if after < 1:
+            raise ValueError(f"capture_after={after}: a shape is captured at its first use or later (>= 1)")
+        self.after = after
+        self.uses: collections.Counter = collections.Counter()  # uses of each shape while not captured
+        self.eager = 0  # uses that ran eagerly
+
+    def due(self, key: GraphKey) -> bool:
+        """A use of ``key`` (not captured yet): True when it should be captured now."""
+        self.uses[key] += 1
+        if self.uses[key] >= self.after:
+            return True
+        self.eager += 1
+        return False
 
 
 class CudaGraphPool:

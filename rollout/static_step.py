@@ -22,7 +22,6 @@ address).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
@@ -31,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from tlt.rollout.draft_tree import DraftTree
+from tlt.rollout.graph_pool import CaptureGate
 from tlt.rollout.graphs import GraphPlanConfig, TargetGraphKey
 from tlt.rollout.attention import AttnMeta, default_splits
 from tlt.rollout.kv_cache import StaticKVCache
@@ -62,11 +62,9 @@ class StaticTargetStep:
         # attention: the kernel (tlt.rollout.attention.KERNELS); capture_after: a shape's first uses run
         # eagerly, and its graph is captured at this one (the tuner's exploration costs no capture)
         self.target, self.cache, self.sizes, self.attention = target, cache, sizes, attention
-        self.capture_after = capture_after
+        self.gate = CaptureGate(capture_after)
         # a paged cache: (block size, table width, scratch block); the rows' tables are a step input
         self.paged = paged
-        self._uses: collections.Counter[VerifyGraphKey] = collections.Counter()  # uses of shapes not captured
-        self.eager = 0  # steps run eagerly while their shape was not captured yet
         self.capture, self.features = capture, features
         self.rows = cache.k.shape[1]  # rows layout: padding rows are free cache rows
         self.pool = None
@@ -105,9 +103,7 @@ class StaticTargetStep:
         self._buffer = buffer
         key = VerifyGraphKey(batch=padded, query_tokens=q, depth=depth, stops=width, masked=flags[0], sampled=flags[1])
         if not self.pool.has(key):
-            self._uses[key] += 1
-            if self._uses[key] < self.capture_after:
-                self.eager += 1
+            if not self.gate.due(key):  # a shape's first uses run eagerly
                 return read_verdict(self._step(x, buffer, depth, *flags), b)
             t0 = time.perf_counter()
             self.pool.capture([key])

@@ -124,8 +124,8 @@ def test_a_shape_is_captured_at_its_second_use_and_an_arm_tried_once_never():
     step = eng.static_step
     step.pool = _SlowCapturePool(step)
     res = eng.generate(prompts, params)
-    assert step.pool.keys and all(step._uses[k] == 2 for k in step.pool.keys)
-    assert all(n == 1 for k, n in step._uses.items() if k not in step.pool.keys)
-    assert step.eager == len(step._uses) and step.capture_s < CAPTURE_S * (len(step.pool.keys) + 0.5)
+    assert step.pool.keys and all(step.gate.uses[k] == 2 for k in step.pool.keys)
+    assert all(n == 1 for k, n in step.gate.uses.items() if k not in step.pool.keys)
+    assert step.gate.eager == len(step.gate.uses) and step.capture_s < CAPTURE_S * (len(step.pool.keys) + 0.5)
     assert len([s for s in res.steps if s.capture_seconds > 0]) == len(step.pool.keys)
     assert res.outputs == engine().generate(prompts, params).outputs

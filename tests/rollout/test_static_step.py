@@ -145,7 +145,7 @@ def test_the_graphed_paths_replay_their_static_inputs(setup, warm_drafters, temp
             runs[pooled] = eng.generate(prompts, params, seeds=seeds)
             assert runs[pooled].outputs == ref.outputs
         step = eng.static_step  # each shape's first use ran eagerly, every later one replayed
-        assert step.pool.replays + step.eager == len(runs[True].steps) and step.eager == len(step._uses)
+        assert step.pool.replays + step.gate.eager == len(runs[True].steps) and step.gate.eager == len(step.gate.uses)
         assert prop.pool.replays > 0
         assert runs[True].accept_lengths == runs[False].accept_lengths
 
@@ -195,7 +195,7 @@ def test_cuda_graph_replay_matches_eager(setup, trained_target, warm_drafters): 
         eng = RolloutEngine(gpu, EngineConfig(max_batch=8, max_len=512, arm=arm),
                             proposer=EagleProposer(drafter, max_batch=8, max_len=600) if arm else None)
         res = eng.generate(prompts, params)
-        assert eng.static_step.pool is not None and eng.static_step.replays + eng.static_step.eager == len(res.steps)
+        assert eng.static_step.pool is not None and eng.static_step.replays + eng.static_step.gate.eager == len(res.steps)
         assert res.outputs == ref.outputs, arm
 
 
@@ -278,7 +278,7 @@ def test_captures_survive_collections_and_a_probe_thread(setup, trained_target, 
             eng = RolloutEngine(gpu, EngineConfig(max_batch=8, max_len=512, arm=arm),
                                 proposer=EagleProposer(drafter, max_batch=8, max_len=600))
             res = eng.generate(prompts, params, seeds=[1, 2, 3, 4])
-            assert eng.static_step.replays + eng.static_step.eager == len(res.steps) and res.outputs == ref.outputs, (i, arm)
+            assert eng.static_step.replays + eng.static_step.gate.eager == len(res.steps) and res.outputs == ref.outputs, (i, arm)
             del eng  # not closed: its graphs go with a collection, maybe during the next capture
     finally:
         stop.set()
