@@ -173,8 +173,10 @@ class AttnMeta:
         s = self.read_span()
         if self.row0 is not None:  # a view
             return layer_kv[self.row0: self.row0 + b, :, :s]
-        blk, off = self.cached("read", lambda: self.physical(torch.arange(s, device=self.ctx.device).expand(b, s)))
-        return layer_kv[blk, :, off].transpose(1, 2)  # [B, S, KV, D] -> [B, KV, S, D]
+        n = -(-s // self.block_size)  # the blocks covering [0, S) (within the table: S <= capacity)
+        idx = self.cached("read", lambda: self.blocks[:b, :n].reshape(-1))  # [B * n]
+        kv = layer_kv.index_select(0, idx)  # whole blocks (a copy per block, not per position): [B * n, KV, BS, D]
+        return kv.view(b, n, *kv.shape[1:]).transpose(1, 2).flatten(2, 3)[:, :, :s]  # [B, KV, S, D]
 
 
 def physical(blocks: torch.Tensor, block_size: int, pos: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,6 +130,7 @@ class EagleProposer:
         if inp.features is None:
             raise ValueError("EagleProposer needs the target features (ProposerInput.features)")
         self._use_layout(inp)
+        self.cache.restore()
         self._follow_rows(inp)
         window = arm.depth + 1
         ends, lens_host = self._host_catch_up(inp)
@@ -155,9 +156,13 @@ class EagleProposer:
         self._forgotten.update(rids)
 
     def close(self) -> None:
-        """Drop the captured draft graphs and give their memory back (the proposer is being replaced)."""
+        """Drop the captured draft graphs and free the drafter's KV (the proposer is being replaced, or
+        its engine releases its memory between rollouts: the next proposal allocates the KV again)."""
         if self.pool is not None:
             self.pool.close()
+        if not self.cache.released:
+            self.cache.release()
+        self.generation = None  # its rows start over with the KV
 
     # ---------------------------------------------------------------- static shapes
     def _propose_static(self, inp: ProposerInput, arm: Arm, window: int, padded: int) -> DraftTree:

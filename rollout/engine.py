@@ -181,6 +181,10 @@ class StepRecord:
     # (evicted requests coming back)
     evicted: int = 0
     recomputed: int = 0
+    # memory: KV positions the running rows hold at the step (their tokens so far), and with a paged
+    # cache the blocks in use (the step's draft included)
+    positions: int = 0
+    blocks: int = 0
 
 
 @dataclasses.dataclass
@@ -350,6 +354,8 @@ class RolloutEngine:
             self.check(st, f"request {i}")
         rids = list(range(self._next_rid, self._next_rid + len(requests)))
         self._next_rid += len(requests)
+        if requests:
+            self.restore_memory()
         self._queue.extend(zip(rids, requests))
         return rids
 
@@ -399,6 +405,8 @@ class RolloutEngine:
                                 Arm.off(), self._state.sampling, self._state)
             tokens, lps, rec, acc = self._step(inp, arm)
             rec.evicted, rec.recomputed = self._evicted_now, self._recomputed_now
+            rec.positions = sum(len(self._seqs[r]) for r in inp.rows) - len(inp.rows)  # (pending tokens: no KV yet)
+            rec.blocks = self.pool.used if self.pool is not None else 0
             self._evicted_now = self._recomputed_now = 0
             self._steps.append(rec)
             self._accept.append(acc)
@@ -599,6 +607,28 @@ class RolloutEngine:
         for p in self.proposers.values():
             if hasattr(p, "close"):
                 p.close()
+
+    def release_memory(self) -> int:
+        """Free the KV cache, the feature buffer and the captured graphs (the verify step's and the
+        proposers', with an EAGLE drafter's KV) of an idle engine, between rollouts (verl's ``sleep``);
+        returns the bytes of cache and features freed. :meth:`restore_memory`, or the next
+        :meth:`add`, allocates them again; graphs are captured again as shapes come back."""
+        if self.active:
+            raise RuntimeError(f"release_memory needs an idle engine: {self.running} requests run, "
+                               f"{len(self._queue)} wait (let them finish, or abort them)")
+        freed = 0 if self.cache.released else self.cache.release()
+        if self._features_buf is not None:
+            freed += self._features_buf.nbytes
+            self._features_buf = None
+        self.close()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def restore_memory(self) -> None:
+        """Allocate what :meth:`release_memory` freed (no-op when nothing was released)."""
+        if self.cache.released:
+            self.cache.restore()
 
     @property
     def proposer(self) -> Proposer | None:

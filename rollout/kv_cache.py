@@ -27,6 +27,28 @@ class StaticKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
+    @property
+    def released(self) -> bool:
+        """The keys and values were freed (:meth:`release`) and not allocated again."""
+        return self.k.untyped_storage().nbytes() == 0
+
+    def release(self) -> int:
+        """Free the keys' and values' memory, keeping the tensors (and every view of them) for
+        :meth:`restore`; returns the bytes freed. Reading them before a restore is an error."""
+        freed = 0
+        for t in (self.k, self.v):
+            freed += t.untyped_storage().nbytes()
+            t.untyped_storage().resize_(0)
+        return freed
+
+    def restore(self) -> None:
+        """Allocate the released keys and values again (zeros; at new addresses, so graphs captured
+        over the old ones are stale)."""
+        for t in (self.k, self.v):
+            if t.untyped_storage().nbytes() == 0:
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+                t.zero_()
+
     def backend(self, meta: AttnMeta) -> PagedBackend:
         """The attention backend of one step laid out by ``meta`` over this cache."""
         return PagedBackend(self.k, self.v, meta)

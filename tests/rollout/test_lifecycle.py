@@ -337,3 +337,34 @@ def test_evicted_requests_reach_the_sink_once(setup):
         trained.setdefault(k, []).extend(range(start, len(toks)))
     for k, (toks, start, _) in enumerate(whole.samples):  # every position once: none lost, none doubled
         assert sorted(trained[k]) == list(range(start, len(toks)))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_memory_released_between_rollouts_comes_back_token_identical(setup, warm_drafters, paged):
+    """verl's sleep between rollouts: an idle engine frees its KV cache, its feature buffer and its
+    EAGLE drafter's KV (their storage is empty), refuses to while requests run, and the next rollout
+    allocates them again and samples the tokens an engine that never slept samples."""
+    model, tok, prompts = setup
+    states = _states(tok, prompts, "t1")
+    ref = _reference(model, states)
+    eng = _engine(model, "eagle", ARMS["chain"], warm_drafters, sink=RecordingSink(),
+                  paged=_paged(states, extra_blocks=40) if paged else None)
+    args = ([s.prompt for s in states], [s.params for s in states], [s.group for s in states], [s.seed for s in states])
+    eng.generate(*args)
+    rid = eng.add([states[0]])[0]
+    with pytest.raises(RuntimeError, match="idle engine"):
+        eng.release_memory()
+    eng.abort([rid])
+    held = eng.cache.k.nbytes + eng.cache.v.nbytes + eng._features_buf.nbytes
+    assert eng.release_memory() == held and eng.release_memory() == 0  # a second sleep frees nothing more
+    assert eng.cache.released and eng.proposer.cache.released and eng._features_buf is None
+    assert eng.cache.k.untyped_storage().nbytes() == 0 == eng.proposer.cache.k.untyped_storage().nbytes()
+    res = eng.generate(*args)  # woken by the rollout's requests
+    assert not eng.cache.released and not eng.proposer.cache.released
+    _check(zip(res.outputs, res.logprobs), ref)
+    assert sum(res.accept_lengths) > len(res.accept_lengths)  # the drafter drafted from its new KV
+    eng.release_memory()
+    eng.restore_memory()  # verl's wake_up: allocated before the requests come
+    assert not eng.cache.released
+    res = eng.generate(*args)
+    _check(zip(res.outputs, res.logprobs), ref)
