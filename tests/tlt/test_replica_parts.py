@@ -15,6 +15,7 @@ from tlt.rollout.target import TargetModel
 from tlt.integrations.verl.batcher import RequestBatcher
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.request import RequestState
+from tlt.integrations.verl.step_stats import StepStats, replica_fields
 from tlt.integrations.verl.weight_sync import DriftProbe, copy_policy
 
 P = SamplingParams(temperature=0.0, max_new_tokens=4)
@@ -27,8 +28,8 @@ def _target(seed: int = 0) -> TargetModel:
     return TargetModel(cfg).eval()
 
 
-def _batcher_engine():
-    return RolloutEngine(_target(0), EngineConfig(max_batch=4, max_len=256))
+def _batcher_engine(max_batch: int = 4, **paged):
+    return RolloutEngine(_target(0), EngineConfig(max_batch=max_batch, max_len=256, **paged))
 
 
 def _state(i: int, n: int = 40) -> RequestState:
@@ -69,6 +70,33 @@ def test_batcher_joins_running_generations_and_reports_idle():
     asyncio.run(asyncio.wait_for(main(), 120))  # a lost answer fails, never hangs
     assert eng.lifecycle["joined"] >= 2
     assert events == ["open", 6, "open", 1] and len(idle) == 2
+
+
+def test_batcher_admits_by_free_blocks_and_evicted_requests_come_back_identical():
+    """A paged engine whose pool holds about two of the six requests: the batcher hands every request
+    to the engine, whose queue admits them as blocks free up and evicts when the running ones outgrow
+    the pool; every answer is the uninterrupted run's, under one request id each, and the
+    generation's record counts the evictions."""
+    paged = dict(block_size=8, kv_blocks=14)  # a request needs up to ceil((3 + 40 + 1 + 8 draft) / 8) = 7
+    eng, gens = _batcher_engine(8, **paged, max_draft_tokens=8), []
+    ref = _batcher_engine().generate([_state(i).prompt for i in range(6)], [_state(i).params for i in range(6)],
+                                     seeds=[_state(i).seed for i in range(6)]).outputs
+
+    async def main():
+        b = RequestBatcher(lambda: eng, window_s=0.02, max_batch=8, on_close=gens.append)
+        outs = await asyncio.gather(*(b.submit(_state(i), f"r{i}") for i in range(6)))
+        assert [list(f.state.output) for f in outs] == ref
+        assert all(f.reason == "length" for f in outs) and len({f.rid for f in outs}) == 6
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+    assert gens[0].lifecycle["evicted"] > 0 and sum(s.evicted for s in gens[0].steps) == gens[0].lifecycle["evicted"]
+    assert eng.pool.free == eng.pool.capacity
+    stats = StepStats()  # what verl's metrics read: evictions and the tokens prefilled again
+    g = gens[0]
+    stats.batch(g.result(), started=g.started, gen_s=g.seconds, requests=len(g.finished), lifecycle=g.lifecycle)
+    fields = replica_fields([stats.snapshot()], g.started, g.started + g.seconds)
+    assert fields["replica_evicted"] == [g.lifecycle["evicted"]]
+    assert fields["replica_recomputed"] == [sum(s.recomputed for s in g.steps)] and fields["replica_recomputed"][0] > 0
 
 
 def test_batcher_abort_returns_partial_outputs_holds_requests_until_resume_and_rejects():
@@ -260,3 +288,31 @@ def test_a_long_run_through_the_batcher_keeps_bounded_memory():
     tracemalloc.stop()
     assert len(gens) == 50 and sum(gens) >= 5000 and eng.steps_run == sum(gens)
     assert grown < 2e6, f"the heap grew {grown / 1e6:.1f} MB over 45 generations"
+
+
+def test_a_replica_frees_its_kv_cache_between_generations_only():
+    """verl's sleep / release_kv_cache take the serving lock, which a generation holds from its start
+    to its end: a release waits for a running generation, keeps the memory of an engine with
+    requests (and says so), and frees an idle one's; wake_up allocates it again."""
+    pytest.importorskip("ray", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
+    import types
+
+    from tlt.integrations.verl.server import TLTServer
+
+    eng = _batcher_engine()
+    eng.generate([_state(0).prompt], _state(0).params)
+    replica = types.SimpleNamespace(_lock=threading.Lock(), engine=eng, rank=0)
+    replica._lock.acquire()  # a generation is running
+    freed = []
+    t = threading.Thread(target=lambda: freed.append(TLTServer._release_memory(replica)))
+    t.start()
+    time.sleep(0.2)
+    assert not freed and not eng.cache.released  # waits for the generation's end
+    replica._lock.release()
+    t.join(10)
+    assert freed[0] == eng.cache.k.numel() * 2 * eng.cache.k.element_size() and eng.cache.released
+    TLTServer._restore_memory(replica)
+    assert not eng.cache.released
+    eng.add([_state(1)])  # requests in the engine: nothing is freed
+    assert TLTServer._release_memory(replica) == 0 and not eng.cache.released
+    eng.abort()

@@ -88,6 +88,14 @@ def test_bench_rollout_quick(tmp_path, capsys):
         assert math.isclose(v["paired_vs_ar"], paired), name
         assert math.isclose(v["speedup_vs_ar"], v["tokens"] / statistics.median(v["seconds_all"]) / ar_rate), name
     assert math.isclose(r["control_paired_vs_ar"], variants["AR again (control)"]["paired_vs_ar"])
+    # memory: the paged variants reproduced AR's tokens (checked by the bench); the roomy one held what
+    # plain decoding held, in blocks; the one at half its peak stayed inside its pool, so it ran longer
+    paged, half = variants["AR, paged"], variants["AR, paged, half its peak"]
+    assert paged["evicted"] == 0 and paged["kv_peak_positions"] == variants["AR"]["kv_peak_positions"]
+    assert paged["kv_peak_positions"] <= 16 * paged["kv_peak_blocks"] and variants["AR"]["kv_peak_blocks"] == 0
+    assert half["kv_peak_blocks"] <= r["kv"]["half_blocks"] < paged["kv_peak_blocks"]
+    assert half["steps"] > variants["AR"]["steps"] and (half["evicted"] > 0) == (half["recomputed"] > 0)
+    assert any(line.startswith("  KV memory:") for line in r["summary"])
     assert variants["AR again (control)"]["sd_steps"] == 0
     for w in r["workloads"].values():
         assert w["adaptive_vs_ar_paired"] == variants[w["variant"]]["paired_vs_ar"]

@@ -111,6 +111,9 @@ def test_unknown_key_names_full_key_and_allowed(dotted, allowed):
     ("spot.warmup_steps", -1),
     ("coordinator.heartbeat_s", 120),
     ("engine.max_batch", 0),
+    ("engine.block_size", 0),
+    ("engine.kv_blocks", 8),               # without a block_size
+    ("engine.eviction", "oldest"),
     ("spot", 3),
     ("tail.batching.prompt_factor", 0.5),
     ("tail.batching.response_factor", 17),
@@ -261,6 +264,39 @@ def test_tail_batching_refuses_what_it_cannot_work_with(override, key):
         check_verl_config(cfg, from_verl(cfg))
     assert key in str(ei.value) and "\n" not in str(ei.value)
     ok = _compose("tlt_grpo", ["tlt.tail.batching.enable=true", "data.train_batch_size=8"])
+    check_verl_config(ok, from_verl(ok))
+
+
+def test_engine_keys_map_verls_rollout_settings():
+    """max_num_seqs caps the replica's batch; with a paged cache, gpu_memory_utilization sizes the pool
+    on a GPU (kv_blocks when given), and on CPU the pool keeps max_batch rows' worth."""
+    static = TLTConfig.from_mapping({"engine": {"max_batch": 64}}).engine
+    assert static.engine_keys(max_num_seqs=1024, gpu_memory_utilization=0.5, cuda=True) == {"max_batch": 64}
+    assert static.engine_keys(max_num_seqs=16, gpu_memory_utilization=None, cuda=False) == {"max_batch": 16}
+    paged = TLTConfig.from_mapping({"engine": {"block_size": 16, "eviction": "most-tokens"}}).engine
+    assert paged.engine_keys(max_num_seqs=None, gpu_memory_utilization=0.4, cuda=True) == {
+        "max_batch": 64, "block_size": 16, "eviction": "most-tokens", "kv_fraction": 0.4}
+    assert "kv_fraction" not in paged.engine_keys(max_num_seqs=None, gpu_memory_utilization=0.4, cuda=False)
+    sized = TLTConfig.from_mapping({"engine": {"block_size": 16, "kv_blocks": 4096}}).engine
+    assert sized.engine_keys(max_num_seqs=None, gpu_memory_utilization=0.4, cuda=True)["kv_blocks"] == 4096
+    from tlt.rollout.engine import EngineConfig
+
+    EngineConfig(max_len=512, **paged.engine_keys(max_num_seqs=8, gpu_memory_utilization=0.4, cuda=True))
+
+
+@needs_verl
+@pytest.mark.parametrize("overrides, key", [
+    (["actor_rollout_ref.rollout.max_num_seqs=0"], "actor_rollout_ref.rollout.max_num_seqs=0"),
+    (["tlt.engine.block_size=16", "actor_rollout_ref.rollout.gpu_memory_utilization=1.5"],
+     "actor_rollout_ref.rollout.gpu_memory_utilization=1.5"),
+    (["tlt.engine.block_size=16", "tlt.engine.kv_blocks=2"], "tlt.engine.kv_blocks=2"),
+])
+def test_memory_settings_the_engine_cannot_honour_are_refused_before_ray(overrides, key):
+    cfg = _compose("tlt_grpo", overrides)
+    assert key in _refusal(cfg)
+    from tlt.integrations.verl.verl_checks import check_verl_config
+
+    ok = _compose("tlt_grpo", ["tlt.engine.block_size=16", "tlt.engine.kv_blocks=100000"])
     check_verl_config(ok, from_verl(ok))
 
 

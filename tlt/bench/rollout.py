@@ -69,6 +69,16 @@ def _drafter_dir(target: Path, steps: int, quick: bool) -> Path:
     return out
 
 
+BLOCK = 16  # positions per block of the paged variants
+
+
+def paged_peak(prompt_lens: list[int], lengths: list[int], block: int) -> int:
+    """Blocks a paged cache holds at plain decoding's peak when every request, started together,
+    generates exactly ``lengths`` tokens: at step t, the requests still running hold their prompt,
+    t tokens and the pending one."""
+    return max(sum(-(-(p + t + 1) // block) for p, n in zip(prompt_lens, lengths) if n > t) for t in range(max(lengths)))
+
+
 def paired_ci90(ar_s: list[float], variant_s: list[float], seed: int, resamples: int = 2000) -> tuple[float, float]:
     """Bootstrap 90% interval of the median paired ratio (AR's time / the variant's, per repeat)."""
     ratios = [a / t for a, t in zip(ar_s, variant_s)]
@@ -138,9 +148,9 @@ def _run(args: argparse.Namespace) -> dict:
     max_len = max(len(p) for p in prompts) + cap + 1
     bs = len(prompts)
 
-    def engine(arm=None, proposer=None, tuner=None, threshold=None):
+    def engine(arm=None, proposer=None, tuner=None, threshold=None, **paged):
         return RolloutEngine(model, EngineConfig(max_batch=bs, max_len=max_len, arm=arm,
-                                                 elastic_threshold=threshold, seed=args.seed),
+                                                 elastic_threshold=threshold, seed=args.seed, **paged),
                              proposer=proposer, tuner=tuner)
 
     def eagle():
@@ -164,6 +174,12 @@ def _run(args: argparse.Namespace) -> dict:
     engines["random drafter + BEG-MAB"] = engine(
         proposer=EagleProposer(untrained, max_batch=bs, max_len=max_len + 64), tuner=mab())
     engines["EAGLE + BEG-MAB, fixed elastic 32"] = engine(proposer=eagle(), tuner=mab(), threshold=32)
+    # memory: a paged cache of 16-position blocks, roomy, and at half of plain decoding's peak (every
+    # length is its budget here, so the peak is known before the run), where requests are evicted
+    peak = paged_peak([len(p) for p in prompts], [p.max_new_tokens for p in params], BLOCK)
+    engines["AR, paged"] = engine(block_size=BLOCK)
+    half = max(peak // 2, -(-(max_len + EngineConfig().max_draft_tokens) // BLOCK))
+    engines["AR, paged, half its peak"] = engine(block_size=BLOCK, kv_blocks=half)
     rows, ref = {}, None
     repeats = args.repeats or (1 if quick else 5)
     for e in engines.values():  # warm-up, not timed: allocator and caches; each tuner's first rollout
@@ -181,7 +197,10 @@ def _run(args: argparse.Namespace) -> dict:
         times[name].append(res.seconds)
         al = res.accept_lengths
         rows[name] = {"tokens": res.tokens, "sd_steps": sum(s.sd for s in res.steps),
-                      "steps": len(res.steps), "mean_accept_length": sum(al) / len(al) if al else None}
+                      "steps": len(res.steps), "mean_accept_length": sum(al) / len(al) if al else None,
+                      "kv_peak_positions": max(s.positions for s in res.steps),
+                      "kv_peak_blocks": max(s.blocks for s in res.steps),
+                      "evicted": sum(s.evicted for s in res.steps), "recomputed": sum(s.recomputed for s in res.steps)}
         log.info("%s: %.1fs", name, res.seconds)
         return res.seconds
 
@@ -255,6 +274,15 @@ def _run(args: argparse.Namespace) -> dict:
         f"{r['adaptive_vs_ar_paired_ci90'][0]:.2f}-{r['adaptive_vs_ar_paired_ci90'][1]:.2f})" for w, r in workloads.items())
                  + f"; host<->device transfers per step (most): plain {transfers['ar']}, speculative "
                  f"{transfers['sd']} (greedy), sampled speculative {transfers['sampled']} (T=1, shared-noise drafts)")
+    static = bs * engines["AR"].cfg.slots
+    pg, hf = rows["AR, paged"], rows["AR, paged, half its peak"]
+    lines.append(f"  KV memory: a static cache of {bs} rows holds {static:,} positions; plain decoding's peak held "
+                 f"{rows['AR']['kv_peak_positions']:,} ({100 * rows['AR']['kv_peak_positions'] / static:.0f}%); paged "
+                 f"({BLOCK}-position blocks): peak {pg['kv_peak_blocks']:,} blocks = "
+                 f"{100 * pg['kv_peak_blocks'] * BLOCK / static:.0f}% of the static cache, paired "
+                 f"{pg['paired_vs_ar']:.2f}x AR; at {half:,} blocks: {hf['evicted']} evictions, "
+                 f"{hf['recomputed']:,} tokens recomputed, {hf['steps']} steps (AR {rows['AR']['steps']}), "
+                 f"paired {hf['paired_vs_ar']:.2f}x AR")
     for b, r in by_batch.items():
         lines.append(f"  batch {b:2d}: SD {chain} vs AR {r['speedup']:.2f}x (paired {r['paired']:.2f}x; AL "
                      f"{r['mean_accept_length']:.2f}; step: plain {r['ar_step_ms']:.2f} ms, speculative "
@@ -263,6 +291,7 @@ def _run(args: argparse.Namespace) -> dict:
     return {"bench": "rollout", "quick": quick, "requests": bs, "repeats": repeats, "variants": rows, "best_static": best_static,
             "by_batch": by_batch, "workloads": workloads, "control_paired_vs_ar": ctl["paired_vs_ar"],
             "control_paired_vs_ar_ci90": ctl["paired_vs_ar_ci90"],
-            "transfers_per_step_max": transfers, "target": str(target_dir), "drafter": str(drafter_dir),
+            "transfers_per_step_max": transfers, "kv": {"block_size": BLOCK, "static_positions": static,
+                                                        "half_blocks": half}, "target": str(target_dir), "drafter": str(drafter_dir),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
             "summary": lines}

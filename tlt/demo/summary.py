@@ -126,6 +126,20 @@ REPLICA_KEYS = (("decoding_s", "replica_gen_s"), ("idle_s", "replica_idle_s"), (
                 ("moved", "replica_moved"))
 
 
+def _kv_memory(rows) -> dict | None:
+    """KV memory over steps and replicas: the largest peak of positions held, its share of a static
+    cache of the same batch (the largest share), and the evictions with their recomputed tokens."""
+    rows = list(rows)
+    peaks = [(p, st) for r in rows for p, st in zip(r.get("replica_kv_peak_positions") or [],
+                                                     r.get("replica_kv_static_positions") or []) if st]
+    if not peaks:
+        return None
+    p, st = max(peaks)
+    return {"peak_positions": p, "static_positions": st, "peak_share": max(a / b for a, b in peaks),
+            "evicted": sum(sum(r.get("replica_evicted") or []) for r in rows),
+            "recomputed": sum(sum(r.get("replica_recomputed") or []) for r in rows)}
+
+
 def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] | None = None) -> dict:
     by = {a: {r["step"]: r for r in recs} for a, recs in records.items()}
     steps = sorted(set.intersection(*(set(v) for v in by.values()))) if by else []
@@ -175,6 +189,7 @@ def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] |
                                           for s in steps} for a in by}
     out["replica_seconds_by_arm"] = {a: {name: _mean(sum(by[a][s].get(key) or []) for s in later)
                                          for name, key in REPLICA_KEYS} for a in by}
+    out["kv_memory_by_arm"] = {a: _kv_memory(by[a][s] for s in steps) for a in by}
     out["arm_share_by_arm"] = {a: _arm_shares(by[a][s] for s in later) for a in by if a != "A"}
     out["proposer_share_by_arm"] = {a: _shares((by[a][s] for s in later), "tlt/proposer_share/")
                                     for a in by if a != "A"}
@@ -302,6 +317,12 @@ def summary_lines(s: dict) -> list[str]:
             lines.append(f"replicas {a}   per RL step, summed over replicas (steps 2+): decoding "
                          f"{f(v['decoding_s'], '.1f')} s, idle {f(v['idle_s'], '.1f')} s, spot-training "
                          f"{f(v['training_s'], '.1f')} s, requests moved {f(v['moved'], '.1f')}")
+    kv = {a: v for a, v in (s.get("kv_memory_by_arm") or {}).items() if v}
+    if kv:
+        lines.append("KV memory    peak positions held per replica / a static cache of its batch: " + ", ".join(
+            f"{a} {v['peak_positions']:,}/{v['static_positions']:,} ({100 * v['peak_share']:.0f}%)" for a, v in kv.items())
+            + "; evictions " + ", ".join(f"{a} {v['evicted']} ({v['recomputed']:,} tokens recomputed)"
+                                         for a, v in kv.items()))
     for a, shares in (s.get("arm_share_by_arm") or {}).items():
         if shares:
             by_proposer = s.get("proposer_share_by_arm", {}).get(a) or {}

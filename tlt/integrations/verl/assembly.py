@@ -36,14 +36,18 @@ log = logging.getLogger(__name__)
 
 class ReplicaEngine:
     def __init__(self, model: TargetModel, cfg: TLTConfig, *, max_len: int, seed: int, rank: int,
-                 drafter: Drafter | None = None, sink: FeatureSink | None = None, device: str = "cpu") -> None:
+                 drafter: Drafter | None = None, sink: FeatureSink | None = None, device: str = "cpu",
+                 max_num_seqs: int | None = None, gpu_memory_utilization: float | None = None) -> None:
+        """``max_num_seqs``, ``gpu_memory_utilization``: verl's rollout settings of the same meaning
+        (:meth:`~tlt.integrations.verl.config.EngineSection.engine_keys`)."""
         spec = cfg.speculation
         self.cfg, self.model, self.seed, self.device = cfg, model, seed, device
         self.max_len = max_len
         self.on = spec.enable and cfg.enable
-        self.engine_cfg = EngineConfig(max_batch=cfg.engine.max_batch, max_len=max_len,
-                                       max_draft_tokens=spec.max_draft_tokens, elastic_threshold=spec.elastic_threshold,
-                                       seed=replica_seed(seed, rank))
+        keys = cfg.engine.engine_keys(max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
+                                      cuda=device == "cuda")
+        self.engine_cfg = EngineConfig(max_len=max_len, max_draft_tokens=spec.max_draft_tokens,
+                                       elastic_threshold=spec.elastic_threshold, seed=replica_seed(seed, rank), **keys)
         hist = spec.history_config()
         self.history = ResponseHistory(hist) if self.on and spec.ngram and hist is not None else None
         self.suffix = NgramProposer(history=self.history) if self.on and spec.ngram else None

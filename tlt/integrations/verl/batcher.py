@@ -1,10 +1,12 @@
 """The replica's request batcher: verl's concurrent per-request ``generate`` calls -> one running engine.
 
-Owns the queue of waiting requests, the generation that serves them and the gate that holds them.
-Continuous batching: requests that reach an idle engine within ``window_s`` of each other start a
-generation together (up to ``max_batch``); a request that arrives while it runs joins it at the next
-step boundary (:meth:`~tlt.rollout.engine.RolloutEngine.add`), into a free KV row. Each request's
-result (a :class:`~tlt.rollout.request.Finished`) is returned as soon as it finishes.
+Owns the hand-off of arriving requests to the engine, the generation that serves them and the gate
+that holds them. Continuous batching: requests that reach an idle engine within ``window_s`` of each
+other start a generation together (the window closes early at ``max_batch``); a request that arrives
+while it runs is added to the engine at the next step boundary
+(:meth:`~tlt.rollout.engine.RolloutEngine.add`). The engine's queue admits them, by free rows and,
+with a paged cache, free blocks (and takes evicted requests back first). Each request's result (a
+:class:`~tlt.rollout.request.Finished`) is returned as soon as it finishes.
 
 Abort (verl's ``abort_all_requests`` and ``resume_generation``, and a single request's abort): the
 gate closes, so requests arriving meanwhile wait for :meth:`resume` (or, with ``reject``, return at
@@ -259,8 +261,7 @@ class RequestBatcher:
                 with self._mu:
                     aborts, self._abort_all = self._abort_all, []
                     exits, self._exits = self._exits, {}
-                    room = self.max_batch - eng.running
-                    take, self._pending = self._pending[:max(room, 0)], self._pending[max(room, 0):]
+                    take, self._pending = self._pending, []  # the engine's queue admits them (rows, blocks)
                     if not take and not eng.active:
                         self._load = dataclasses.replace(self._load, requests=())
                         for f in aborts:
@@ -276,7 +277,6 @@ class RequestBatcher:
                     named = [rid for rid, r in live.items() if exits.get(r.key) == reason]
                     if named:
                         answer(eng.abort(named) if reason == "aborted" else eng.leave(named))
-                joined = 0
                 for req in take:  # one by one: a request the engine refuses fails alone
                     try:
                         (rid,) = eng.add([req.state])
@@ -284,15 +284,13 @@ class RequestBatcher:
                         loop.call_soon_threadsafe(self._answer, req, e)
                         continue
                     req.rid, live[rid] = rid, req
-                    joined += 1
                 if eng.active:
-                    running_before = eng.running  # requests decoding before this step's joins
-                    n_steps, t_step = eng.steps_run, time.monotonic()
+                    n_steps, t_step, joins = eng.steps_run, time.monotonic(), eng.lifecycle["joined"]
                     outs = eng.step()
                     answer(outs)
                     if self.track_load:
                         if eng.steps_run > n_steps:  # a decode step ran (its prefill of joining requests included)
-                            self._measure(eng.steps[-1], time.monotonic() - t_step, joined if running_before else 0)
+                            self._measure(eng.steps[-1], time.monotonic() - t_step, eng.lifecycle["joined"] - joins)
                         progress = eng.progress()  # the requests still running: each ran this step
                         for rid in progress:
                             live[rid].steps += 1

@@ -146,9 +146,15 @@ class CoordinatorSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineSection:
-    max_batch: int = 64            # requests one replica decodes together
+    max_batch: int = 64            # requests one replica decodes together (at most rollout.max_num_seqs)
     batch_window_ms: float = 20.0  # wait this long for more requests before starting a batch
     threads: int = 0               # torch threads per replica process; 0 = torch's default
+    # the KV cache: null = one row of prompt_length + response_length per request (static); N = a
+    # paged cache of N-position blocks (docs/rollout.md, "Memory"), sized by kv_blocks or, on a GPU,
+    # by rollout.gpu_memory_utilization, evicting requests by ``eviction`` when it runs out
+    block_size: int | None = None
+    kv_blocks: int | None = None   # null: on a GPU, gpu_memory_utilization; on CPU, max_batch rows' worth
+    eviction: Literal["youngest", "fewest-tokens", "most-tokens"] = "youngest"
 
     def check(self, p: str) -> None:
         if self.max_batch < 1:
@@ -157,6 +163,24 @@ class EngineSection:
             raise _bad(f"{p}.batch_window_ms", self.batch_window_ms, "use 0..10000 ms")
         if self.threads < 0:
             raise _bad(f"{p}.threads", self.threads, "use an int >= 0")
+        if self.block_size is not None and self.block_size < 1:
+            raise _bad(f"{p}.block_size", self.block_size, "use null (a row per request) or positions per block >= 1")
+        if self.kv_blocks is not None and (self.block_size is None or self.kv_blocks < 1):
+            raise _bad(f"{p}.kv_blocks", self.kv_blocks, f"set {p}.block_size too, and use an int >= 1")
+
+    def engine_keys(self, *, max_num_seqs: int | None, gpu_memory_utilization: float | None,
+                    cuda: bool) -> dict[str, Any]:
+        """The replica engine's ``EngineConfig`` keys these settings and verl's rollout settings of the
+        same meaning give: ``max_batch`` capped by ``max_num_seqs``; a paged pool of ``kv_blocks``, or
+        on a GPU ``gpu_memory_utilization`` of its memory (less the weights) as ``kv_fraction``."""
+        keys: dict[str, Any] = {"max_batch": min(self.max_batch, max_num_seqs or self.max_batch)}
+        if self.block_size is not None:
+            keys |= {"block_size": self.block_size, "eviction": self.eviction}
+            if self.kv_blocks is not None:
+                keys["kv_blocks"] = self.kv_blocks
+            elif cuda and gpu_memory_utilization is not None:
+                keys["kv_fraction"] = gpu_memory_utilization
+        return keys
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -51,7 +51,9 @@ def _replica_class():
                 model_path=_model_path(self.model_config), replica_rank=self.replica_rank,
                 tlt=rt.tlt.to_dict(), prompt_length=self.config.prompt_length,
                 response_length=self.config.response_length, coordinator=rt.coordinator_address,
-                spot_root=rt.spot_root, run_dir=rt.run_dir, spot_base_port=rt.spot_base_port, seed=rt.seed)
+                spot_root=rt.spot_root, run_dir=rt.run_dir, spot_base_port=rt.spot_base_port, seed=rt.seed,
+                max_num_seqs=self.config.get("max_num_seqs"),
+                gpu_memory_utilization=self.config.get("gpu_memory_utilization"))
             await server.pid.remote()  # constructed: model loaded, agent connected
             self.servers = [server]
             self._server_handle = server

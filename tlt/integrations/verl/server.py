@@ -102,7 +102,8 @@ class TLTServer:
 
     def __init__(self, *, model_path: str, replica_rank: int, tlt: dict, prompt_length: int,
                  response_length: int, coordinator: str | None, spot_root: str, run_dir: str = "",
-                 spot_base_port: int = 0, seed: int = 0) -> None:
+                 spot_base_port: int = 0, seed: int = 0, max_num_seqs: int | None = None,
+                 gpu_memory_utilization: float | None = None) -> None:
         import ray
 
         self.cfg = TLTConfig.from_mapping(tlt)
@@ -140,7 +141,8 @@ class TLTServer:
         feed = (BufferFeed(self.buffer, self.drafter_cfg.aux_layers, lambda: self.step)
                 if train and self.cfg.buffer.capture == "rollout" else None)
         self.assembly = ReplicaEngine(self.model, self.cfg, max_len=self.max_len, seed=seed, rank=replica_rank,
-                                      drafter=self.drafter, sink=feed, device=self.device.type)
+                                      drafter=self.drafter, sink=feed, device=self.device.type,
+                                      max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization)
         self.history_file = Path(run_dir) / HISTORY_FILE if run_dir else None
         if self.stale and self.history_file is not None and self.history_file.is_file():
             self._reload_history()
@@ -156,7 +158,7 @@ class TLTServer:
         self._idle_sent = False  # IDLE went to the spot agent since the last generation (guarded by _mu)
         self.moved_out = 0  # requests moved away this step
         self.batcher = RequestBatcher(lambda: self.engine, window_s=self.cfg.engine.batch_window_ms / 1000,
-                                      max_batch=self.cfg.engine.max_batch, on_open=self._open_generation,
+                                      max_batch=self.engine.cfg.max_batch, on_open=self._open_generation,
                                       on_close=self._close_generation, on_idle=self._went_idle,
                                       track_load=self.cfg.tail.consolidate.mode != "off",
                                       name=f"replica {replica_rank}")
@@ -375,7 +377,7 @@ class TLTServer:
         st.update(drafter_version=self.drafter_version, proposer=self.proposer_name, drift_top1=self.probe.top1,
                   buffer=self.buffer.stats(), replica=self.rank, running=self.engine.running, moved_out=self.moved_out,
                   engine_lifecycle=dict(self.engine.lifecycle),
-                  buffer_fed=dict(self.engine.fed))
+                  buffer_fed=dict(self.engine.fed), kv_slots=self.engine.cfg.slots)
         return st
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:
@@ -493,13 +495,39 @@ class TLTServer:
         """Abort one request (it returns its partial output, ``aborted``)."""
         return {"aborted": await self.batcher.abort(request_id), "request_id": request_id}
 
-    # verl's control plane: nothing is freed between steps (the replica holds its own copy of the
-    # target beside the actor's).
-    async def wake_up(self): return None
-    async def sleep(self): return None
+    # verl's control plane. Between rollouts (``sleep`` after one, ``release_kv_cache`` around a
+    # weight sync) the engine frees its KV cache, feature buffer and graphs; ``wake_up`` /
+    # ``resume_kv_cache`` allocate them again (and a request arriving first does so itself). The
+    # replica keeps its own copy of the target's weights beside the actor's.
+    async def sleep(self) -> None:
+        await asyncio.to_thread(self._release_memory)
+
+    async def release_kv_cache(self) -> None:
+        await asyncio.to_thread(self._release_memory)
+
+    async def wake_up(self) -> None:
+        await asyncio.to_thread(self._restore_memory)
+
+    async def resume_kv_cache(self) -> None:
+        await asyncio.to_thread(self._restore_memory)
+
     async def clear_kv_cache(self): return None
-    async def release_kv_cache(self): return None
-    async def resume_kv_cache(self): return None
+    def _release_memory(self) -> int:
+        """Under the serving lock (between generations): the bytes freed, 0 while requests are in
+        flight (a sleep that reaches a replica still serving leaves it serving)."""
+        with self._lock:
+            if self.engine.active:
+                log.warning("replica %d: asked to free its KV cache with %d requests running; kept it",
+                            self.rank, self.engine.running)
+                return 0
+            freed = self.engine.release_memory()
+        log.info("replica %d: freed %.1f MB of KV cache and features", self.rank, freed / 2**20)
+        return freed
+
+    def _restore_memory(self) -> None:
+        with self._lock:
+            self.engine.restore_memory()
+
     async def start_profile(self, **kwargs): return None
     async def stop_profile(self): return None
 

@@ -21,7 +21,8 @@ def _empty() -> dict[str, Any]:
             "failed_sessions": 0, "train_steps": 0, "losses": [], "preempt_s": [], "batches": 0,
             "requests": 0, "gen_s": 0.0, "phases": [], "eagle_verifies": 0, "eagle_committed": 0,
             "heldout": [], "first_at": None, "done_at": None, "lifecycle": collections.Counter(),
-            "lengths": [], "step_cost": {}}
+            "lengths": [], "step_cost": {}, "recomputed": 0, "kv_peak_positions": 0, "kv_peak_blocks": 0,
+            "kv_peak_batch": 0}
 
 
 class StepStats:
@@ -41,7 +42,7 @@ class StepStats:
     def batch(self, res, *, started: float, gen_s: float, requests: int,
               lifecycle: dict[str, int] | None = None, lengths: list[int] | None = None) -> None:
         """One engine generation (a ``RolloutResult``) that started at ``started`` (monotonic);
-        ``lifecycle``: its requests that joined it running, left it (moved) or were aborted;
+        ``lifecycle``: its requests that joined it running, left it (moved), were aborted or evicted;
         ``lengths``: the response lengths of those that ended in it (a stop token or the budget)."""
         self.resumed(started)
         with self._lock:
@@ -56,6 +57,10 @@ class StepStats:
             st["lifecycle"].update(lifecycle or {})
             st["lengths"] += list(lengths or ())
             for s in res.steps:
+                st["recomputed"] += s.recomputed  # an evicted request's tokens prefilled again
+                st["kv_peak_positions"] = max(st["kv_peak_positions"], s.positions)
+                st["kv_peak_blocks"] = max(st["kv_peak_blocks"], s.blocks)
+                st["kv_peak_batch"] = max(st["kv_peak_batch"], s.batch)
                 c = st["step_cost"].setdefault(s.batch, [0.0, 0, 0])  # seconds, steps, committed tokens
                 c[0] += s.seconds
                 c[1] += 1
@@ -130,8 +135,10 @@ class StepStats:
 def replica_fields(stats: list[dict[str, Any]], began: float, ended: float) -> dict[str, list]:
     """Per replica, in order, from their snapshots: idle, decoding and spot-training seconds,
     engine generations, the drafter version served, its engine steps by batch size (seconds, steps,
-    tokens committed: the step-cost curve ``tlt bench tail --validate`` reads), requests that left it to go on elsewhere (moved) and that were aborted, and
-    the rollout outside their decoding (``began``/``ended``: the rollout's monotonic bounds on the
+    tokens committed: the step-cost curve ``tlt bench tail --validate`` reads), requests that left it
+    to go on elsewhere (moved), that were aborted, and that were evicted (a paged cache out of blocks)
+    with the tokens their returns prefilled again, the KV memory they held at their peak beside a
+    static cache of their peak batch, and the rollout outside their decoding (``began``/``ended``: the rollout's monotonic bounds on the
     driver; monotonic clocks are machine-wide): seconds before the first batch, after the last."""
     def since(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else b - a
@@ -140,6 +147,12 @@ def replica_fields(stats: list[dict[str, Any]], began: float, ended: float) -> d
             "replica_train_s": [sum(p[2] for p in s["phases"] if len(p) > 2) for s in stats],
             "replica_moved": [s.get("lifecycle", {}).get("left", 0) for s in stats],
             "replica_aborted": [s.get("lifecycle", {}).get("aborted", 0) for s in stats],
+            "replica_evicted": [s.get("lifecycle", {}).get("evicted", 0) for s in stats],
+            "replica_recomputed": [s.get("recomputed", 0) for s in stats],
+            # KV memory: the peak positions held, and what a static cache of the peak batch holds
+            "replica_kv_peak_positions": [s.get("kv_peak_positions", 0) for s in stats],
+            "replica_kv_peak_blocks": [s.get("kv_peak_blocks", 0) for s in stats],
+            "replica_kv_static_positions": [s.get("kv_peak_batch", 0) * s.get("kv_slots", 0) for s in stats],
             "replica_batches": [s["batches"] for s in stats],
             "replica_drafter_version": [s.get("drafter_version") for s in stats],
             "replica_step_cost": [s.get("step_cost", {}) for s in stats],

@@ -404,6 +404,12 @@ def trainer_class():
                 "tlt/rollout_s": self._rollout_s,
                 "tlt/sessions": float(sum(s["sessions"] for s in st)),
                 "tlt/tail_moves": float(self._tail.get("moves", 0)),
+                # a paged cache out of blocks: requests evicted, and their tokens prefilled again
+                "tlt/evicted": float(sum(s["lifecycle"].get("evicted", 0) for s in st)),
+                "tlt/recomputed_tokens": float(sum(s.get("recomputed", 0) for s in st)),
+                # the KV positions the fullest replica held at its peak, over a static cache of its batch
+                "tlt/kv_peak_share": max((s.get("kv_peak_positions", 0) / (s["kv_peak_batch"] * s["kv_slots"])
+                                          for s in st if s.get("kv_peak_batch") and s.get("kv_slots")), default=0.0),
                 # failures the run went on after (cumulative): a lost draft source shows here, not only in a log
                 "tlt/history_push_failures": float(self._failures["history"] + self._failures["responses"]),
                 "tlt/response_record_failures": float(self._failures["record"] + self._failures["responses"]),

@@ -38,6 +38,8 @@ def check_verl_config(config, tlt: TLTConfig) -> None:
                          "its own engine (tlt) or SGLang (sglang)")
     if ro.name == "sglang":
         _check_sglang(config, tlt)
+    else:
+        _check_memory(config, tlt)
     if tlt.tail.consolidate.mode != "off":
         _check_moves(config, tlt)
     if tlt.tail.batching.enable:
@@ -89,6 +91,28 @@ def _check_sglang(config, tlt: TLTConfig) -> None:
         if len(tlt.sglang.attached()) != replicas:
             raise ValueError(f"tlt.sglang.attach={tlt.sglang.attach!r} names {len(tlt.sglang.attached())} servers "
                              f"for {replicas} replicas; give one HOST:PORT per replica")
+
+
+def _check_memory(config, tlt: TLTConfig) -> None:
+    """verl's rollout settings the project's engine honours (``max_num_seqs``, and with a paged cache
+    ``gpu_memory_utilization``), and a pool that holds one whole request."""
+    ro, eng = config.actor_rollout_ref.rollout, tlt.engine
+    seqs = ro.get("max_num_seqs")
+    if seqs is not None and int(seqs) < 1:
+        raise ValueError(f"actor_rollout_ref.rollout.max_num_seqs={seqs}: a replica decodes at least one request; "
+                         "use an int >= 1")
+    util = ro.get("gpu_memory_utilization")
+    if eng.block_size is not None and eng.kv_blocks is None and util is not None and not 0 < float(util) <= 1:
+        raise ValueError(f"actor_rollout_ref.rollout.gpu_memory_utilization={util}: sizes tlt.engine's paged cache "
+                         "on a GPU as a share of its memory; use a fraction in (0, 1] (or set tlt.engine.kv_blocks)")
+    if eng.kv_blocks is not None:
+        positions = int(ro.prompt_length) + int(ro.response_length) + 1 + tlt.speculation.max_draft_tokens
+        need = -(-positions // eng.block_size)
+        if eng.kv_blocks < need:
+            raise ValueError(f"tlt.engine.kv_blocks={eng.kv_blocks}: one request of prompt_length {ro.prompt_length} "
+                             f"+ response_length {ro.response_length} + a draft of "
+                             f"{tlt.speculation.max_draft_tokens} needs {need} blocks of {eng.block_size} positions; "
+                             f"use at least {need}")
 
 
 def _check_moves(config, tlt: TLTConfig) -> None:
