@@ -2,7 +2,7 @@
 
 Owns :class:`DraftTree` (per request: draft tokens, each node's parent, a validity mask; nodes in
 topological order, node ``-1`` being the last verified token), :class:`ProposerInput` (the one
-record a proposer receives) and the :class:`Proposer` protocol implemented by the EAGLE / EAGLE-3
+record a proposer receives) and the :class:`Proposer` base class of the EAGLE / EAGLE-3
 drafters and the model-free n-gram drafter. Proposers only propose; the verifier only verifies.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterable, Mapping
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
@@ -155,8 +155,10 @@ class ProposerInput:
         return self.state.device if self.state is not None else torch.device("cpu")
 
 
-class Proposer(Protocol):
-    """Drafts candidate continuations for running requests: ``propose`` is the whole contract.
+class Proposer:
+    """Drafts candidate continuations for running requests. Subclass it: the members below are
+    everything the engine reads of a proposer, with what a model-free, graph-free one needs as
+    defaults; ``propose`` is the one to write.
 
     ``feature_layers`` says which target features the proposer reads: ``None`` for none (model-free,
     ``ProposerInput.features`` is None), ``()`` for the post-norm last hidden state (EAGLE), or the
@@ -169,6 +171,18 @@ class Proposer(Protocol):
     the request's tokens (all of them are in ``tokens``; their features in ``features``).
     """
 
-    feature_layers: tuple[int, ...] | None
+    feature_layers: tuple[int, ...] | None = None
+    capture_s: float = 0.0  # seconds spent capturing graphs, summed (the engine keeps them out of tuner rewards)
+    catch_up_s: float = 0.0  # of the last proposal's time: its catch-up on tokens committed since
+    kv_position_bytes: int = 0  # device bytes it keeps per request position in a paged engine's blocks
 
-    def propose(self, inp: ProposerInput) -> DraftTree: ...
+    def propose(self, inp: ProposerInput) -> DraftTree:
+        raise NotImplementedError(f"{type(self).__name__} does not implement propose()")
+
+    def forget(self, rids: Iterable[int]) -> None:
+        """Requests the engine evicted: state kept for them in the engine's blocks went with them, and
+        each starts over from its tokens when it next appears."""
+
+    def close(self) -> None:
+        """Give captured graphs and device memory back now (the proposer is replaced, or its engine
+        releases its memory between rollouts); the next proposal allocates again."""

@@ -50,7 +50,7 @@ import time
 import torch
 
 from tlt.drafter.eagle import Drafter
-from tlt.rollout.draft_tree import DraftTree, ProposerInput, right_pad
+from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from tlt.rollout.graph_pool import CaptureGate
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, DraftLoopGraphKey, GraphPlanConfig
 from tlt.rollout.attention import KERNELS, AttnMeta, default_splits, physical
@@ -63,7 +63,7 @@ from tlt.rollout.transfers import intended_sync
 log = logging.getLogger(__name__)
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     def __init__(self, drafter: Drafter, *, max_batch: int, max_len: int, catch_up_window: int = 16,
                  start_window: int | None = None, shared_noise: bool = True, static_shapes: bool | None = None,
                  cuda_graphs: bool = True, attention: str = "auto", capture_after: int = 2) -> None:
@@ -149,6 +149,12 @@ class EagleProposer:
         tokens, parents, depth, valid = self._draft(root, base, self._floor[:b], keys, temp, sampled, arm,
                                                     lambda e: base_max + e + k)  # the largest slot + 1, on the host
         return DraftTree(tokens, parents, valid, depth)
+
+    @property
+    def kv_position_bytes(self) -> int:
+        """The drafter's keys and values of one position (one layer), laid out in the engine's blocks."""
+        c = self.cache.k
+        return 2 * c.shape[2] * c.shape[4] * c.element_size()
 
     def forget(self, rids) -> None:
         """Requests the engine evicted: their drafter KV went with their blocks, so each starts over

@@ -72,6 +72,11 @@ log = logging.getLogger(__name__)
 
 
 class Tuner(Protocol):
+    """Picks each step's arm by batch size and learns from the step it ran (``tlt.rollout.tuner``)."""
+
+    def all_arms(self) -> tuple[Arm, ...]:
+        """Every arm it may choose (the engine checks each fits its cache and names a proposer)."""
+
     def choose(self, batch_size: int) -> Arm: ...
 
     def record(self, batch_size: int, arm: Arm, accepted_tokens: int, step_time_s: float) -> None: ...
@@ -236,6 +241,7 @@ class RolloutEngine:
         self.tuner: Tuner | None = None
         self._aux_layers: tuple[int, ...] = ()
         self._last_proposer: str | None = None  # the proposer that drafted the previous step (None: off)
+        self.static_step: StaticTargetStep | None = None  # (built below, once the cache is)
         self.set_proposers(named, tuner)
         mc = target.config
         self.device = target.embed_weight.device
@@ -279,12 +285,15 @@ class RolloutEngine:
         self.static_step: StaticTargetStep | None = self._new_static_step() if static else None
 
     def block_bytes(self) -> int:
-        """Bytes a block of the paged pools takes: the target's keys and values over every layer, and
-        the feature buffer's row (the last hidden state and the captured layers)."""
+        """Bytes a block of the paged pools takes: the target's keys and values over every layer, the
+        feature buffer's row (the last hidden state and the captured layers), and what the proposers
+        keep per position in the engine's blocks (an EAGLE drafter's keys and values). A drafter set
+        after construction (a first spot-trained one) adds its share beyond a pool sized by memory."""
         mc, bs = self.target.config, self.cfg.block_size or self.cfg.slots
         elem = self.target.embed_weight.element_size()
         feats = (mc.hidden_size if self._stores_hidden else 0) + mc.hidden_size * len(self._aux_layers)
-        return bs * elem * (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim + feats)
+        drafters = sum(p.kv_position_bytes for p in self.proposers.values())
+        return bs * (elem * (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim + feats) + drafters)
 
     def _pool_blocks(self) -> int:
         cfg = self.cfg
@@ -553,8 +562,7 @@ class RolloutEngine:
         self._evicted_now += len(rids)
         self.lifecycle["evicted"] += len(rids)
         for p in self.proposers.values():  # what they kept of these requests (a drafter's KV) went with the blocks
-            if hasattr(p, "forget"):
-                p.forget(rids)
+            p.forget(rids)
 
     def _commit(self, tokens: list[list[int]], lps: list[list[float]], rows: Sequence[int],
                 out: list[Finished]) -> None:
@@ -605,8 +613,7 @@ class RolloutEngine:
         if self.static_step is not None:
             self.static_step.close()
         for p in self.proposers.values():
-            if hasattr(p, "close"):
-                p.close()
+            p.close()
 
     def release_memory(self) -> int:
         """Free the KV cache, the feature buffer and the captured graphs (the verify step's and the
@@ -641,6 +648,10 @@ class RolloutEngine:
         the engine may run is checked against them; on a ValueError nothing changed."""
         if proposers and self.cfg.arm is None and tuner is None:
             raise ValueError("a proposer needs a strategy: set EngineConfig.arm or pass a tuner")
+        for name, p in proposers.items():
+            if not isinstance(p, Proposer):
+                raise TypeError(f"proposer {name!r} is a {type(p).__name__}: subclass tlt.rollout.draft_tree.Proposer "
+                                "(propose; capture_s, catch_up_s, forget and close have defaults)")
         aux = {tuple(p.feature_layers) for p in proposers.values() if p.feature_layers}
         if self.sink is not None:
             aux.add(tuple(self.sink.aux_layers))
@@ -655,7 +666,7 @@ class RolloutEngine:
         except ValueError:
             self.proposers, self.tuner, self._aux_layers = old
             raise
-        if getattr(self, "static_step", None) is not None and (self._aux_layers, self._stores_hidden) != kept:
+        if self.static_step is not None and (self._aux_layers, self._stores_hidden) != kept:
             # the step's graphs produce the old features (a first EAGLE drafter reads the hidden state):
             # a new static step captures again on first use (capture time is no arm's cost)
             capture_s = self.static_step.capture_s
@@ -664,7 +675,7 @@ class RolloutEngine:
             self.static_step.capture_s = capture_s
             log.info("engine: the proposers read other target features: its graphs are captured again")
         for p in old[0].values():  # replaced proposers give their graphs' memory back now, not at a GC pass
-            if all(p is not q for q in self.proposers.values()) and hasattr(p, "close"):
+            if all(p is not q for q in self.proposers.values()):
                 p.close()
 
     def _check_arms(self) -> None:
@@ -672,8 +683,7 @@ class RolloutEngine:
         and names one of its proposers."""
         if not self.proposers:
             return
-        arms = [self.cfg.arm] if self.cfg.arm is not None else [
-            a for _, bucket in getattr(getattr(self.tuner, "config", None), "buckets", ()) for a in bucket]
+        arms = [self.cfg.arm] if self.cfg.arm is not None else list(self.tuner.all_arms() if self.tuner is not None else ())
         for arm in arms:
             if arm.is_off:
                 continue
@@ -838,7 +848,7 @@ class RolloutEngine:
         prop, prop_capture0 = None, 0.0
         if sd and not arm.is_off:
             prop = self.proposers[arm.proposer]
-            prop_capture0 = getattr(prop, "capture_s", 0.0)
+            prop_capture0 = prop.capture_s
             drafting.start()
             tree = prop.propose(dataclasses.replace(inp, arm=arm, features=self._proposer_features(prop)))
             drafting.stop()
@@ -888,13 +898,13 @@ class RolloutEngine:
         st.commit(res.committed, res.count)
         seconds = time.perf_counter() - t0  # the verifier's read synchronised with the device
         draft_s = drafting.seconds()
-        catch_up_s = min(draft_s, getattr(prop, "catch_up_s", 0.0)) if prop is not None else 0.0
+        catch_up_s = min(draft_s, prop.catch_up_s) if prop is not None else 0.0
         if prop is not None and switched:
             switch_s = catch_up_s
         accepted = sum(len(x) for x in res.nodes)
         capture_s = self.static_step.capture_s - capture0 if self.static_step is not None else 0.0
         if prop is not None:
-            capture_s += getattr(prop, "capture_s", 0.0) - prop_capture0
+            capture_s += prop.capture_s - prop_capture0
         switch_s += capture_s  # a first use's graph capture is no arm's cost either
         if sd and self.tuner is not None and self.cfg.arm is None:
             self.tuner.record(b, arm, accepted, max(seconds - switch_s, 1e-9))

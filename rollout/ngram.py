@@ -84,7 +84,7 @@ from typing import Protocol
 
 import torch
 
-from tlt.rollout.draft_tree import DraftTree, ProposerInput, request_ids
+from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, request_ids
 from tlt.rollout.ngram_tree import SEP, chain, trie_paths
 from tlt.rollout.strategy import Arm
 
@@ -181,7 +181,7 @@ def _as_list(tokens: Iterable[int]) -> list[int]:
     return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """The model-free drafter (see the module docstring for the exact rules)."""
 
     feature_layers = None  # needs no target features

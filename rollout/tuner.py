@@ -212,6 +212,10 @@ class BegMab:
     def arms(self, batch_size: int) -> tuple[Arm, ...]:
         return self.config.buckets[self.bucket_index(batch_size)][1]
 
+    def all_arms(self) -> tuple[Arm, ...]:
+        """Every arm of every bucket, once each, in bucket order."""
+        return tuple(dict.fromkeys(a for _, bucket in self.config.buckets for a in bucket))
+
     def choose(self, batch_size: int) -> Arm:
         """The arm for the next step of a running batch of ``batch_size`` requests."""
         b = self.bucket_index(batch_size)

@@ -15,7 +15,7 @@ from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput
 from tlt.rollout.strategy import Arm
 
 
-class UnionProposer:
+class UnionProposer(Proposer):
     def __init__(self, first: Proposer, second: Proposer) -> None:
         if first.feature_layers is not None and second.feature_layers is not None \
                 and tuple(first.feature_layers) != tuple(second.feature_layers):
@@ -26,7 +26,23 @@ class UnionProposer:
     @property
     def catch_up_s(self) -> float:
         """Both proposers' catch-up of the last proposal (read after the step's sync)."""
-        return getattr(self.first, "catch_up_s", 0.0) + getattr(self.second, "catch_up_s", 0.0)
+        return self.first.catch_up_s + self.second.catch_up_s
+
+    @property
+    def capture_s(self) -> float:
+        return self.first.capture_s + self.second.capture_s
+
+    @property
+    def kv_position_bytes(self) -> int:
+        return self.first.kv_position_bytes + self.second.kv_position_bytes
+
+    def forget(self, rids) -> None:
+        self.first.forget(rids)
+        self.second.forget(rids)
+
+    def close(self) -> None:
+        self.first.close()
+        self.second.close()
 
     def propose(self, inp: ProposerInput) -> DraftTree:
         arm = inp.arm

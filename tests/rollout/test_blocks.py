@@ -115,3 +115,24 @@ def test_a_paged_engine_refuses_an_arm_whose_drafter_reaches_past_its_tables():
     with pytest.raises(ValueError, match="drafter writes 12 positions"):  # (4 - 1) levels x 4 candidates
         RolloutEngine(target, EngineConfig(max_len=64, max_draft_tokens=8, arm=Arm(4, 4, 8), block_size=4),
                       proposer=NgramProposer())
+
+
+def test_a_pool_sized_by_memory_counts_the_drafters_kv():
+    """kv_bytes buys blocks of the target's KV, the features and the EAGLE drafter's KV: with an
+    EAGLE proposer a block costs one drafter layer's keys and values more, so fewer fit."""
+    from tlt.rollout.eagle_proposer import EagleProposer
+    from tlt.rollout.engine import EngineConfig, RolloutEngine
+    from tlt.rollout.strategy import Arm
+    from tests.rollout.test_transfers import _models
+
+    target, drafter = _models()
+    cfg = EngineConfig(max_batch=4, max_len=64, block_size=8, kv_bytes=1 << 20, arm=Arm(3, 1, 3))
+    plain = RolloutEngine(target, EngineConfig(max_batch=4, max_len=64, block_size=8, kv_bytes=1 << 20))
+    prop = EagleProposer(drafter, max_batch=4, max_len=128)
+    eagle = RolloutEngine(target, cfg, proposer=prop)
+    layer = drafter.config.layer
+    per_position = 2 * layer.num_key_value_heads * layer.head_dim * drafter.fc.weight.element_size()
+    assert prop.kv_position_bytes == per_position
+    hidden = target.config.hidden_size * target.embed_weight.element_size()  # EAGLE keeps the last hidden state
+    assert eagle.block_bytes() - plain.block_bytes() == 8 * (per_position + hidden)
+    assert eagle.pool.capacity == (1 << 20) // eagle.block_bytes() < plain.pool.capacity

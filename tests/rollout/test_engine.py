@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tlt.drafter.eagle import Drafter
-from tlt.rollout.draft_tree import DraftTree
+from tlt.rollout.draft_tree import DraftTree, Proposer
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams, generate
@@ -44,7 +44,7 @@ def test_ar_engine_matches_reference_generate(setup):
         assert ours[i] == generate(model, [p], params[i])[0]
 
 
-class CorruptOracle:
+class CorruptOracle(Proposer):
     """Drafts the known continuation with wrong siblings and wrong tokens mixed in (test-only)."""
 
     feature_layers = None
@@ -160,6 +160,15 @@ def test_bad_requests_are_clear_errors(setup):
         eng.generate([[]], params[0])
     with pytest.raises(ValueError, match="strategy"):
         RolloutEngine(model, EngineConfig(), proposer=NgramProposer())
+
+    class DuckTyped:  # propose() alone: the engine also reads capture_s, catch_up_s, forget and close
+        feature_layers = None
+
+        def propose(self, inp):
+            return DraftTree.empty(len(inp.rows))
+
+    with pytest.raises(TypeError, match="'duck'.*subclass tlt.rollout.draft_tree.Proposer"):
+        RolloutEngine(model, EngineConfig(arm=Arm(2, 1, 2)), proposers={"duck": DuckTyped()})
 
 
 def test_eagle_trees_are_topological():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tlt.drafter.model_config import ModelConfig
-from tlt.rollout.draft_tree import DraftTree
+from tlt.rollout.draft_tree import DraftTree, Proposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.strategy import Arm
@@ -51,7 +51,7 @@ def probs_from_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-class TopTree:
+class TopTree(Proposer):
     """Drafts the target's two likeliest next tokens, each with its likeliest child (test-only)."""
 
     feature_layers = None

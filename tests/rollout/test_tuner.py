@@ -112,6 +112,11 @@ def test_untried_arms_are_tried_first_round_robin():
                                         random.Random(0)) == [B] * 5
 
 
+def test_all_arms_lists_every_bucket_arm_once():
+    cfg = TunerConfig(buckets=((2, (A, B, OFF)), (8, (B, C, OFF))))
+    assert BegMab(cfg).all_arms() == (A, B, OFF, C)
+
+
 def test_epsilon_keeps_exploring_uniformly():
     eps, k, n = 0.2, 4, 1000
     tuner = BegMab(one_bucket(A, B, C, OFF, epsilon=eps, explore_gap=float("inf"), seed=3))

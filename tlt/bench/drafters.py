@@ -27,6 +27,7 @@ import torch
 
 from tlt.drafter.seeds import derive
 from tlt.drafter.eagle import Drafter
+from tlt.rollout.draft_tree import Proposer
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 UNION = "union: EAGLE + suffix"  # one verify pass over EAGLE's half-size tree and the suffix drafter's
 
 
-class _Timed:
+class _Timed(Proposer):
     """Wraps a proposer: wall time and requests per proposal (the draft's cost)."""
 
     def __init__(self, inner) -> None:
@@ -63,7 +64,21 @@ class _Timed:
 
     @property
     def catch_up_s(self) -> float:
-        return getattr(self.inner, "catch_up_s", 0.0)
+        return self.inner.catch_up_s
+
+    @property
+    def capture_s(self) -> float:
+        return self.inner.capture_s
+
+    @property
+    def kv_position_bytes(self) -> int:
+        return self.inner.kv_position_bytes
+
+    def forget(self, rids) -> None:
+        self.inner.forget(rids)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def structure_ceiling(outputs: list[list[int]], digits: set[int], depth: int) -> float:

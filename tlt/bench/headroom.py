@@ -48,7 +48,7 @@ from tlt.warmup import WarmupConfig, run_warmup
 log = logging.getLogger(__name__)
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Drafts the target's own greedy continuation (a full forward per level): the chain ceiling."""
 
     feature_layers = None
