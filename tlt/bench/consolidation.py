@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from tlt.bench.demo_runs import run_summary
-from tlt.demo.summary import _over, _pooled_accept, _ratio, _step_interval, _total
+from tlt.demo.step_ratios import over, pooled_accept, ratio_over_steps, step_interval, total
 from tlt.sim.workloads import arm_lines
 
 ARMS = "BCE"
@@ -50,13 +50,13 @@ def pooled(runs: list[Path]) -> dict:
 
     out = {"steps": len(later)}
     for name, num, den, steps, ratio in (
-            ("rollout_time_ratio_e_over_c", "E", "C", later, _over(_total("tlt/rollout_s"))),
-            ("step_time_ratio_e_over_c", "E", "C", later, _over(_total("timing_s/step"))),
-            ("spot_training_ratio_c_over_e", "C", "E", later, _over(_train_s)),
-            ("accept_length_ratio_spot_vs_stale", "C", "B", adapted("C"), _over(_pooled_accept)),
-            ("accept_length_ratio_spot_vs_stale_e", "E", "B", adapted("E"), _over(_pooled_accept))):
-        out[name] = _ratio(by[num], by[den], steps, ratio)
-        out[f"{name}_ci90"] = _step_interval(by[num], by[den], steps, ratio)
+            ("rollout_time_ratio_e_over_c", "E", "C", later, over(total("tlt/rollout_s"))),
+            ("step_time_ratio_e_over_c", "E", "C", later, over(total("timing_s/step"))),
+            ("spot_training_ratio_c_over_e", "C", "E", later, over(_train_s)),
+            ("accept_length_ratio_spot_vs_stale", "C", "B", adapted("C"), over(pooled_accept)),
+            ("accept_length_ratio_spot_vs_stale_e", "E", "B", adapted("E"), over(pooled_accept))):
+        out[name] = ratio_over_steps(by[num], by[den], steps, ratio)
+        out[f"{name}_ci90"] = step_interval(by[num], by[den], steps, ratio)
     out["spot_training_s_per_step"] = {a: _train_s([by[a][k] for k in later]) / len(later) for a in "CE"} \
         if later else {}
     out["moves_per_step_c"] = sum(by["C"][k].get("tlt/tail_moves", 0) for k in later) / len(later) if later else None

@@ -37,7 +37,7 @@ from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.rollout.tuner import BegMab, TunerConfig
 from tlt.rollout.union import UnionProposer
-from tlt.bench.rollout import _drafter_dir
+from tlt.bench.fixtures import demo_drafter
 from tlt.demo.corpus import make_corpus
 from tlt.demo.job import DEFAULT, QUICK
 from tlt.demo.target_factory import ensure_target
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     target = ensure_target(size.target, progress=False)
     model = TargetModel.from_pretrained(target).eval()
     tok = TextTokenizer.from_pretrained(target)
-    drafter = Drafter.load(_drafter_dir(target, 20 if quick else 60, quick), model.embed_weight,
+    drafter = Drafter.load(demo_drafter(target, 20 if quick else 60, quick), model.embed_weight,
                            model.lm_head.weight).eval()
     gc.collect()
     gc.freeze()  # what a replica does once loaded (tlt.integrations.verl.server): full GC passes skip it

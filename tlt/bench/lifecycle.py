@@ -33,7 +33,7 @@ import time
 import torch
 
 from tlt.bench import torch_threads
-from tlt.bench.rollout import _drafter_dir, paired_ci90
+from tlt.bench.fixtures import demo_drafter, paired_ci90
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
@@ -206,7 +206,7 @@ def _run(args: argparse.Namespace) -> dict:
     cb = continuous_batching(model, reqs, spread, repeats, args.seed)
     ks = [0, 16, 64] if quick else [0, 64, 128, 256, 320]
     cost = rejoin_cost(model, reqs[0].prompt, ks, 2 if quick else 5)
-    drafter = Drafter.load(_drafter_dir(target_dir, 20 if quick else 150, quick), model.embed_weight,
+    drafter = Drafter.load(demo_drafter(target_dir, 20 if quick else 150, quick), model.embed_weight,
                            model.lm_head.weight)
     start = eagle_start(model, drafter, reqs, [0, 16] if quick else [0, 32, 96], Arm(3, 1, 3))
     summary = [f"continuous batching ({cb['requests']} requests over {cb['spread_ms']:.0f} ms, "

@@ -20,20 +20,17 @@ variant one engine, as a replica keeps its engine and tuner across RL steps.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import platform
 import random
 import statistics
-import tempfile
-from pathlib import Path
 
 import torch
 
 from tlt.bench import torch_threads
+from tlt.bench.fixtures import demo_drafter, paired_ci90
 from tlt.drafter.eagle import Drafter
-from tlt.drafter.offline_train import TrainConfig
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
@@ -44,29 +41,12 @@ from tlt.rollout.target import TargetModel
 from tlt.rollout.tuner import BegMab, TunerConfig
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.demo.job import DEFAULT, QUICK
-from tlt.demo.target_factory import default_cache_dir, ensure_target
+from tlt.demo.target_factory import ensure_target
 from tlt.tokenizer import TextTokenizer
-from tlt.warmup import WarmupConfig, run_warmup
 
 log = logging.getLogger(__name__)
 ENGINE_DEFAULT = Arm(5, 4, 7)  # SGLang-like: 5 steps, topk 4, 8 draft tokens incl. the root
 STATIC_ARMS = (Arm(2, 1, 2), Arm(3, 1, 3), Arm(5, 1, 5), Arm(4, 2, 8), ENGINE_DEFAULT)
-
-
-def _drafter_dir(target: Path, steps: int, quick: bool) -> Path:
-    out = default_cache_dir() / "drafters" / f"{target.name}-eagle-{steps}"
-    if (out / "tlt_drafter.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".build-", dir=out.parent) as tmp:
-        prompts = Path(tmp) / "p.jsonl"
-        corpus = make_corpus(32 if quick else 160, CorpusConfig(seed=7))
-        prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p.prompt}]}) + "\n"
-                                   for p in corpus))
-        run_warmup(WarmupConfig(target=target, data=prompts, out=Path(tmp) / "d", max_new_tokens=200,
-                                train=TrainConfig(max_steps=steps)), progress=False)
-        (Path(tmp) / "d").rename(out)
-    return out
 
 
 BLOCK = 16  # positions per block of the paged variants
@@ -77,14 +57,6 @@ def paged_peak(prompt_lens: list[int], lengths: list[int], block: int) -> int:
     generates exactly ``lengths`` tokens: at step t, the requests still running hold their prompt,
     t tokens and the pending one."""
     return max(sum(-(-(p + t + 1) // block) for p, n in zip(prompt_lens, lengths) if n > t) for t in range(max(lengths)))
-
-
-def paired_ci90(ar_s: list[float], variant_s: list[float], seed: int, resamples: int = 2000) -> tuple[float, float]:
-    """Bootstrap 90% interval of the median paired ratio (AR's time / the variant's, per repeat)."""
-    ratios = [a / t for a, t in zip(ar_s, variant_s)]
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    return meds[int(0.05 * (resamples - 1))], meds[int(0.95 * (resamples - 1))]
 
 
 def fixed_batch(model: TargetModel, drafter: Drafter, prompts: list[list[int]], new_tokens: int, chain: Arm,
@@ -129,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
 def _run(args: argparse.Namespace) -> dict:
     quick = bool(args.quick)
     target_dir = ensure_target((QUICK if quick else DEFAULT).target, progress=False)
-    drafter_dir = _drafter_dir(target_dir, 20 if quick else 150, quick)
+    drafter_dir = demo_drafter(target_dir, 20 if quick else 150, quick)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CUDA: static shapes + graphs by default
     model = TargetModel.from_pretrained(target_dir, device=device)
     tok = TextTokenizer.from_pretrained(target_dir)

@@ -11,9 +11,10 @@ sampling the arms sample the same tokens, so their times compare the same work).
 from __future__ import annotations
 
 import collections
-import random
-import statistics
 from pathlib import Path
+
+from tlt.demo.step_ratios import (eagle_accept, mean, over, pooled_accept, ratio_over_steps, same_strategy_ratio,
+                                  step_interval, total)
 
 ARM_LABELS = {"A": "no speculation", "B": "TLT, warm-up drafter frozen (stale)",
               "C": "full TLT (spot training, tail consolidation)",
@@ -23,85 +24,6 @@ ARM_LABELS = {"A": "no speculation", "B": "TLT, warm-up drafter frozen (stale)",
               "H": "TLT, warm-up drafter frozen, tail batching"}
 COLOURS = {"A": "tab:gray", "B": "tab:orange", "C": "tab:blue", "D": "tab:green", "E": "tab:purple",
            "F": "tab:brown", "G": "tab:cyan", "H": "tab:olive"}
-
-
-def _mean(xs) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.fmean(xs) if xs else None
-
-
-def _pooled_accept(rows) -> float | None:
-    """Tokens committed per verify over all the steps' verifies (a step with few verifies weighs
-    little; one with none, whose per-step accept length is NaN, not at all)."""
-    rows = list(rows)
-    verifies = sum(r.get("tlt/spec_verifies", 0) for r in rows)
-    return sum(r.get("tlt/spec_committed", 0) for r in rows) / verifies if verifies else None
-
-
-def _per_arm(rows) -> dict[str, list[float]]:
-    """EAGLE-drafted arms (strategies) -> [tokens committed, verifies], pooled over step records."""
-    out: dict[str, list[float]] = {}
-    for r in rows:
-        for k, v in r.items():
-            if k.startswith("tlt/arm_verifies/") and not k.endswith("@suffix"):
-                arm = k.removeprefix("tlt/arm_verifies/")
-                c = out.setdefault(arm, [0.0, 0.0])
-                c[0] += r.get(f"tlt/arm_committed/{arm}", 0.0)
-                c[1] += v
-    return out
-
-
-def _eagle_accept(rows) -> float | None:
-    """Tokens committed per verify over the verifies the EAGLE drafter drafted (suffix arms left out)."""
-    arms = _per_arm(rows).values()
-    verifies = sum(v for _, v in arms)
-    return sum(c for c, _ in arms) / verifies if verifies else None
-
-
-def _same_strategy_ratio(num_rows, den_rows) -> float | None:
-    """EAGLE accept length of num over den at the same strategies: per arm both arms verified, each
-    arm's accept length weighted by its verifies in both (the tuners' different depth choices cancel)."""
-    a, b = _per_arm(num_rows), _per_arm(den_rows)
-    common = [k for k in a if k in b and a[k][1] and b[k][1]]
-    num = sum((a[k][1] + b[k][1]) * a[k][0] / a[k][1] for k in common)
-    den = sum((a[k][1] + b[k][1]) * b[k][0] / b[k][1] for k in common)
-    return num / den if den else None
-
-
-def _total(key: str):
-    """The summed ``key`` of some step records (a measure for :func:`_over`)."""
-    return lambda rows: sum(r.get(key, 0.0) for r in rows)
-
-
-def _over(measure):
-    """The ratio of a per-arm ``measure`` (of a list of step records): num's over den's."""
-    def ratio(num_rows, den_rows) -> float | None:
-        a, b = measure(num_rows), measure(den_rows)
-        return a / b if a and b else None
-    return ratio
-
-
-def _ratio(num: dict[int, dict], den: dict[int, dict], steps, ratio) -> float | None:
-    """``ratio`` (of two lists of step records, e.g. :func:`_over`) of num's ``steps`` and den's."""
-    return ratio([num[s] for s in steps], [den[s] for s in steps])
-
-
-def _step_interval(num: dict[int, dict], den: dict[int, dict], steps: list[int], ratio,
-                   draws: int = 2000) -> list[float] | None:
-    """90% interval of :func:`_ratio` when the RL steps are resampled with replacement.
-
-    The arms run the same prompts at the same step, so a step is resampled for both sides at once.
-    This is the step-to-step variation inside one run only (the arms sample their own responses);
-    runs on a shared machine spread further (docs/verl.md).
-    """
-    if len(steps) < 2:
-        return None
-    rng = random.Random(0)
-    got = sorted(r for r in (_ratio(num, den, rng.choices(steps, k=len(steps)), ratio)
-                             for _ in range(draws)) if r is not None)
-    if len(got) < draws // 2:  # most resamples have nothing to compare
-        return None
-    return [got[int(0.05 * (len(got) - 1))], got[int(0.95 * (len(got) - 1))]]
 
 
 def identical_share(responses: dict[str, list[dict]], a: str, b: str) -> dict | None:
@@ -145,10 +67,10 @@ def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] |
     steps = sorted(set.intersection(*(set(v) for v in by.values()))) if by else []
     later = [s for s in steps if s > 1]  # step 1 also pays verl's lazy agent-loop start
     out: dict = {"steps": len(steps), "arms": {a: ARM_LABELS[a] for a in records}}
-    out["reward_mean_by_arm"] = {a: _mean(by[a][s].get("critic/score/mean") for s in steps) for a in by}
+    out["reward_mean_by_arm"] = {a: mean(by[a][s].get("critic/score/mean") for s in steps) for a in by}
     # the means of the first two and the last two steps
-    out["reward_first_last_by_arm"] = {a: [_mean(by[a][s].get("critic/score/mean") for s in steps[:2]),
-                                           _mean(by[a][s].get("critic/score/mean") for s in steps[-2:])]
+    out["reward_first_last_by_arm"] = {a: [mean(by[a][s].get("critic/score/mean") for s in steps[:2]),
+                                           mean(by[a][s].get("critic/score/mean") for s in steps[-2:])]
                                        for a in by if steps}
     first_last = out["reward_first_last_by_arm"].get("A")
     if first_last and first_last[0]:
@@ -157,37 +79,37 @@ def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] |
     out["identical_response_share"] = {f"{a}{b}": identical_share(responses, a, b)
                                        for a, b in (("A", "B"), ("A", "C"), ("C", "E"))
                                        if a in responses and b in responses}
-    out["accept_length_by_arm"] = {a: _pooled_accept(by[a][s] for s in later) for a in by if a != "A"}
+    out["accept_length_by_arm"] = {a: pooled_accept(by[a][s] for s in later) for a in by if a != "A"}
     if "B" in by and "C" in by:
         # Steps whose rollout used a spot-trained drafter: pushed at the end of an earlier step.
         adapted = [s for s in later if by["C"].get(s - 1, {}).get("tlt/drafter_version", 0) >= 1]
-        out["accept_length_ratio_spot_vs_stale"] = _ratio(by["C"], by["B"], adapted, _over(_pooled_accept))
-        out["accept_length_ratio_ci90"] = _step_interval(by["C"], by["B"], adapted, _over(_pooled_accept))
+        out["accept_length_ratio_spot_vs_stale"] = ratio_over_steps(by["C"], by["B"], adapted, over(pooled_accept))
+        out["accept_length_ratio_ci90"] = step_interval(by["C"], by["B"], adapted, over(pooled_accept))
         # The drafters alone: the suffix drafter is the same in both arms, and each arm's tuner
         # picks its own depths, so the pooled figure mixes both into the drafters' difference.
-        out["eagle_accept_length_by_arm"] = {a: _eagle_accept(by[a][s] for s in adapted) for a in "BC"}
-        out["eagle_accept_length_ratio_spot_vs_stale"] = _ratio(by["C"], by["B"], adapted, _over(_eagle_accept))
-        out["eagle_accept_length_ratio_ci90"] = _step_interval(by["C"], by["B"], adapted, _over(_eagle_accept))
-        out["eagle_same_strategy_ratio_spot_vs_stale"] = _ratio(by["C"], by["B"], adapted, _same_strategy_ratio)
-        out["eagle_same_strategy_ratio_ci90"] = _step_interval(by["C"], by["B"], adapted, _same_strategy_ratio)
-        out["eagle_accept_length_by_step"] = {a: {s: _eagle_accept([by[a][s]]) for s in adapted} for a in "BC"}
+        out["eagle_accept_length_by_arm"] = {a: eagle_accept(by[a][s] for s in adapted) for a in "BC"}
+        out["eagle_accept_length_ratio_spot_vs_stale"] = ratio_over_steps(by["C"], by["B"], adapted, over(eagle_accept))
+        out["eagle_accept_length_ratio_ci90"] = step_interval(by["C"], by["B"], adapted, over(eagle_accept))
+        out["eagle_same_strategy_ratio_spot_vs_stale"] = ratio_over_steps(by["C"], by["B"], adapted, same_strategy_ratio)
+        out["eagle_same_strategy_ratio_ci90"] = step_interval(by["C"], by["B"], adapted, same_strategy_ratio)
+        out["eagle_accept_length_by_step"] = {a: {s: eagle_accept([by[a][s]]) for s in adapted} for a in "BC"}
         out["accept_length_steps"] = adapted
         out["accept_length_verifies"] = {a: int(sum(by[a][s].get("tlt/spec_verifies", 0) for s in adapted))
                                          for a in "BC"}
-        out["target_drift"] = _mean(by["C"][s].get("tlt/target_drift") for s in steps)
+        out["target_drift"] = mean(by["C"][s].get("tlt/target_drift") for s in steps)
     if "A" in by and "C" in by and later:
         for key, name, ci_name in (
                 ("tlt/rollout_s", "rollout_time_ratio_ar_over_tlt", "rollout_time_ratio_ci90_ar_over_tlt"),
                 ("timing_s/step", "step_time_ratio_ar_over_tlt", "step_time_ratio_ci90_ar_over_tlt")):
-            out[name] = _ratio(by["A"], by["C"], later, _over(_total(key)))
-            out[ci_name] = _step_interval(by["A"], by["C"], later, _over(_total(key)))
+            out[name] = ratio_over_steps(by["A"], by["C"], later, over(total(key)))
+            out[ci_name] = step_interval(by["A"], by["C"], later, over(total(key)))
         out["rollout_s_by_arm"] = {a: sum(by[a][s].get("tlt/rollout_s", 0.0) for s in later) for a in by}
-    out["response_length_mean_by_arm"] = {a: _mean(by[a][s].get("response_length/mean") for s in later)
+    out["response_length_mean_by_arm"] = {a: mean(by[a][s].get("response_length/mean") for s in later)
                                           for a in by}
     # per replica and RL step: what its time went to, and the requests that left it for another
     out["replica_seconds_by_step"] = {a: {s: {name: list(by[a][s].get(key) or []) for name, key in REPLICA_KEYS}
                                           for s in steps} for a in by}
-    out["replica_seconds_by_arm"] = {a: {name: _mean(sum(by[a][s].get(key) or []) for s in later)
+    out["replica_seconds_by_arm"] = {a: {name: mean(sum(by[a][s].get(key) or []) for s in later)
                                          for name, key in REPLICA_KEYS} for a in by}
     out["kv_memory_by_arm"] = {a: _kv_memory(by[a][s] for s in steps) for a in by}
     out["arm_share_by_arm"] = {a: _arm_shares(by[a][s] for s in later) for a in by if a != "A"}
@@ -197,20 +119,20 @@ def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] |
                                      for a in by if a != "A"}
     if "B" in by and "E" in by:  # arm E's own spot vs stale figure (its pushes, its steps)
         adapted_e = [s for s in later if by["E"].get(s - 1, {}).get("tlt/drafter_version", 0) >= 1]
-        out["accept_length_ratio_spot_vs_stale_e"] = _ratio(by["E"], by["B"], adapted_e, _over(_pooled_accept))
-        out["accept_length_ratio_ci90_e"] = _step_interval(by["E"], by["B"], adapted_e, _over(_pooled_accept))
+        out["accept_length_ratio_spot_vs_stale_e"] = ratio_over_steps(by["E"], by["B"], adapted_e, over(pooled_accept))
+        out["accept_length_ratio_ci90_e"] = step_interval(by["E"], by["B"], adapted_e, over(pooled_accept))
     if "C" in by and "E" in by and later:  # tail consolidation on (C) vs off (E), the same seeds
         for key, name in (("tlt/rollout_s", "rollout"), ("timing_s/step", "step")):
-            out[f"{name}_time_ratio_e_over_c"] = _ratio(by["E"], by["C"], later, _over(_total(key)))
-            out[f"{name}_time_ratio_ci90_e_over_c"] = _step_interval(by["E"], by["C"], later, _over(_total(key)))
-        train = _over(lambda rows: sum(sum(r.get("replica_train_s") or []) for r in rows))
-        out["spot_training_ratio_c_over_e"] = _ratio(by["C"], by["E"], later, train)
-        out["spot_training_ratio_ci90_c_over_e"] = _step_interval(by["C"], by["E"], later, train)
+            out[f"{name}_time_ratio_e_over_c"] = ratio_over_steps(by["E"], by["C"], later, over(total(key)))
+            out[f"{name}_time_ratio_ci90_e_over_c"] = step_interval(by["E"], by["C"], later, over(total(key)))
+        train = over(lambda rows: sum(sum(r.get("replica_train_s") or []) for r in rows))
+        out["spot_training_ratio_c_over_e"] = ratio_over_steps(by["C"], by["E"], later, train)
+        out["spot_training_ratio_ci90_c_over_e"] = step_interval(by["C"], by["E"], later, train)
         out["tail_moves_by_step_c"] = {s: by["C"][s].get("tlt/tail_moves", 0.0) for s in steps}
     if "C" in by and "D" in by and later:  # what the model-free drafter adds beside EAGLE
-        out["rollout_time_ratio_d_over_c"] = _ratio(by["D"], by["C"], later, _over(_total("tlt/rollout_s")))
-        out["rollout_time_ratio_ci90_d_over_c"] = _step_interval(by["D"], by["C"], later,
-                                                                 _over(_total("tlt/rollout_s")))
+        out["rollout_time_ratio_d_over_c"] = ratio_over_steps(by["D"], by["C"], later, over(total("tlt/rollout_s")))
+        out["rollout_time_ratio_ci90_d_over_c"] = step_interval(by["D"], by["C"], later,
+                                                                 over(total("tlt/rollout_s")))
     return out
 
 

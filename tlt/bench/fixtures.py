@@ -1,0 +1,45 @@
+"""What the benches share: the demo target's cached EAGLE drafter and the paired bootstrap interval.
+
+Owns :func:`demo_drafter` (a warm-up drafter of a target, built once into TLT's cache) and
+:func:`paired_ci90` (the 90% interval of a median paired ratio). Benches import these, never each
+other's private helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+from tlt.demo.corpus import CorpusConfig, make_corpus
+from tlt.demo.target_factory import default_cache_dir
+from tlt.drafter.offline_train import TrainConfig
+from tlt.warmup import WarmupConfig, run_warmup
+
+
+def demo_drafter(target: Path, steps: int, quick: bool) -> Path:
+    """The directory of an EAGLE drafter of ``target`` warmed up for ``steps`` steps on the demo's
+    corpus (32 prompts when ``quick``, else 160), built once into the cache and reused by every bench."""
+    out = default_cache_dir() / "drafters" / f"{target.name}-eagle-{steps}"
+    if (out / "tlt_drafter.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=out.parent) as tmp:
+        prompts = Path(tmp) / "p.jsonl"
+        corpus = make_corpus(32 if quick else 160, CorpusConfig(seed=7))
+        prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p.prompt}]}) + "\n"
+                                   for p in corpus))
+        run_warmup(WarmupConfig(target=target, data=prompts, out=Path(tmp) / "d", max_new_tokens=200,
+                                train=TrainConfig(max_steps=steps)), progress=False)
+        (Path(tmp) / "d").rename(out)
+    return out
+
+
+def paired_ci90(ar_s: list[float], variant_s: list[float], seed: int, resamples: int = 2000) -> tuple[float, float]:
+    """Bootstrap 90% interval of the median paired ratio (AR's time / the variant's, per repeat)."""
+    ratios = [a / t for a, t in zip(ar_s, variant_s)]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return meds[int(0.05 * (resamples - 1))], meds[int(0.95 * (resamples - 1))]
