@@ -11,7 +11,7 @@ microseconds per proposal per request. Variants: the suffix drafter over the liv
 (the n-gram drafter as it was), with the prompt's history, with the global pool too, the warm-up
 EAGLE drafter, BEG-MAB choosing between EAGLE and the history suffix drafter per step, and (tree
 arm only) one verify over the union of EAGLE's and the suffix drafter's trees, each half the arm's
-paths and nodes (:mod:`tlt.rollout.union`). Last, the task's text ceiling (:func:`structure_ceiling`).
+paths and nodes (:mod:`tlt.bench.union`). Last, the task's text ceiling (:func:`structure_ceiling`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tlt.rollout.ngram import NgramProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.rollout.tuner import BegMab, TunerConfig
-from tlt.rollout.union import UnionProposer
+from tlt.bench.union import UnionProposer
 from tlt.bench.fixtures import demo_drafter
 from tlt.demo.corpus import make_corpus
 from tlt.demo.job import DEFAULT, QUICK

@@ -12,7 +12,7 @@ from tlt.rollout.generate import SamplingParams
 from tlt.rollout.history import ResponseHistory
 from tlt.rollout.ngram import NgramProposer
 from tlt.rollout.strategy import Arm
-from tlt.rollout.union import UnionProposer, merge
+from tlt.bench.union import UnionProposer, merge
 from tests.rollout.test_history import setup  # noqa: F401  (fixture)
 
 
