@@ -185,10 +185,7 @@ class EagleProposer(Proposer):
         if self.pool is None:
             out = self._loop(x, inp.features, arm, window, sampled)
         else:
-            if self._features is not None and (self._features.data_ptr(), self._features.shape) != \
-                    (inp.features.data_ptr(), inp.features.shape):
-                self.pool.close()  # the engine re-laid out its features: graphs read the old buffer
-                log.info("drafter graphs dropped: the feature buffer moved")
+            self.pool.follow("the feature buffer", inp.features)  # the graphs read it
             self._features = inp.features
             key = DraftLoopGraphKey(batch=padded, depth=arm.depth, topk=arm.topk,
                                     tokens_to_verify=arm.tokens_to_verify, window=window, sampled=sampled)

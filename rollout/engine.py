@@ -735,7 +735,7 @@ class RolloutEngine:
             n = lens[idx]
             h = out.hidden[torch.arange(len(alive), device=self.device), (n - 1 - c0).clamp(0, tc - 1)]
             last[idx] = torch.where(((n - 1 >= c0) & (n - 1 < c0 + tc))[:, None], h, last[idx])
-            self._keep_features(out, row0 + idx, c0, None if tables is None else tables[idx])
+            self._keep_features(out, meta, c0)
         logits = self.target.lm_head(last)[:, None]  # [B, 1, V]
         tok, lp = sample(logits, sampling, lens[:, None])  # a fresh request's first token sits at position len(prompt)
         tok = torch.where(pending[:, None] >= 0, pending[:, None], tok)
@@ -745,9 +745,9 @@ class RolloutEngine:
         # The pending token's KV (and feature) is written by the next step, as its tree root.
         return [int(r[0]) for r in host], [r[1] for r in host], state
 
-    def _keep_features(self, out, rows: torch.Tensor, c0: int, tables: torch.Tensor | None) -> None:
-        """A prefill chunk's features into the buffer at ``rows`` [B'] (cache rows; a paged cache: by
-        the rows' tables [B', C]), positions ``c0 ..``."""
+    def _keep_features(self, out, meta: AttnMeta, c0: int) -> None:
+        """A prefill chunk's features into the buffer at its rows' positions ``c0 ..``: the buffer is
+        laid out like the KV cache, so the chunk's ``meta`` addresses it (rows or blocks alike)."""
         feats = self._features(out)
         if feats is None:
             return
@@ -757,16 +757,7 @@ class RolloutEngine:
             self._features_buf = torch.zeros(self.cache.k.shape[1], self.cache.max_len, feats.shape[-1],
                                              dtype=feats.dtype, device=self.device)
         pos = torch.arange(c0, c0 + feats.shape[1], device=self.device).expand(feats.shape[0], -1)
-        self._write_features(rows[:, None], pos, tables, feats)
-
-    def _write_features(self, rows: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor | None,
-                        feats: torch.Tensor) -> None:
-        """feats [B, T, F] at positions pos [B, T] of cache rows rows [B, 1] (a paged cache: of the rows
-        whose tables are tables [B, C]): the buffer is laid out like the KV cache."""
-        if tables is None:
-            self._features_buf[rows, pos] = feats
-        else:
-            self._features_buf[physical(tables, self.cfg.block_size, pos, self.pool.scratch)] = feats
+        self._features_buf[meta.physical(pos)] = feats
 
     def _hand_over(self, row: int, req: "_Live") -> None:
         """A leaving request's tokens and the features of those not handed over yet, to the sink,
@@ -891,7 +882,7 @@ class RolloutEngine:
             kept = feats is not None
             if kept:  # laid out like the KV cache: row, slot
                 slots = roots[:, None] + torch.arange(1 + n, device=self.device)
-                self._write_features(torch.arange(b, device=self.device)[:, None], slots, st.blocks, feats)
+                self._features_buf[meta.physical(slots)] = feats
             res = verify(out.logits, tree, st.sampling, roots[:, None] + depth + 1, st.stops, depth=min(arm.depth, n))
         if any(node != d for nodes in res.nodes for d, node in enumerate(nodes)):
             self._move_accepted(res.path, roots, st.blocks, kept)

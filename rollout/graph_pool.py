@@ -120,6 +120,19 @@ class CudaGraphPool:
         self._pools: dict[str, tuple] = {}
         self._graphs: dict[tuple[str, GraphKey], _Captured] = {}
         self._side = torch.cuda.Stream(device=self.device)  # one warm-up stream: one cuBLAS workspace
+        self._followed: dict[str, tuple[int, tuple[int, ...]]] = {}  # what: (address, shape) the graphs read
+
+    def follow(self, what: str, tensor: torch.Tensor | None) -> None:
+        """The graphs read ``tensor`` (a buffer outside their static inputs, e.g. the engine's feature
+        buffer) by address: when ``what`` is another tensor than at their capture (laid out anew),
+        every graph is dropped, to be captured again over the new one."""
+        if tensor is None:
+            return
+        now = (tensor.data_ptr(), tuple(tensor.shape))
+        if self._followed.get(what, now) != now:
+            self.close()
+            log.info("graphs dropped: %s moved", what)
+        self._followed[what] = now
 
     @staticmethod
     def available() -> bool:

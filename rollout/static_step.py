@@ -96,10 +96,7 @@ class StaticTargetStep:
                          pad_stops=width - stops.shape[1])
         if self.pool is None:
             return read_verdict(self._step(x, buffer, depth, *flags), b)
-        if self._buffer is not None and buffer is not None and (self._buffer.data_ptr(), self._buffer.shape) != \
-                (buffer.data_ptr(), buffer.shape):
-            self.pool.close()  # the engine laid its feature buffer out anew: graphs write the old one
-            log.info("verify graphs dropped: the feature buffer moved")
+        self.pool.follow("the feature buffer", buffer)  # the graphs write it
         self._buffer = buffer
         key = VerifyGraphKey(batch=padded, query_tokens=q, depth=depth, stops=width, masked=flags[0], sampled=flags[1])
         if not self.pool.has(key):
@@ -154,11 +151,8 @@ class StaticTargetStep:
                             splits=self._splits(b), scratch=self.paged[2], kernel=self.attention)
         out = self.target(x["ids"], x["pos"], self.cache.backend(meta), capture=self.capture)
         feats = self.features(out)
-        if feats is not None and buffer is not None:  # laid out like the KV cache: (row, slot) or (block, offset)
-            slots = x["ctx"][:, None] + torch.arange(q, device=x["ids"].device)
-            at = (torch.arange(b, device=x["ids"].device)[:, None], slots) if self.paged is None else \
-                meta.physical(slots)
-            buffer[at] = feats
+        if feats is not None and buffer is not None:  # laid out like the KV cache: meta addresses both
+            buffer[meta.physical(x["ctx"][:, None] + torch.arange(q, device=x["ids"].device))] = feats
         tree = DraftTree(x["tokens"], x["parents"], x["valid"])
         s = RowSampling(x["keys"], x["temp"], x["top_k"], x["top_p"], masked, sampled)
         return verify_on_device(out.logits, tree, s, x["pos"] + 1, x["stops"], depth)

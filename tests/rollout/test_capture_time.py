@@ -10,6 +10,7 @@ import torch
 
 from tlt.drafter.model_config import ModelConfig
 from tlt.rollout.engine import EngineConfig, RolloutEngine
+from tlt.rollout.graph_pool import CudaGraphPool
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.ngram import NgramProposer
 from tlt.rollout.target import TargetModel
@@ -22,7 +23,9 @@ class _SlowCapturePool:
     """Stands in for tlt.rollout.graph_pool.CudaGraphPool (needs a GPU): capture costs CAPTURE_S."""
 
     def __init__(self, step) -> None:
-        self.step, self.keys = step, set()
+        self.step, self.keys, self._followed = step, set(), {}
+
+    follow = CudaGraphPool.follow
 
     def has(self, key) -> bool:
         return key in self.keys
@@ -70,7 +73,9 @@ class _SlowLoopPool:
     captured function on the static inputs made at capture (copy-in, as the real pool does)."""
 
     def __init__(self, make_step) -> None:
-        self.make, self.graphs = make_step, {}
+        self.make, self.graphs, self._followed = make_step, {}, {}
+
+    follow = CudaGraphPool.follow
 
     def has(self, key) -> bool:
         return key in self.graphs
@@ -129,3 +134,22 @@ def test_a_shape_is_captured_at_its_second_use_and_an_arm_tried_once_never():
     assert step.gate.eager == len(step.gate.uses) and step.capture_s < CAPTURE_S * (len(step.pool.keys) + 0.5)
     assert len([s for s in res.steps if s.capture_seconds > 0]) == len(step.pool.keys)
     assert res.outputs == engine().generate(prompts, params).outputs
+
+
+def test_graphs_are_dropped_when_a_buffer_they_read_moves():
+    """The one rule of the verify step and the draft loop (the bookkeeping, without a device): the
+    same buffer keeps the graphs; another tensor, or the same memory reshaped, drops them once."""
+    pool = object.__new__(CudaGraphPool)  # (its constructor needs CUDA; close() is what is counted)
+    pool._followed, closed = {}, []
+    pool.close = lambda: closed.append(1)
+    buf = torch.zeros(4, 2)
+    for t in (None, buf, buf, None):
+        pool.follow("features", t)
+    assert closed == []
+    pool.follow("features", torch.zeros(4, 2))
+    assert closed == [1]
+    pool.follow("features", pool_buf := torch.zeros(8))
+    pool.follow("features", pool_buf.view(4, 2))  # the same address, another layout
+    assert closed == [1, 1, 1]
+    pool.follow("other", buf)  # each followed buffer by its own name
+    assert closed == [1, 1, 1]

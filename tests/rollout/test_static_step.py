@@ -13,6 +13,7 @@ import torch
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.draft_tree import DraftTree
 from tlt.rollout.eagle_proposer import EagleProposer
+from tlt.rollout.graph_pool import CudaGraphPool
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.ngram import NgramProposer
 from tlt.rollout.strategy import Arm
@@ -96,6 +97,9 @@ class EagerPool:
 
     def __init__(self, make_step) -> None:
         self.make, self.graphs, self.replays = make_step, {}, 0
+        self._followed = {}
+
+    follow = CudaGraphPool.follow  # the real rule: a buffer the graphs read moved, they are dropped
 
     def has(self, key) -> bool:
         return key in self.graphs
