@@ -175,7 +175,10 @@ class AttnMeta:
             return layer_kv[self.row0: self.row0 + b, :, :s]
         n = -(-s // self.block_size)  # the blocks covering [0, S) (within the table: S <= capacity)
         idx = self.cached("read", lambda: self.blocks[:b, :n].reshape(-1))  # [B * n]
-        kv = layer_kv.index_select(0, idx)  # whole blocks (a copy per block, not per position): [B * n, KV, BS, D]
+        if n == 1:  # one block per row (rows of the static cache): its first S slots
+            return layer_kv[:, :, :s].index_select(0, idx)  # [B, KV, S, D]
+        kv = layer_kv.index_select(0, idx)  # whole blocks, not positions: [B * n, KV, BS, D]
+        # (then one more copy, to put each row's blocks end to end)
         return kv.view(b, n, *kv.shape[1:]).transpose(1, 2).flatten(2, 3)[:, :, :s]  # [B, KV, S, D]
 
 

@@ -87,6 +87,7 @@ class EagleProposer(Proposer):
         # the first proposal that brings tables (_use_layout)
         self.cache = StaticKVCache(1, max_batch, cfg.num_key_value_heads, max_len, cfg.head_dim,
                                    dtype=drafter.fc.weight.dtype, device=self.device)
+        self.cache.release()  # allocated at the first proposal (a paged engine's pool is sized before it)
         self._paged = False
         self._blocks: torch.Tensor | None = None  # [B, C] int32: this proposal's rows' tables (paged)
         self._forgotten: set[int] = set()  # requests whose drafter KV went with their blocks (an eviction)
@@ -166,6 +167,7 @@ class EagleProposer(Proposer):
         its engine releases its memory between rollouts: the next proposal allocates the KV again)."""
         if self.pool is not None:
             self.pool.close()
+        self._features = None  # (the engine's feature buffer, which the graphs read)
         if not self.cache.released:
             self.cache.release()
         self.generation = None  # its rows start over with the KV

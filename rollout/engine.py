@@ -125,7 +125,8 @@ class EngineConfig:
     # ``eviction``) and prefilled again later, token-identical (tlt.rollout.eviction).
     block_size: int | None = None
     kv_blocks: int | None = None
-    # or the pool sized by memory (the target's KV and the feature buffer per block): kv_bytes bytes
+    # or the pool sized by memory (per block: the target's KV, the feature buffer and the proposers'
+    # KV, RolloutEngine.block_bytes): kv_bytes bytes
     # (any device), or on CUDA kv_fraction of the device's total memory less what is allocated (the
     # weights) when the engine is built, as vLLM's gpu_memory_utilization
     kv_bytes: int | None = None
@@ -608,8 +609,9 @@ class RolloutEngine:
         self._rows = [self._rows[k] for k in keep]
 
     def close(self) -> None:
-        """Give the captured graphs (the verify step's, the proposers') back now, not at a collection
-        that might run during another engine's capture."""
+        """Give the captured graphs (the verify step's, the proposers') and the proposers' device
+        memory (an EAGLE drafter's KV) back now, not at a collection that might run during another
+        engine's capture."""
         if self.static_step is not None:
             self.static_step.close()
         for p in self.proposers.values():
@@ -633,7 +635,8 @@ class RolloutEngine:
         return freed
 
     def restore_memory(self) -> None:
-        """Allocate what :meth:`release_memory` freed (no-op when nothing was released)."""
+        """Allocate the KV cache :meth:`release_memory` freed (no-op when nothing was); the feature
+        buffer, the drafter's KV and the graphs come back at their first use."""
         if self.cache.released:
             self.cache.restore()
 

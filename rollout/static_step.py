@@ -110,9 +110,11 @@ class StaticTargetStep:
         return read_verdict(out, b)
 
     def close(self) -> None:
-        """Drop the captured graphs and give their memory back (the step is being replaced)."""
+        """Drop the captured graphs and give their memory back (the step is being replaced, or its
+        engine releases its memory), with the reference to the feature buffer they wrote."""
         if self.pool is not None:
             self.pool.close()
+        self._buffer = None
 
     def _inputs(self, ids, pos, ctx, tail, tree: DraftTree, s: RowSampling, stops, blocks, *, pad_rows: int = 0,
                 pad_stops: int = 0) -> dict[str, torch.Tensor]:

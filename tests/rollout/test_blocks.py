@@ -129,6 +129,7 @@ def test_a_pool_sized_by_memory_counts_the_drafters_kv():
     cfg = EngineConfig(max_batch=4, max_len=64, block_size=8, kv_bytes=1 << 20, arm=Arm(3, 1, 3))
     plain = RolloutEngine(target, EngineConfig(max_batch=4, max_len=64, block_size=8, kv_bytes=1 << 20))
     prop = EagleProposer(drafter, max_batch=4, max_len=128)
+    assert prop.cache.released  # nothing allocated before its first proposal, in the layout it then learns
     eagle = RolloutEngine(target, cfg, proposer=prop)
     layer = drafter.config.layer
     per_position = 2 * layer.num_key_value_heads * layer.head_dim * drafter.fc.weight.element_size()

@@ -154,17 +154,17 @@ def test_replica_seconds_per_step_and_their_means():
 
 
 def test_kv_memory_is_the_largest_peak_beside_a_static_cache_of_its_batch():
-    """The KV line: over steps and replicas, the largest peak of positions held beside the static cache
-    of that replica's peak batch, the largest share, and every eviction with its recomputed tokens."""
+    """The KV line: over steps and replicas, the fullest replica-step (its peak positions over the
+    static cache of its peak batch), and every eviction with its recomputed tokens."""
     def rec(step, peak, static, evicted, recomputed):
         return {**_step(step, 10, 20, 0), "replica_kv_peak_positions": peak, "replica_kv_static_positions": static,
                 "replica_evicted": evicted, "replica_recomputed": recomputed}
 
-    records = {"A": [rec(1, [300, 100], [1000, 200], [0, 1], [0, 40]), rec(2, [500, 0], [2000, 0], [2, 0], [90, 0])],
+    records = {"A": [rec(1, [300, 100], [1000, 400], [0, 1], [0, 40]), rec(2, [500, 0], [1000, 0], [2, 0], [90, 0])],
                "B": [_step(1, 10, 20, 0), _step(2, 10, 20, 0)]}  # records without memory fields (an older run)
     s = demo.summarize(records)
-    assert s["kv_memory_by_arm"]["A"] == {"peak_positions": 500, "static_positions": 2000, "peak_share": 0.5,
-                                         "evicted": 3, "recomputed": 130}
+    assert s["kv_memory_by_arm"]["A"] == {"peak_positions": 500, "static_positions": 1000, "peak_share": 0.5,
+                                         "evicted": 3, "recomputed": 130}  # (the fullest: 500 of 1000, not 300)
     assert s["kv_memory_by_arm"]["B"] is None
     line = next(x for x in demo.summary_lines({**s, "seconds": 1.0}) if x.startswith("KV memory"))
-    assert "A 500/2,000 (50%)" in line and "A 3 (130 tokens recomputed)" in line and "B " not in line
+    assert "A 500/1,000 (50%)" in line and "A 3 (130 tokens recomputed)" in line and "B " not in line

@@ -49,15 +49,16 @@ REPLICA_KEYS = (("decoding_s", "replica_gen_s"), ("idle_s", "replica_idle_s"), (
 
 
 def _kv_memory(rows) -> dict | None:
-    """KV memory over steps and replicas: the largest peak of positions held, its share of a static
-    cache of the same batch (the largest share), and the evictions with their recomputed tokens."""
+    """KV memory over steps and replicas: the fullest replica-step (the largest share of a static
+    cache of its batch held at its peak), its positions held and that static cache's, and the
+    evictions with their recomputed tokens."""
     rows = list(rows)
     peaks = [(p, st) for r in rows for p, st in zip(r.get("replica_kv_peak_positions") or [],
                                                      r.get("replica_kv_static_positions") or []) if st]
     if not peaks:
         return None
-    p, st = max(peaks)
-    return {"peak_positions": p, "static_positions": st, "peak_share": max(a / b for a, b in peaks),
+    p, st = max(peaks, key=lambda x: (x[0] / x[1], x[0]))
+    return {"peak_positions": p, "static_positions": st, "peak_share": p / st,
             "evicted": sum(sum(r.get("replica_evicted") or []) for r in rows),
             "recomputed": sum(sum(r.get("replica_recomputed") or []) for r in rows)}
 

@@ -74,7 +74,7 @@ class Generation:
     started: float  # time.monotonic() at its first step
     seconds: float
     tokens: int  # generated in it (tokens requests brought with them excluded)
-    lifecycle: dict[str, int] = dataclasses.field(default_factory=dict)  # its engine's joined / left / aborted
+    lifecycle: dict[str, int] = dataclasses.field(default_factory=dict)  # its engine's joined / left / aborted / evicted
 
     def result(self) -> RolloutResult:
         return RolloutResult([list(f.state.output) for f in self.finished], self.steps, [], self.seconds)
@@ -145,12 +145,14 @@ class RequestBatcher:
         return keys + await fut
 
     async def abort(self, key: str) -> bool:
-        """Abort the request ``key`` (queued or running: it returns its partial output); False if
+        """Abort the request ``key`` (waiting or running; at once if not handed to the engine yet, else at
+        the next step boundary: it returns its partial output); False if
         no request of that key is in flight."""
         return bool(self._exit([key], "aborted"))
 
     def leave(self, keys: list[str]) -> list[str]:
-        """The requests ``keys`` leave (queued ones at once, running ones at the next step boundary),
+        """The requests ``keys`` leave (those not handed to the engine yet at once, the others at the
+        next step boundary),
         each answered with its state (reason ``left``); returns the keys that were in flight."""
         return self._exit(keys, "left")
 
@@ -314,7 +316,7 @@ class RequestBatcher:
         """One step's cost (``seconds``: the whole ``step()``) into the curve (steps without joins)
         or the join cost (a step in which ``joined`` requests joined running ones: its excess over
         the curve at that batch, per joining request)."""
-        if rec.batch < 1:
+        if rec.batch < 1 or rec.evicted or rec.recomputed:  # (re-prefills are no join and no plain step)
             return
         if joined:
             base = self._step_s.get(rec.batch)

@@ -513,8 +513,9 @@ class TLTServer:
 
     async def clear_kv_cache(self): return None
     def _release_memory(self) -> int:
-        """Under the serving lock (between generations): the bytes freed, 0 while requests are in
-        flight (a sleep that reaches a replica still serving leaves it serving)."""
+        """Under the serving lock, which a generation holds from start to end: a sleep that reaches
+        a serving replica waits for its generation to end. Returns the bytes freed (0, with a
+        warning, if requests are left in the engine, e.g. after a failed abort)."""
         with self._lock:
             if self.engine.active:
                 log.warning("replica %d: asked to free its KV cache with %d requests running; kept it",
