@@ -654,7 +654,7 @@ class RolloutEngine:
         for name, p in proposers.items():
             if not isinstance(p, Proposer):
                 raise TypeError(f"proposer {name!r} is a {type(p).__name__}: subclass tlt.rollout.draft_tree.Proposer "
-                                "(propose; capture_s, catch_up_s, forget and close have defaults)")
+                                "(propose; capture_s, catch_up_s, kv_position_bytes, forget and close have defaults)")
         aux = {tuple(p.feature_layers) for p in proposers.values() if p.feature_layers}
         if self.sink is not None:
             aux.add(tuple(self.sink.aux_layers))
