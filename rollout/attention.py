@@ -13,10 +13,11 @@ width, or a padding row's table, names the scratch block). A step's queries see
   drafter's levels), where query ``i`` sees tail position ``j`` iff ``tail[b, i, j]`` (``tail`` None:
   causal, ``j <= i``). The queries are the tail's last ``Q`` positions, and are written there.
 
-The decomposition (FlashDecoding): the prefix is cut into ``splits`` chunks per row, each of its
-own length's share, and the tail is one more part; each part yields a partial output and its
-log-sum-exp, merged exactly. Lengths and tables are device tensors, so one captured graph serves
-every context length; ``splits`` is fixed per graph. Two implementations of the same parts: a Triton
+The decomposition (FlashDecoding): the prefix is cut into parts of one length for the whole batch
+(its total length over ``B * splits``), so a row takes parts in proportion to its length and a
+batch of mixed lengths costs what their lengths sum to; the tail is one more part per row. Each
+part yields a partial output and its log-sum-exp, merged exactly. Lengths and tables are device
+tensors, so one captured graph serves every context length; ``splits`` is fixed per graph. Two implementations of the same parts: a Triton
 kernel on CUDA (:mod:`tlt.rollout.attention_triton`, query tokens packed with the query heads of one
 KV head, bytes read following each row's length) and this module's torch path (CPU, and CUDA without
 Triton), which with one split is a single part: one SDPA call under the step's mask.
@@ -86,7 +87,7 @@ class AttnMeta:
     width: int  # W: tail positions
     tail: torch.Tensor | None = None  # [B, Q, W] bool, None: causal (W == Q)
     span: int | None = None  # an upper bound on ctx + W over rows, known on the host (None: the table's width)
-    splits: int = 1  # prefix chunks per row (a static shape)
+    splits: int = 1  # prefix parts per row, on average over the batch (a static shape)
     row0: int | None = None  # host promise: blocks[b] == [row0 + b] (the one-block-per-row layout: views)
     scratch: int = 0  # a block no live row reads: where positions past the table's width are written
     kernel: str = "auto"  # "auto": the Triton kernel on CUDA where Triton imports, else "torch"
@@ -138,21 +139,27 @@ class AttnMeta:
     def read_span(self) -> int:
         return min(self.span, self.capacity) if self.span is not None else self.capacity
 
-    def visible(self, q: int, part: int | None = None) -> torch.Tensor:
-        """[B, Q, S] bool over positions [0, S = read_span): what each query sees (``part``: only
-        prefix chunk ``part`` of ``splits``, or the tail for ``part == splits``)."""
+    def visible(self, q: int, part: int | str | None = None) -> torch.Tensor:
+        """[B, Q, S] bool over positions [0, S = read_span): what each query sees (``part``: only the
+        prefix's part ``part`` of :meth:`prefix_chunk` positions, or ``"tail"``: the step's own tokens)."""
         return self.cached(("vis", q, part), lambda: self._visible(q, part))
 
-    def _visible(self, q: int, part: int | None) -> torch.Tensor:
+    def prefix_chunk(self) -> torch.Tensor:
+        """[] long: the length of every prefix part, one for the whole batch: the rows' total length
+        over ``B * splits`` (at least 1), so a row takes parts in proportion to its own length and the
+        work follows the sum of the lengths (the kernel rounds it up to its tile)."""
+        return self.cached("chunk", lambda: torch.div((self.ctx - self.start).sum() + self.ctx.shape[0] * self.splits - 1,
+                                                      self.ctx.shape[0] * self.splits, rounding_mode="floor").clamp(min=1))
+
+    def _visible(self, q: int, part: int | str | None) -> torch.Tensor:
         s, dev = self.read_span(), self.ctx.device
         kpos = torch.arange(s, device=dev)[None, None]  # [1, 1, S]
         lo, hi = self.start[:, None, None], self.ctx[:, None, None]
-        if part is not None and part < self.splits:
-            chunk = torch.div(hi - lo + self.splits - 1, self.splits, rounding_mode="floor")
-            lo, hi = lo + part * chunk, torch.minimum(lo + (part + 1) * chunk, hi)
+        if isinstance(part, int):
+            chunk = self.prefix_chunk()
+            lo = lo + part * chunk
+            return ((kpos >= lo) & (kpos < torch.minimum(lo + chunk, hi))).expand(-1, q, -1)
         prefix = (kpos >= lo) & (kpos < hi)  # [B, 1, S]
-        if part is not None and part < self.splits:
-            return prefix.expand(-1, q, -1)
         j = kpos - self.ctx[:, None, None]  # tail index of each position [B, 1, S]
         in_tail = (j >= 0) & (j < self.width)
         if self.tail is None:
@@ -160,7 +167,7 @@ class AttnMeta:
             seen = in_tail & (j <= qi)
         else:  # the tail mask's entry at each position's tail index
             seen = in_tail & self.tail.gather(2, j.clamp(0, self.width - 1).expand(-1, q, -1))
-        return seen if part is not None else (seen | prefix)
+        return seen if part == "tail" else (seen | prefix)
 
     def additive(self, q: int, dtype: torch.dtype) -> torch.Tensor:
         """[B, 1, Q, S] additive mask of :meth:`visible` (the most negative finite value where hidden,
@@ -239,13 +246,17 @@ def attend(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: AttnMeta) 
 
 
 def attend_torch(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-    """The decomposition in torch: ``splits`` prefix parts and the tail part, merged by log-sum-exp;
-    with one split the parts are one (a single SDPA call under the step's mask)."""
+    """The decomposition in torch: the prefix in parts of :meth:`AttnMeta.prefix_chunk` positions and
+    the tail part, merged by log-sum-exp; with one split the parts are one (a single SDPA call under
+    the step's mask). With more, the number of parts is read on the host (a check of the algorithm
+    on CPU; where the kernel runs, the grid is sized for the most parts a batch can take)."""
     b, _, nq, _ = q.shape
     keys, vals = meta.gather(kl, b), meta.gather(vl, b)  # [B, KV, S, D]
     if meta.splits == 1:
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=meta.additive(nq, q.dtype), enable_gqa=True)
-    parts = [partial_attention(q, keys, vals, meta.visible(nq, p)) for p in range(meta.splits + 1)]
+    chunk = meta.prefix_chunk()
+    n = int(torch.div(meta.ctx - meta.start + chunk - 1, chunk, rounding_mode="floor").max())  # parts of the longest row
+    parts = [partial_attention(q, keys, vals, meta.visible(nq, p)) for p in [*range(n), "tail"]]
     return merge_partials([o for o, _ in parts], [lse for _, lse in parts]).to(q.dtype)
 
 

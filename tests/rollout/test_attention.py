@@ -146,12 +146,31 @@ def test_merge_is_exact_and_empty_parts_weigh_nothing():
     torch.testing.assert_close(merge_partials([o for o, _ in parts], [l for _, l in parts]), whole)
 
 
+def test_prefix_parts_follow_each_rows_length():
+    """One chunk for the whole batch: a row takes parts in proportion to its length, and the parts of
+    any batch fit the kernel's B * (splits + 1) prefix slots."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        b, splits = int(torch.randint(1, 65, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
+        ctx = torch.randint(0, 40000, (b,), generator=g) * (torch.rand(b, generator=g) < 0.8)
+        meta = AttnMeta.rows(ctx, 1, 40064, splits=splits)
+        chunk = int(meta.prefix_chunk())
+        parts = -(-ctx // chunk)
+        assert int(parts.sum()) <= b * (splits + 1) and chunk >= 1
+        if int(ctx.sum()):
+            assert int(parts.sum()) >= min(b * splits, int(ctx.sum())) // 2 and parts.max() == -(-ctx.max() // chunk)
+    mixed = AttnMeta.rows(torch.tensor([32768] + [1024] * 7), 5, 32832, splits=5)
+    assert (-(-mixed.ctx // mixed.prefix_chunk())).tolist() == [33] + [2] * 7  # the long row: 33 of 47 parts
+
+
 def triton_cases(device: str = "cpu", big: bool = False) -> list[dict]:
     """The kernel against the reference (run under TRITON_INTERPRET=1 on CPU): the errors by case."""
     from tlt.rollout.attention_triton import paged_attention
 
     kws = [dict(b=2, q=1, w=1, tail="causal", max_ctx=150), dict(b=2, q=5, tail="tree", splits=3),
-           dict(b=2, q=3, w=7, tail="levels", bs=1, splits=2), dict(b=2, q=20, tail="causal", bs=None, max_ctx=70)]
+           dict(b=2, q=3, w=7, tail="levels", bs=1, splits=2), dict(b=2, q=20, tail="causal", bs=None, max_ctx=70),
+           dict(b=5, q=5, tail="tree", bs=None, max_ctx=400, splits=2),  # one block per row, rows of mixed lengths
+           dict(b=4, q=1, w=1, tail="causal", bs=16, max_ctx=500, splits=3)]
     if big:
         kws += [dict(b=8, h=32, kvh=8, d=128, q=5, tail="tree", max_ctx=3000, splits=8),
                 dict(b=3, h=32, kvh=8, d=128, q=64, tail="causal", max_ctx=1000, splits=1, bs=16)]
@@ -172,7 +191,7 @@ def test_triton_kernel_interpreted_equals_the_reference():
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     errs = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(errs) == 4 and all(e["err"] < 1e-5 for e in errs), errs
+    assert len(errs) == 6 and all(e["err"] < 1e-5 for e in errs), errs
 
 
 @pytest.mark.gpu

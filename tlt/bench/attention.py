@@ -82,25 +82,33 @@ def time_call(dev: torch.device, fn, repeats: int) -> float:
     return statistics.median(_clock(dev, g.replay) for _ in range(repeats)) / 20
 
 
-SWEEP = (Tuning(block_n=64, stages=3, warps=4, programs_per_sm=4), Tuning(block_n=64, stages=4, warps=4, programs_per_sm=4),
-         Tuning(block_n=128, stages=3, warps=8, programs_per_sm=4), Tuning(block_n=128, stages=2, warps=4, programs_per_sm=2),
-         Tuning(block_n=32, stages=3, warps=4, programs_per_sm=8, max_splits=128),
-         Tuning(block_n=64, stages=3, warps=4, programs_per_sm=8, max_splits=128),
-         Tuning(block_n=128, stages=3, warps=4, programs_per_sm=4))
+SWEEP = (Tuning(block_n=64, stages=3, warps=4, programs_per_sm=2), Tuning(block_n=64, stages=4, warps=4, programs_per_sm=2),
+         Tuning(block_n=64, stages=3, warps=4, programs_per_sm=4), Tuning(block_n=128, stages=2, warps=4, programs_per_sm=2),
+         Tuning(block_n=128, stages=3, warps=4, programs_per_sm=1), Tuning(block_n=128, stages=2, warps=8, programs_per_sm=2),
+         Tuning(block_n=32, stages=4, warps=4, programs_per_sm=4))
+PAGED_BLOCK = 16  # the paged rows' block size (tlt.rollout.blocks)
 
 
 def case(dev: torch.device, dtype: torch.dtype, lengths: list[int], q: int, w: int, slots: int, kernel: str,
-         repeats: int, seed: int, tuning: Tuning | None = None) -> float:
+         repeats: int, seed: int, tuning: Tuning | None = None, block: int | None = None) -> float:
     """Seconds of one attention call: rows of ``lengths`` cached tokens (prefix), a tail of ``w`` with
-    the last ``q`` as queries (causal), a cache of ``slots`` per row (``tuning``: the Triton kernel's)."""
+    the last ``q`` as queries (causal), a cache of ``slots`` per row (``tuning``: the Triton kernel's;
+    ``block``: a paged cache of blocks this size, each row's blocks scattered over the pool)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     b, h, kvh, d = len(lengths), SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
-    kl = torch.randn(b, kvh, slots, d, generator=g, device=dev, dtype=dtype)
-    vl = torch.randn(b, kvh, slots, d, generator=g, device=dev, dtype=dtype)
     qs = torch.randn(b, h, q, d, generator=g, device=dev, dtype=dtype)
     ctx = torch.tensor(lengths, device=dev)
     splits = default_splits(b, kvh, slots, dev, kernel, tuning, d)
-    meta = AttnMeta.rows(ctx, w, slots, splits=splits, kernel=kernel)
+    if block is None:
+        kl = torch.randn(b, kvh, slots, d, generator=g, device=dev, dtype=dtype)
+        vl = torch.randn(b, kvh, slots, d, generator=g, device=dev, dtype=dtype)
+        meta = AttnMeta.rows(ctx, w, slots, splits=splits, kernel=kernel)
+    else:
+        cols = -(-slots // block)
+        kl = torch.randn(b * cols + 1, kvh, block, d, generator=g, device=dev, dtype=dtype)  # (the last: scratch)
+        vl = torch.randn(b * cols + 1, kvh, block, d, generator=g, device=dev, dtype=dtype)
+        blocks = torch.randperm(b * cols, generator=g, device=dev).to(torch.int32).view(b, cols)
+        meta = AttnMeta(blocks, block, torch.zeros_like(ctx), ctx, w, splits=splits, scratch=b * cols, kernel=kernel)
     if tuning is not None:
         from tlt.rollout.attention_triton import paged_attention
 
@@ -146,6 +154,15 @@ def run(args: argparse.Namespace) -> dict:
                 lines.append(f"  {ctx:6d} x {b}: {kind:11s} engine {1e3 * t['auto']:.3f} ms ({t['auto'] / bound:.1f}x the "
                              f"bound), SDPA over the cache {1e3 * t['torch']:.3f} ms ({t['torch'] / bound:.1f}x); bound "
                              f"{1e3 * bound:.3f} ms")
+    paged = []  # the paged layout (the memory issue's): the same verify over blocks of PAGED_BLOCK, scattered
+    for b in batches:
+        ctx = max(contexts)
+        bound = b * (ctx + 5) * kv_bytes / (tbs * 1e12)
+        t = case(dev, dtype, [ctx] * b, 5, 5, ctx + 64, "auto", repeats, args.seed, block=PAGED_BLOCK)
+        paged.append({"context": ctx, "batch": b, "kind": "verify", "block_size": PAGED_BLOCK,
+                      "engine_ms": 1e3 * t, "bound_ms": 1e3 * bound})
+        lines.append(f"  {ctx:6d} x {b}: verify, paged (blocks of {PAGED_BLOCK}) {1e3 * t:.3f} ms "
+                     f"({t / bound:.1f}x the bound)")
     mixed = None
     if not quick and cuda:
         lens = list(MIXED)
@@ -171,5 +188,5 @@ def run(args: argparse.Namespace) -> dict:
             f"measured {measured:.2f} TB/s)")
     return {"bench": "attention", "quick": quick, "dtype": str(dtype), "device": where, "shape": SHAPE,
             "bandwidth_tbs": {"nominal": nominal, "measured_copy": measured, "used": tbs}, "rows": rows,
-            "mixed": mixed, "tuning": dataclasses.asdict(TUNING), "sweep": swept, "machine": {"python": platform.python_version(), "torch": torch.__version__},
+            "paged": paged, "mixed": mixed, "tuning": dataclasses.asdict(TUNING), "sweep": swept, "machine": {"python": platform.python_version(), "torch": torch.__version__},
             "summary": [head, *lines]}

@@ -73,13 +73,14 @@ def fixed_batch(model: TargetModel, drafter: Drafter, prompts: list[list[int]], 
     for e in engines.values():  # warm-up, not timed
         e.generate(prompts, pa)
     times: dict[str, list[float]] = {"AR": [], "SD": []}
-    step_s: dict[str, list[float]] = {"AR": [], "SD": [], "draft": []}
+    step_s: dict[str, list[float]] = {"AR": [], "SD": [], "draft": [], "AR host": [], "SD host": []}
     outs = {}
     for rep in range(repeats):
         for name in (("AR", "SD") if rep % 2 == 0 else ("SD", "AR")):
             res = outs[name] = engines[name].generate(prompts, pa)
             times[name].append(res.seconds)
             step_s[name] += [s.seconds for s in res.steps]
+            step_s[f"{name} host"] += [s.host_seconds for s in res.steps]
             if name == "SD":
                 step_s["draft"] += [s.draft_seconds for s in res.steps]
     ar_step, sd_step, draft = (statistics.median(step_s[k]) for k in ("AR", "SD", "draft"))
@@ -90,6 +91,8 @@ def fixed_batch(model: TargetModel, drafter: Drafter, prompts: list[list[int]], 
             "mean_accept_length": al, "ar_step_ms": 1e3 * ar_step, "sd_step_ms": 1e3 * sd_step,
             "draft_ms": 1e3 * draft, "verify_ms": 1e3 * (sd_step - draft), "step_limit": al * ar_step / sd_step,
             "all_accepted_limit": (chain.depth + 1) * ar_step / sd_step,
+            # host time per step: all but the wait in the step's one read (the rest is the device's)
+            "ar_host_ms": 1e3 * statistics.median(step_s["AR host"]), "sd_host_ms": 1e3 * statistics.median(step_s["SD host"]),
             "lossless": outs["SD"].outputs == outs["AR"].outputs}
 
 
@@ -258,7 +261,8 @@ def _run(args: argparse.Namespace) -> dict:
     for b, r in by_batch.items():
         lines.append(f"  batch {b:2d}: SD {chain} vs AR {r['speedup']:.2f}x (paired {r['paired']:.2f}x; AL "
                      f"{r['mean_accept_length']:.2f}; step: plain {r['ar_step_ms']:.2f} ms, speculative "
-                     f"{r['sd_step_ms']:.2f} ms = draft {r['draft_ms']:.2f} + verify {r['verify_ms']:.2f}; "
+                     f"{r['sd_step_ms']:.2f} ms = draft {r['draft_ms']:.2f} + verify {r['verify_ms']:.2f}, host "
+                     f"{r['ar_host_ms']:.2f} / {r['sd_host_ms']:.2f} ms; "
                      f"step-level limit AL x plain / speculative = {r['step_limit']:.2f}x; lossless {r['lossless']})")
     return {"bench": "rollout", "quick": quick, "requests": bs, "repeats": repeats, "variants": rows, "best_static": best_static,
             "by_batch": by_batch, "workloads": workloads, "control_paired_vs_ar": ctl["paired_vs_ar"],

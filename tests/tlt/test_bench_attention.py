@@ -1,0 +1,20 @@
+"""`tlt bench attention --quick` on CPU: every row (decode, verify, draft level; the paged layout's
+verify) is timed for both kernels, with its bound, and the record says what it measured."""
+
+from __future__ import annotations
+
+import json
+
+from tlt.cli import main
+
+
+def test_bench_attention_quick_writes_every_row(tmp_path):
+    out = tmp_path / "attention.json"
+    assert main(["-q", "bench", "attention", "--quick", "--repeats", "1", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert {(r["context"], r["batch"], r["kind"]) for r in rec["rows"]} == {
+        (c, b, k) for c in (256, 1024) for b in (1, 2) for k in ("decode", "verify", "draft level")}
+    assert all(r["engine_ms"] > 0 and r["sdpa_ms"] > 0 and r["bound_ms"] > 0 for r in rec["rows"])
+    assert [(r["batch"], r["block_size"]) for r in rec["paged"]] == [(1, 16), (2, 16)]
+    assert all(r["engine_ms"] > 0 for r in rec["paged"]) and rec["bandwidth_tbs"]["used"] > 0
+    assert rec["summary"][0].startswith("attention, one layer")
