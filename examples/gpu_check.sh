@@ -9,14 +9,16 @@
 #     kernel     the attention kernel against its float64 reference on CUDA
 #     attention  one layer's attention against the HBM bound, with a sweep of the kernel's launch shapes;
 #                the best one is exported (TLT_ATTENTION_TUNING) to every later part
+#     profile    the kernels of plain and speculative steps at 32K, batch 8, by device time
 #     b1         the Llama-8B step at LENGTHS (default 32768 16384 8192), batch 1, against the engine before
 #                the kernel (--baseline); the 8K run adds the mixed-length batch
 #     b8         the same at batch 8 (prefill of 8 long prompts, peak memory)
+#     paged      the 32K step at batch 1 and 8 on a paged KV cache of 16-position blocks
 #     arms       every speculative path at 32K (chain and tree, EAGLE and EAGLE-3, greedy and sampled)
-#     profile    the kernels of plain and speculative steps at 32K, batch 8, by device time
 #     tests      `pytest -m gpu`, twice in a row
 #     rollout    the demo target's SD/AR and tuner rollouts (tlt bench rollout)
 #     shapes     the short-context step-cost rows and the graph-memory bench
+# (The parts run in the order listed here, whatever the order in PARTS.)
 # LOGS: where the logs and records are kept (default a new temporary folder; give the same one to two
 # runs to pack both into one OUT/gpu-check.tgz). QUICK=1: the benches' --quick sizes (a smoke test, also
 # on a CPU). TLT_CACHE (default ./.tlt_cache): the demo's trained target and warm-up drafter, carried along.
@@ -26,7 +28,7 @@ out=${1:-${OUT:-gpu-check}}
 logs=${LOGS:-$(mktemp -d)}
 mkdir -p "$out" "$logs"
 export TLT_CACHE=${TLT_CACHE:-$PWD/.tlt_cache}
-parts=${PARTS:-kernel attention b1 b8 arms profile tests rollout shapes}
+parts=${PARTS:-kernel attention profile b1 b8 paged arms tests rollout shapes}
 lengths=${LENGTHS:-32768 16384 8192}
 quick=()
 [ "${QUICK:-0}" = 1 ] && quick=(--quick)
@@ -63,6 +65,11 @@ if has attention; then
 fi
 best=$(tuned)
 [ -n "$best" ] && export TLT_ATTENTION_TUNING="$best" && echo "TLT_ATTENTION_TUNING=$best" | tee -a "$logs/status.txt"
+if has profile; then
+  prof=(--prompt-len 32768 --batch 8)
+  [ "${QUICK:-0}" = 1 ] && prof=(--quick --batch 2)
+  part profile-32k-b8 150 python examples/profile_step.py "${prof[@]}"
+fi
 for b in 1 8; do
   has "b$b" || continue
   for n in $lengths; do
@@ -73,15 +80,19 @@ for b in 1 8; do
       "${extra[@]}" --json "$logs/step_cost_llama8b_${n}_b${b}_gpu.json"
   done
 done
+if has paged; then
+  n=${lengths%% *}
+  paged=(--shape llama-8b --new-tokens 48 --prompt-len "$n")
+  [ "${QUICK:-0}" = 1 ] && paged=(--shape demo --new-tokens 8 --prompt-len 2048)
+  for b in 1 8; do
+    part "step-cost-llama-8b-${n}-b$b-paged16" 150 tlt -q bench step-cost "${paged[@]}" --batches "$b" \
+      --block-size 16 --json "$logs/step_cost_llama8b_${n}_b${b}_paged16_gpu.json"
+  done
+fi
 if has arms; then
   arms=()
   [ "${QUICK:-0}" = 1 ] && arms=(--quick)
   part arms-32k 150 python examples/long_context_arms.py "${arms[@]}" --json "$logs/long_context_arms_gpu.json"
-fi
-if has profile; then
-  prof=(--prompt-len 32768 --batch 8)
-  [ "${QUICK:-0}" = 1 ] && prof=(--quick --batch 2)
-  part profile-32k-b8 150 python examples/profile_step.py "${prof[@]}"
 fi
 if has tests; then
   for i in 1 2; do

@@ -130,6 +130,8 @@ def _cmd_bench(a: argparse.Namespace) -> None:
         raise ValueError(f"--prompt-len={a.prompt_len}: must be >= 0 (0: the bench's 128 tokens)")
     if a.new_tokens < 0:
         raise ValueError(f"--new-tokens={a.new_tokens}: must be >= 0 (0: the bench's default)")
+    if a.block_size < 0:
+        raise ValueError(f"--block-size={a.block_size}: must be >= 0 (0: no paged cache)")
     result = bench.get(a.which)(a)
     print("\n".join(result["summary"]))
     if a.json:
@@ -299,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--baseline", action="store_true",
                    help="step-cost (long context): also time the engine with attention=torch (SDPA over the "
                    "whole cache, the engine before its block-table kernel) in the same run")
+    s.add_argument("--block-size", type=int, default=0,
+                   help="step-cost (long context): the engines keep a paged KV cache of blocks of this many "
+                   "positions (0: one row of max_len slots per request)")
     s.add_argument("--sweep", action="store_true",
                    help="attention (CUDA): also time candidate launch shapes of the Triton kernel, best first "
                    "(TLT_ATTENTION_TUNING takes one as JSON)")

@@ -18,7 +18,8 @@ after its prefill, and its step times are the median over the steps after the fi
 :data:`WARM_STEPS` (graph captures). ``--baseline`` also times the engine with ``attention="torch"``
 (SDPA under an additive mask over the whole cache: what the engine ran before the block-table
 kernel) in the same run, so no ratio improves by slowing the baseline. ``--mixed`` adds a batch of
-:data:`MIXED` lengths (1K to 32K) on a 32K cache. Each row records the peak device memory.
+:data:`MIXED` lengths (1K to 32K) on a 32K cache. ``--block-size N`` runs the engines on a paged KV
+cache of N-position blocks. Each row records the peak device memory.
 """
 
 from __future__ import annotations
@@ -70,9 +71,10 @@ MIXED = (1024, 2048, 4096, 8192, 16384, 32768, 1024, 2048)
 
 
 def one_engine_at_a_time(model: TargetModel, drafter: Drafter, prompts: list[list[int]], new_tokens: int, chain: Arm,
-                         max_len: int, baseline: bool) -> dict:
+                         max_len: int, baseline: bool, block_size: int | None = None) -> dict:
     """Plain and speculative engines (and with ``baseline`` the same with ``attention="torch"``), one
-    alive at a time, each one rollout: median step times after the warm-up steps, peak memory."""
+    alive at a time, each one rollout: median step times after the warm-up steps, peak memory
+    (``block_size``: a paged KV cache of blocks this size)."""
     b, cuda = len(prompts), torch.cuda.is_available()
     pa = [SamplingParams(max_new_tokens=new_tokens)] * b
     runs = {}
@@ -82,7 +84,7 @@ def one_engine_at_a_time(model: TargetModel, drafter: Drafter, prompts: list[lis
                 torch.cuda.reset_peak_memory_stats()
             prop = EagleProposer(drafter, max_batch=b, max_len=max_len + 64, attention=kernel) if name == "SD" else None
             eng = RolloutEngine(model, EngineConfig(max_batch=b, max_len=max_len, arm=chain if prop else None,
-                                                    attention=kernel), proposer=prop)
+                                                    attention=kernel, block_size=block_size), proposer=prop)
             res = eng.generate(prompts, pa)
             steps = res.steps[WARM_STEPS:] or res.steps
             runs[(kernel, name)] = {"step_ms": 1e3 * statistics.median(x.seconds for x in steps),
@@ -143,12 +145,16 @@ def _run(args: argparse.Namespace) -> dict:
     by_batch = {}
     batches = getattr(args, "batches", None) or ((1, 4) if quick or (shape == "demo" and not cuda) else (1, 8, 32))
     baseline = bool(getattr(args, "baseline", False))
+    block_size = getattr(args, "block_size", 0) or None
+    if block_size is not None and not long:
+        raise ValueError(f"--block-size {block_size}: the paged cache is timed in long-context runs "
+                         f"(--prompt-len {LONG} or more, or --mixed)")
     for b in batches:
         prompts = torch.randint(10, cfg.vocab_size, (b, prompt_len), generator=gen).tolist()
         log.info("batch %d", b)
         if long:
             by_batch[b] = one_engine_at_a_time(model, drafter, prompts, new_tokens, chain, prompt_len + new_tokens + 8,
-                                               baseline)
+                                               baseline, block_size)
         else:
             by_batch[b] = fixed_batch(model, drafter, prompts, new_tokens, chain, prompt_len + new_tokens + 8, repeats)
         by_batch[b]["draft_level_vs_plain"] = by_batch[b]["draft_ms"] / chain.depth / by_batch[b]["ar_step_ms"]
@@ -158,7 +164,7 @@ def _run(args: argparse.Namespace) -> dict:
         prompts = [torch.randint(10, cfg.vocab_size, (n,), generator=gen).tolist() for n in lens]
         log.info("mixed lengths %s", lens)
         mixed_row = {"lengths": lens, **one_engine_at_a_time(model, drafter, prompts, new_tokens, chain,
-                                                              max(lens) + new_tokens + 8, baseline)}
+                                                              max(lens) + new_tokens + 8, baseline, block_size)}
     n = sum(p.numel() for p in model.parameters())
     size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
     where = torch.cuda.get_device_name() if cuda else platform.processor() or "CPU"
@@ -166,7 +172,8 @@ def _run(args: argparse.Namespace) -> dict:
            f"medians over {repeats} alternating repeats")
     lines = [f"step cost: random-weight {shape} target ({size} parameters, {dtype}) on {where}, "
              f"{torch.get_num_threads()} torch thread(s); {prompt_len}-token prompts, {new_tokens} new tokens, "
-             f"chain {chain} by an untrained EAGLE drafter; {how}"]
+             f"chain {chain} by an untrained EAGLE drafter; {how}"
+             + (f"; a paged KV cache of {block_size}-position blocks" if block_size else "")]
     rows = [(f"batch {b:2d}", r) for b, r in by_batch.items()]
     rows += [(f"mixed {mixed_row['lengths'][0]}..{max(mixed_row['lengths'])}", mixed_row)] if mixed_row else []
     for label, r in rows:
@@ -190,6 +197,6 @@ def _run(args: argparse.Namespace) -> dict:
                      "differently); the fp32 runs and the losslessness suites prove token identity")
     return {"bench": "step-cost", "quick": quick, "shape": shape, "config": fields, "dtype": str(dtype),
             "device": str(dev), "chain": str(chain), "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "by_batch": by_batch, "mixed": mixed_row,
+            "block_size": block_size, "by_batch": by_batch, "mixed": mixed_row,
             "machine": {"python": platform.python_version(), "torch": torch.__version__,
                         "gpu": torch.cuda.get_device_name() if cuda else None}, "summary": lines}
