@@ -8,7 +8,7 @@
 #   PARTS="..."   which parts run, in this order (default: all of them):
 #     kernel     the attention kernel against its float64 reference on CUDA
 #     attention  one layer's attention against the HBM bound, with a sweep of the kernel's launch shapes;
-#                the best one is exported (TLT_ATTENTION_TUNING) to every later part
+#                the best at batch 1 and at batch 8 are exported (TLT_ATTENTION_TUNING) to every later part
 #     profile    the kernels of plain and speculative steps at 32K, batch 8, by device time
 #     b1         the Llama-8B step at LENGTHS (default 32768 16384 8192), batch 1, against the engine before
 #                the kernel (--baseline); the 8K run adds the mixed-length batch
@@ -52,10 +52,10 @@ python -c "import tlt.rollout" 2>/dev/null || \
   part install 120 python -m pip install --no-deps --no-build-isolation -e .
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
 torch.cuda.get_device_name() if torch.cuda.is_available() else '')" | tee "$logs/device.txt"
-tuned() {  # the sweep's best launch shape, once the attention part recorded one
+tuned() {  # the sweep's best launch shapes (batch 1, batch 8), once the attention part recorded them
   [ -f "$logs/attention_gpu.json" ] && python -c "import json, sys
 s = json.load(open(sys.argv[1])).get('sweep')
-print(json.dumps(s['candidates'][0]['tuning']) if s else '')" "$logs/attention_gpu.json"
+print(json.dumps({'few': s['few'][0]['tuning'], 'many': s['many'][0]['tuning']}) if s else '')" "$logs/attention_gpu.json"
 }
 if has kernel; then
   part attention-kernel 120 python -m pytest -q -m gpu -p no:cacheprovider tests/rollout/test_attention.py

@@ -44,8 +44,7 @@ KERNELS = ("auto", "torch")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Tuning:
-    """The Triton kernel's launch shape; ``TLT_ATTENTION_TUNING`` (JSON of these fields) overrides
-    the defaults for a device they do not suit (``tlt bench attention --sweep`` measures candidates)."""
+    """One launch shape of the Triton kernel (``tlt bench attention --sweep`` measures candidates)."""
 
     block_n: int = 64  # positions per tile
     stages: int = 2  # software-pipelining depth
@@ -60,20 +59,60 @@ class Tuning:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"Tuning.block_n={self.block_n}: a power of two >= 16")
 
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tunings:
+    """The kernel's launch shapes by how many (row x KV head) pairs a step has per multiprocessor:
+    ``few`` up to ``few_upto`` of them (batch 1 to 4 of 8 KV heads on an H100/H200, where each row's
+    context is split across the device and long tiles in deep pipelines stream best), ``many`` above
+    (measured on an H200: `tlt bench attention --sweep`, docs/gpu.md). ``TLT_ATTENTION_TUNING``
+    overrides them: a JSON object of :class:`Tuning` fields (both), or ``{"few": {...}, "many": {...}}``."""
+
+    few: Tuning = Tuning(block_n=128, stages=3, warps=4, programs_per_sm=1)
+    many: Tuning = Tuning()
+    few_upto: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not self.few_upto >= 0:
+            raise ValueError(f"Tunings.few_upto={self.few_upto}: (rows x KV heads) per multiprocessor, >= 0")
+
+    def pick(self, batch: int, kv_heads: int, sms: int) -> Tuning:
+        return self.few if batch * kv_heads <= self.few_upto * sms else self.many
+
     @classmethod
-    def from_env(cls) -> "Tuning":
+    def from_env(cls) -> "Tunings":
         text = os.environ.get("TLT_ATTENTION_TUNING", "")
         if not text:
             return cls()
+        names = [f.name for f in dataclasses.fields(Tuning)]
         try:
             fields = json.loads(text)
-            return cls(**fields)
+            if not isinstance(fields, dict):
+                raise TypeError("not an object")
+            if set(fields) <= {"few", "many", "few_upto"}:
+                return cls(**{k: Tuning(**v) if k != "few_upto" else v for k, v in fields.items()})
+            one = Tuning(**fields)
+            return cls(few=one, many=one)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"TLT_ATTENTION_TUNING={text!r}: a JSON object of {[f.name for f in dataclasses.fields(cls)]}"
-                             f" ({e})") from e
+            raise ValueError(f"TLT_ATTENTION_TUNING={text!r}: a JSON object of {names}, or of \"few\" and "
+                             f"\"many\" such objects ({e})") from e
+
+    def as_dict(self) -> dict:
+        return {"few": dataclasses.asdict(self.few), "many": dataclasses.asdict(self.many), "few_upto": self.few_upto}
 
 
-TUNING = Tuning.from_env()
+TUNINGS = Tunings.from_env()
+
+
+def tuning_for(batch: int, kv_heads: int, device: torch.device) -> Tuning:
+    """The launch shape of a step of ``batch`` rows (splits and the kernel must agree on it; off CUDA,
+    under Triton's interpreter, ``many``)."""
+    return TUNINGS.pick(batch, kv_heads, _sms(device)) if device.type == "cuda" else TUNINGS.many
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @dataclasses.dataclass
@@ -295,8 +334,8 @@ def default_splits(batch: int, kv_heads: int, slots: int, device: torch.device, 
     positions, at most ``max_splits``; 1 wherever the torch path runs (one SDPA call)."""
     if device.type != "cuda" or kernel != "auto" or head_dim < 16 or head_dim & (head_dim - 1) or not _has_triton():
         return 1
-    t = tuning or TUNING
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sms(device)
+    t = tuning or TUNINGS.pick(batch, kv_heads, sms)
     want = -(-t.programs_per_sm * sms // max(batch * kv_heads, 1))
     return max(1, min(want, t.max_splits, slots // 256))
 

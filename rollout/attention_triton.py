@@ -11,7 +11,9 @@ Owns :func:`paged_attention`: two launches per layer.
    (or causally). With one block per row (the static cache) a program looks its block up once, not
    per tile. Online softmax in base 2, fp32 accumulators; each program writes its part's output and
    log-sum-exp.
-2. ``_merge``: per (row x KV head, tile), the row's parts merged exactly in one pass.
+2. ``_merge``: per (row x KV head, tile), the row's parts merged exactly in one pass, a group of
+   parts at a time (their loads in flight together: 8 parts of 16 packed rows, 4 of 32, 2 of 64, what
+   fits the registers without spilling at head dim 128).
 
 Bytes read follow the sum of the rows' lengths, and so does the work of each program: the launch
 grid is sized by the batch and the split count only, so one captured graph serves every length,
@@ -27,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tlt.rollout.attention import TUNING, AttnMeta, Tuning
+from tlt.rollout.attention import AttnMeta, Tuning, tuning_for
 
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -155,7 +157,7 @@ def _partials(Q, K, V, BT, START, CTX, TAIL, OP, LP,
 @triton.jit
 def _merge(OP, LP, O, START, CTX, so_h, so_p, so_m, sl_h, sl_p, sout_b, sout_h, sout_t, QL, NB,
            KVH: tl.constexpr, SPLITS: tl.constexpr, BP: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
-           D: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
+           D: tl.constexpr, BLOCK_M: tl.constexpr, PG: tl.constexpr, INTERPRET: tl.constexpr):
     """Per (row x KV head, tile): the row's prefix parts and its tail, merged exactly in one pass
     (a running maximum of the log-sum-exps rescales what is summed so far)."""
     bh = tl.program_id(0)
@@ -172,18 +174,23 @@ def _merge(OP, LP, O, START, CTX, so_h, so_p, so_m, sl_h, sl_p, sout_b, sout_h, 
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
     num = tl.zeros([BLOCK_M, D], tl.float32)
-    top, den, num = _merge_one(OP, LP, kvh, NB * (SPLITS + 1) + b, offs_m, m_ok, offs_d, so_h, so_p, so_m, sl_h, sl_p,
+    tail = NB * (SPLITS + 1) + b
+    top, den, num = _merge_one(OP, LP, kvh, tail, tail + 1, offs_m, m_ok, offs_d, so_h, so_p, so_m, sl_h, sl_p,
                                top, den, num)  # the tail's part
+    # PG parts per iteration, unrolled: their loads do not wait on the running state, so they are in
+    # flight together (one part at a time, a merge of 34 parts waits 34 load latencies)
     if INTERPRET:
         p = first
         while p < last:
-            top, den, num = _merge_one(OP, LP, kvh, p, offs_m, m_ok, offs_d, so_h, so_p, so_m, sl_h, sl_p, top,
-                                       den, num)
-            p += 1
+            for i in tl.static_range(PG):
+                top, den, num = _merge_one(OP, LP, kvh, p + i, last, offs_m, m_ok, offs_d, so_h, so_p, so_m, sl_h,
+                                           sl_p, top, den, num)
+            p += PG
     else:
-        for p in range(first, last):
-            top, den, num = _merge_one(OP, LP, kvh, p, offs_m, m_ok, offs_d, so_h, so_p, so_m, sl_h, sl_p, top,
-                                       den, num)
+        for p in range(first, last, PG):
+            for i in tl.static_range(PG):
+                top, den, num = _merge_one(OP, LP, kvh, p + i, last, offs_m, m_ok, offs_d, so_h, so_p, so_m, sl_h,
+                                           sl_p, top, den, num)
     out = num / tl.where(den > 0, den, 1.0)[:, None]
     t = offs_m // G
     h = kvh * G + offs_m % G
@@ -192,8 +199,9 @@ def _merge(OP, LP, O, START, CTX, so_h, so_p, so_m, sl_h, sl_p, sout_b, sout_h, 
 
 
 @triton.jit
-def _merge_one(OP, LP, kvh, p, offs_m, m_ok, offs_d, so_h, so_p, so_m, sl_h, sl_p, top, den, num):
-    """Fold part ``p`` into the running (maximum, denominator, numerator)."""
+def _merge_one(OP, LP, kvh, p, end, offs_m, m_ok, offs_d, so_h, so_p, so_m, sl_h, sl_p, top, den, num):
+    """Fold part ``p`` (none if ``p >= end``) into the running (maximum, denominator, numerator)."""
+    m_ok = m_ok & (p < end)
     lse = tl.load(LP + kvh * sl_h + p * sl_p + offs_m, mask=m_ok, other=float("-inf"))
     new = tl.maximum(top, lse)
     safe = tl.where(new == float("-inf"), 0.0, new)  # nothing seen yet: every weight is 0
@@ -206,7 +214,7 @@ def _merge_one(OP, LP, kvh, p, offs_m, m_ok, offs_d, so_h, so_p, so_m, sl_h, sl_
 def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: AttnMeta,
                     tuning: Tuning | None = None) -> torch.Tensor:
     """q [B, H, Q, D] over one layer's cache kl, vl [NB, KV, BS, D] -> [B, H, Q, D] (q's dtype)."""
-    t = tuning or TUNING
+    t = tuning or tuning_for(q.shape[0], kl.shape[1], q.device)
     b, h, ql, d = q.shape
     kvh = kl.shape[1]
     g = h // kvh
@@ -236,8 +244,10 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
         BLOCK_N=block_n, CAUSAL=meta.tail is None, PREC=prec, INTERPRET=INTERPRET, num_warps=t.warps,
         num_stages=t.stages)
     out = torch.empty_like(q)
+    merge_warps = 4 if block_m <= 32 else 8
+    group = max(1, 128 // block_m)
     _merge[(b * kvh, mtiles)](
         op, lp, out, start, ctx, op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
         out.stride(0), out.stride(1), out.stride(2), ql, b, KVH=kvh, SPLITS=meta.splits, BP=bp, BLOCK_N=block_n,
-        G=g, D=d, BLOCK_M=block_m, INTERPRET=INTERPRET, num_warps=4)
+        G=g, D=d, BLOCK_M=block_m, PG=group, INTERPRET=INTERPRET, num_warps=merge_warps)
     return out

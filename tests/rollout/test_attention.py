@@ -200,3 +200,22 @@ def test_triton_kernel_on_cuda_equals_the_reference():
         pytest.skip("needs CUDA")
     for e in triton_cases("cuda", big=True):
         assert e["err"] < (1e-5 if "float32" in e["dtype"] else 2e-2), e
+
+
+def test_launch_shapes_by_regime_and_their_override(monkeypatch):
+    """Batch 1-4 of 8 KV heads on a 132-multiprocessor card take the ``few`` shape, batch 8 ``many``;
+    TLT_ATTENTION_TUNING sets one shape for both or each apart, and a bad value names the variable."""
+    from tlt.rollout.attention import Tuning, Tunings
+
+    t = Tunings()
+    assert [t.pick(b, 8, 132) is t.few for b in (1, 2, 4, 8, 32)] == [True, True, True, False, False]
+    monkeypatch.setenv("TLT_ATTENTION_TUNING", '{"block_n": 32, "stages": 3}')
+    one = Tunings.from_env()
+    assert one.few == one.many == Tuning(block_n=32, stages=3)
+    monkeypatch.setenv("TLT_ATTENTION_TUNING", '{"few": {"block_n": 128}, "many": {"warps": 8}, "few_upto": 0.5}')
+    two = Tunings.from_env()
+    assert (two.few.block_n, two.many.warps, two.few_upto) == (128, 8, 0.5)
+    for bad in ('{"few": 3}', "[1]", '{"block_n": 48}', '{"splits": 2}', "not json"):
+        monkeypatch.setenv("TLT_ATTENTION_TUNING", bad)
+        with pytest.raises(ValueError, match="TLT_ATTENTION_TUNING"):
+            Tunings.from_env()

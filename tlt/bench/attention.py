@@ -11,7 +11,8 @@ CUDA, fp32 on CPU), with two kernels side by side on the same cache:
 The bound is the bytes of K and V the rows' real lengths hold, divided by the device's bandwidth
 (nominal: 3.35 TB/s for an H100 SXM, 4.8 TB/s for an H200; measured: a device-to-device copy, in
 the record too). ``--sweep`` times candidate launch shapes of the kernel
-(:class:`~tlt.rollout.attention.Tuning`) and records them, best first. A mixed-length row (lengths 1K to 32K in one batch, the cache sized for 32K) shows
+(:class:`~tlt.rollout.attention.Tuning`) at batch 1 and at batch 8 (the two regimes of
+:class:`~tlt.rollout.attention.Tunings`) and records them, best first. A mixed-length row (lengths 1K to 32K in one batch, the cache sized for 32K) shows
 that time follows the sum of the real lengths. On CUDA each time is the median over replays of a CUDA
 graph of 20 calls (launch overhead out), else of eager calls.
 """
@@ -27,7 +28,7 @@ import time
 
 import torch
 
-from tlt.rollout.attention import TUNING, AttnMeta, Tuning, attend, default_splits
+from tlt.rollout.attention import TUNINGS, AttnMeta, Tuning, attend, default_splits
 
 log = logging.getLogger(__name__)
 
@@ -117,19 +118,29 @@ def case(dev: torch.device, dtype: torch.dtype, lengths: list[int], q: int, w: i
 
 
 def sweep(dev: torch.device, dtype: torch.dtype, kv_bytes: int, tbs: float, repeats: int, seed: int) -> dict:
-    """The kernel's launch shapes on decode and verify at 32K (batch 1, 8) and 16K (batch 1):
-    each candidate's time over the bound, summed; the best first."""
-    shapes = ((32768, 1), (32768, 8), (16384, 1))
-    out = []
-    for t in (TUNING, *SWEEP):
+    """The kernel's launch shapes on decode and verify, scored apart for the two regimes of
+    :class:`~tlt.rollout.attention.Tunings`: ``few`` at batch 1 (32K and 16K), ``many`` at batch 8
+    (32K and 16K); each candidate's time over the bound, summed per regime; the best first."""
+    regimes = {"few": ((32768, 1), (16384, 1)), "many": ((32768, 8), (16384, 8))}
+    seen = {}
+    for t in (TUNINGS.few, TUNINGS.many, *SWEEP):
+        if t in seen:
+            continue
         cells = {}
-        for ctx, b in shapes:
-            for kind, q in (("decode", 1), ("verify", 5)):
-                s = case(dev, dtype, [ctx] * b, q, q, ctx + 64, "auto", repeats, seed, t)
-                cells[f"{kind} {ctx}x{b}"] = s / (b * (ctx + q) * kv_bytes / (tbs * 1e12))
-        out.append({"tuning": dataclasses.asdict(t), "over_bound": cells, "score": sum(cells.values())})
-        log.info("%s: %.1f", t, out[-1]["score"])
-    return {"candidates": sorted(out, key=lambda r: r["score"]), "default": dataclasses.asdict(TUNING)}
+        for name, shapes in regimes.items():
+            for ctx, b in shapes:
+                for kind, q in (("decode", 1), ("verify", 5)):
+                    s = case(dev, dtype, [ctx] * b, q, q, ctx + 64, "auto", repeats, seed, t)
+                    cells[f"{kind} {ctx}x{b}"] = s / (b * (ctx + q) * kv_bytes / (tbs * 1e12))
+        seen[t] = cells
+        log.info("%s: %s", t, cells)
+    out = {}
+    for name, shapes in regimes.items():
+        keys = [f"{kind} {ctx}x{b}" for ctx, b in shapes for kind in ("decode", "verify")]
+        rows = [{"tuning": dataclasses.asdict(t), "over_bound": {k: c[k] for k in keys},
+                 "score": sum(c[k] for k in keys)} for t, c in seen.items()]
+        out[name] = sorted(rows, key=lambda r: r["score"])
+    return {**out, "default": TUNINGS.as_dict()}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -179,14 +190,15 @@ def run(args: argparse.Namespace) -> dict:
     swept = None
     if getattr(args, "sweep", False) and cuda:
         swept = sweep(dev, dtype, kv_bytes, tbs, repeats, args.seed)
-        for r in swept["candidates"]:
-            lines.append(f"  tuning {r['tuning']}: sum over the bound {r['score']:.1f} ("
-                         + ", ".join(f"{k} {v:.1f}x" for k, v in r["over_bound"].items()) + ")")
+        for name in ("few", "many"):
+            for r in swept[name]:
+                lines.append(f"  {name}: tuning {r['tuning']}: sum over the bound {r['score']:.1f} ("
+                             + ", ".join(f"{k} {v:.1f}x" for k, v in r["over_bound"].items()) + ")")
     where = torch.cuda.get_device_name() if cuda else platform.processor() or "CPU"
     head = (f"attention, one layer (32 heads, 8 KV heads, d128, {dtype}) on {where}: median of {repeats}; bound = "
             f"K and V of the rows' real lengths at {tbs:.2f} TB/s ({'nominal' if nominal else 'measured'}; a copy "
             f"measured {measured:.2f} TB/s)")
     return {"bench": "attention", "quick": quick, "dtype": str(dtype), "device": where, "shape": SHAPE,
             "bandwidth_tbs": {"nominal": nominal, "measured_copy": measured, "used": tbs}, "rows": rows,
-            "paged": paged, "mixed": mixed, "tuning": dataclasses.asdict(TUNING), "sweep": swept, "machine": {"python": platform.python_version(), "torch": torch.__version__},
+            "paged": paged, "mixed": mixed, "tuning": TUNINGS.as_dict(), "sweep": swept, "machine": {"python": platform.python_version(), "torch": torch.__version__},
             "summary": [head, *lines]}

@@ -25,7 +25,6 @@ cache of N-position blocks. Each row records the peak device memory.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import logging
 import platform
@@ -39,7 +38,7 @@ from tlt.drafter.model_config import ModelConfig
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.bench.rollout import fixed_batch
-from tlt.rollout.attention import TUNING
+from tlt.rollout.attention import TUNINGS
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
@@ -103,7 +102,7 @@ def one_engine_at_a_time(model: TargetModel, drafter: Drafter, prompts: list[lis
            "verify_ms": sd["step_ms"] - sd["draft_ms"], "verify_vs_plain": (sd["step_ms"] - sd["draft_ms"]) / ar["step_ms"],
            "all_accepted_limit": (chain.depth + 1) * ar["step_ms"] / sd["step_ms"],
            "lossless": sd["outputs"] == ar["outputs"], "peak_gb": max(r["peak_gb"] or 0 for r in runs.values()) or None,
-           "ar_host_ms": ar["host_ms"], "sd_host_ms": sd["host_ms"], "tuning": dataclasses.asdict(TUNING)}
+           "ar_host_ms": ar["host_ms"], "sd_host_ms": sd["host_ms"], "tuning": TUNINGS.as_dict()}
     if baseline:
         bar, bsd = runs[("torch", "AR")], runs[("torch", "SD")]
         out |= {"baseline_ar_step_ms": bar["step_ms"], "baseline_sd_step_ms": bsd["step_ms"],
