@@ -100,7 +100,7 @@ if has tests; then
   done
 fi
 if has rollout; then
-  part rollout 240 tlt -q bench rollout --repeats 1 "${quick[@]}" --json "$logs/rollout_gpu.json"
+  part rollout 500 tlt -q bench rollout --repeats 1 "${quick[@]}" --json "$logs/rollout_gpu.json"
 fi
 if has shapes; then
   part step-cost-demo 60 tlt -q bench step-cost --shape demo "${quick[@]}" --json "$logs/step_cost_demo_gpu.json"
