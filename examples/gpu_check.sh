@@ -14,6 +14,7 @@
 #                the kernel (--baseline); the 8K run adds the mixed-length batch
 #     b8         the same at batch 8 (prefill of 8 long prompts, peak memory)
 #     paged      the 32K step at batch 1 and 8 on a paged KV cache of 16-position blocks
+#     memory     64 requests of 32K budgets for 60 s each on a paged and a static cache sized for 80 GB
 #     arms       every speculative path at 32K (chain and tree, EAGLE and EAGLE-3, greedy and sampled)
 #     tests      `pytest -m gpu`, twice in a row
 #     rollout    the demo target's SD/AR and tuner rollouts (tlt bench rollout)
@@ -28,7 +29,7 @@ out=${1:-${OUT:-gpu-check}}
 logs=${LOGS:-$(mktemp -d)}
 mkdir -p "$out" "$logs"
 export TLT_CACHE=${TLT_CACHE:-$PWD/.tlt_cache}
-parts=${PARTS:-kernel attention profile b1 b8 paged arms tests rollout shapes}
+parts=${PARTS:-kernel attention profile b1 b8 paged memory arms tests rollout shapes}
 lengths=${LENGTHS:-32768 16384 8192}
 quick=()
 [ "${QUICK:-0}" = 1 ] && quick=(--quick)
@@ -88,6 +89,11 @@ if has paged; then
     part "step-cost-llama-8b-${n}-b$b-paged16" 150 tlt -q bench step-cost "${paged[@]}" --batches "$b" \
       --block-size 16 --json "$logs/step_cost_llama8b_${n}_b${b}_paged16_gpu.json"
   done
+fi
+if has memory; then
+  mem=()
+  [ "${QUICK:-0}" = 1 ] && mem=(--quick --seconds 3)
+  part memory-window 200 python examples/memory_window.py "${mem[@]}" --json "$logs/memory_window_gpu.json"
 fi
 if has arms; then
   arms=()

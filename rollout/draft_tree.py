@@ -16,8 +16,8 @@ import torch
 
 from tlt.rollout.row_state import RowState
 from tlt.rollout.sampling import RowSampling
+from tlt.rollout.step_upload import StepUpload
 from tlt.rollout.strategy import Arm
-from tlt.rollout.transfers import intended_sync
 
 
 @dataclasses.dataclass
@@ -64,9 +64,10 @@ class DraftTree:
         return cls(tokens, parents, valid)
 
     @classmethod
-    def from_nodes(cls, rows: Sequence[Sequence[tuple[int, int]]], device: torch.device | str = "cpu") -> "DraftTree":
-        """Per request, its nodes as (token, parent) in topological order; one host -> device copy
-        (from pinned memory, not blocking the host, on CUDA)."""
+    def from_nodes(cls, rows: Sequence[Sequence[tuple[int, int]]], device: torch.device | str = "cpu",
+                   upload: StepUpload | None = None) -> "DraftTree":
+        """Per request, its nodes as (token, parent) in topological order; one host -> device copy:
+        ``upload``'s (with whatever it holds already, on its device), else one of its own."""
         width = max(map(len, rows), default=0)
         flat: list[int] = []  # all tokens, then all parents (padding hangs off the root), then valid flags
         for r in rows:
@@ -75,13 +76,11 @@ class DraftTree:
             flat += [p for _, p in r] + [-1] * (width - len(r))
         for r in rows:
             flat += [1] * len(r) + [0] * (width - len(r))
-        device = torch.device(device)
-        with intended_sync(device):  # the step's one upload
-            packed = torch.tensor(flat, dtype=torch.long).view(3, len(rows), width)  # [3, B, N]
-            if device.type == "cuda":
-                packed = packed.pin_memory()
-            packed = packed.to(device, non_blocking=True)
-        return cls(packed[0], packed[1], packed[2].bool())
+        up = upload if upload is not None else StepUpload(device)
+        got: list[torch.Tensor] = []
+        up.add(flat, (3, len(rows), width), got.append)
+        up.flush()
+        return cls(got[0][0], got[0][1], got[0][2].bool())  # [B, N] each
 
     def depths(self) -> torch.Tensor:
         """[B, N] depth of each node, 0 for children of the last verified token."""
@@ -148,6 +147,9 @@ class ProposerInput:
     # the running rows' state on the device, in row order (lengths, committed tokens, sampling):
     # what a proposer indexes with, instead of uploading host lists. None: outside an engine.
     state: RowState | None = None
+    # the step's pending upload (a paged cache's grown tables, not yet in ``state``): a proposer
+    # with ``packs_upload`` sends what it uploads through it. None: outside an engine.
+    upload: StepUpload | None = None
 
     @property
     def device(self) -> torch.device:
@@ -175,6 +177,10 @@ class Proposer:
     capture_s: float = 0.0  # seconds spent capturing graphs, summed (the engine keeps them out of tuner rewards)
     catch_up_s: float = 0.0  # of the last proposal's time: its catch-up on tokens committed since
     kv_position_bytes: int = 0  # device bytes it keeps per request position in a paged engine's blocks
+    # True: propose() reads no block table of ``ProposerInput.state`` and sends what it uploads through
+    # ``ProposerInput.upload`` (flushing it), so the step's grown tables travel in the same copy; False:
+    # the engine flushes the tables before propose()
+    packs_upload: bool = False
 
     def propose(self, inp: ProposerInput) -> DraftTree:
         raise NotImplementedError(f"{type(self).__name__} does not implement propose()")

@@ -56,14 +56,16 @@ from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, DraftLoopGraphKey, G
 from tlt.rollout.attention import KERNELS, AttnMeta, default_splits, physical
 from tlt.rollout.kv_cache import StaticKVCache, compact_rows
 from tlt.rollout.sampling import gumbel, token_hash
+from tlt.rollout.step_upload import StepUpload
 from tlt.rollout.strategy import Arm
 from tlt.rollout.timing import Span
-from tlt.rollout.transfers import intended_sync
 
 log = logging.getLogger(__name__)
 
 
 class EagleProposer(Proposer):
+    packs_upload = True  # its rows' moves travel with the step's grown tables (flushed before it reads them)
+
     def __init__(self, drafter: Drafter, *, max_batch: int, max_len: int, catch_up_window: int = 16,
                  start_window: int | None = None, shared_noise: bool = True, static_shapes: bool | None = None,
                  cuda_graphs: bool = True, attention: str = "auto", capture_after: int = 2) -> None:
@@ -133,6 +135,8 @@ class EagleProposer(Proposer):
         self._use_layout(inp)
         self.cache.restore()
         self._follow_rows(inp)
+        if inp.upload is not None:
+            inp.upload.flush()  # the rows' moves and the engine's grown tables, before the tables are read
         window = arm.depth + 1
         ends, lens_host = self._host_catch_up(inp)
         padded = self.sizes.padded_batch(b) if self.static and inp.state is not None else None
@@ -340,18 +344,25 @@ class EagleProposer(Proposer):
         free = iter(i for i in range(self._pos.shape[1]) if i not in taken)
         keep = [where[r] if r in where else next(free) for r in inp.rows]
         new = [i for i, r in enumerate(inp.rows) if r not in where]
-        with intended_sync(self.device):  # requests leaving and joining: index uploads
-            # (paged: a row's KV stays in its blocks; only the positions follow the rows)
-            compact_rows((self._pos,) if self._paged else (self.cache.k, self.cache.v, self._pos), keep, dim=1)
-            if new:
-                at = torch.tensor(new, device=self.device)
-                self._pos[:2, at] = 0
-                self._pos[2, at] = self.start_window
+        # requests leaving and joining: the rows' indices in the step's one upload (with the engine's
+        # grown tables), flushed in propose(); (paged: a row's KV stays in its blocks, only the
+        # positions follow the rows)
+        up = inp.upload if inp.upload is not None else StepUpload(self.device)
+        compact_rows((self._pos,) if self._paged else (self.cache.k, self.cache.v, self._pos), keep, dim=1, upload=up)
+        if new:
+            up.add(new, (len(new),), self._start_rows)
+        if inp.upload is None:
+            up.flush()
         self.rows = list(inp.rows)
         fresh = {self.rows[i] for i in new}  # nothing seen: joined, or forgotten
         self.seen = {r: 0 if r in fresh else self.seen.get(r, 0) for r in self.rows}
         self.floor = {r: 0 if r in fresh else self.floor.get(r, 0) for r in self.rows}
         self._starting.update(self.rows[i] for i in new)
+
+    def _start_rows(self, at: torch.Tensor) -> None:
+        """Rows ``at`` [N] hold requests the drafter has not seen: nothing seen, the first window."""
+        self._pos[:2, at] = 0
+        self._pos[2, at] = self.start_window
 
     @property
     def catch_up_s(self) -> float:

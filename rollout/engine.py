@@ -23,11 +23,12 @@ construction against ``max_draft_tokens`` and the proposers it names.
 
 Host <-> device traffic: the running requests' state lives on the device
 (:class:`~tlt.rollout.row_state.RowState`) and each step updates it there from the verifier's device
-result; a step reads one packed result (committed tokens, their log-probs, counts) and uploads at
-most the draft tree of a host-side proposer (the model-free drafter's, in one copy) and, with a
-paged cache, the table rows of requests that took new blocks (one copy, about one step in
-``block_size``). Prefill and leaving requests (row compaction) upload their indices; they are no
-step's cost (:mod:`tlt.rollout.transfers` counts all of it).
+result; a step reads one packed result (committed tokens, their log-probs, counts) and makes at
+most one upload (:class:`~tlt.rollout.step_upload.StepUpload`): with a paged cache, the table rows
+of requests that took new blocks (about one step in ``block_size``), packed with the draft trees of a
+host-side proposer (the model-free drafter's) or a drafter's row moves after requests left. Prefill
+and the engine's own row compaction for leaving requests upload their indices; they are no step's
+cost (:mod:`tlt.rollout.transfers` counts all of it).
 
 Sampling is coupled (:mod:`tlt.rollout.sampling`): a request's token at a position is a function of its
 seed, the position and the target's logits, so speculative and plain decoding sample the same
@@ -65,6 +66,7 @@ from tlt.rollout.static_step import StaticTargetStep
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.rollout.timing import Span
+from tlt.rollout.step_upload import StepUpload
 from tlt.rollout.transfers import intended_sync
 from tlt.rollout.verify import stop_table, verify
 
@@ -409,10 +411,11 @@ class RolloutEngine:
         self._admit(out)
         if self._rows:
             arm = self._choose(len(self._rows))
+            upload = StepUpload(self.device)  # the step's one upload (flushed in _step)
             if self.pool is not None:
-                arm = self._make_room(arm)
+                arm = self._make_room(arm, upload)
             inp = ProposerInput(self._generation, tuple(self._rows), self._seqs, self._plens, self._groups, None,
-                                Arm.off(), self._state.sampling, self._state)
+                                Arm.off(), self._state.sampling, self._state, upload)
             tokens, lps, rec, acc = self._step(inp, arm)
             rec.evicted, rec.recomputed = self._evicted_now, self._recomputed_now
             rec.positions = sum(len(self._seqs[r]) for r in inp.rows) - len(inp.rows)  # (pending tokens: no KV yet)
@@ -529,11 +532,11 @@ class RolloutEngine:
         fresh = [(k, [tok], [lp]) for k, (tok, lp, (_, st)) in enumerate(zip(first, first_lp, batch)) if not st.output]
         self._commit([t for _, t, _ in fresh], [x for _, _, x in fresh], [b0 + k for k, _, _ in fresh], out)
 
-    def _make_room(self, arm: Arm) -> Arm:
+    def _make_room(self, arm: Arm, upload: StepUpload) -> Arm:
         """Blocks for every running row to hold the next step's tokens (its pending token and the
         arm's draft). Short of them: the step speculates not at all; still short: requests are evicted
-        by the configured rule (never the last one) and go back to the queue with their state.
-        Returns the arm the step runs."""
+        by the configured rule (never the last one) and go back to the queue with their state. The
+        grown rows' tables go into the step's ``upload``. Returns the arm the step runs."""
         def need(a: Arm) -> dict[int, int]:
             return {rid: len(self._seqs[rid]) + reach(a) for rid in self._rows}
 
@@ -545,11 +548,10 @@ class RolloutEngine:
                      for rid in self._rows]
             self._evict(choose_victims(cands, short, self.cfg.eviction))
         grown = [k for k, (rid, n) in enumerate(need(arm).items()) if self.pool.grow(rid, n)]
-        if grown:  # the step's one upload: the grown rows' tables
-            with intended_sync(self.device):
-                table = torch.tensor(self.pool.table([self._rows[k] for k in grown], self.table_width),
-                                     dtype=torch.int32, device=self.device)
-                self._state.set_blocks(torch.tensor(grown, device=self.device), table)
+        if grown:  # [N, 1 + C]: each grown row's index, then its table
+            table = self.pool.table([self._rows[k] for k in grown], self.table_width)
+            upload.add([x for k, row in zip(grown, table) for x in (k, *row)], (len(grown), 1 + self.table_width),
+                       lambda t: self._state.set_blocks(t[:, 0], t[:, 1:].to(torch.int32)))
         return arm
 
     def _evict(self, rids: list[int]) -> None:
@@ -843,6 +845,8 @@ class RolloutEngine:
         if sd and not arm.is_off:
             prop = self.proposers[arm.proposer]
             prop_capture0 = prop.capture_s
+            if inp.upload is not None and not prop.packs_upload:
+                inp.upload.flush()  # the grown tables, before the proposer reads them
             drafting.start()
             tree = prop.propose(dataclasses.replace(inp, arm=arm, features=self._proposer_features(prop)))
             drafting.stop()
@@ -851,6 +855,8 @@ class RolloutEngine:
         else:
             tree = DraftTree.empty(b, self.device)
             self._last_proposer = None
+        if inp.upload is not None:
+            inp.upload.flush()  # (if the proposer did not: the grown tables, for the verify)
         if self.static_step is not None:
             tree = tree.padded_to(arm.tokens_to_verify)
         n = tree.num_nodes

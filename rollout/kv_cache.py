@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from tlt.rollout.attention import AttnMeta, PagedBackend
+from tlt.rollout.step_upload import StepUpload
 
 
 class StaticKVCache:
@@ -66,16 +67,24 @@ class StaticKVCache:
             self.v[:, dst[0], :, dst[1]] = self.v[:, src[0], :, src[1]]
 
 
-def compact_rows(tensors: tuple[torch.Tensor, ...], keep: list[int], dim: int = 0) -> None:
+def compact_rows(tensors: tuple[torch.Tensor, ...], keep: list[int], dim: int = 0,
+                 upload: StepUpload | None = None) -> None:
     """Row ``keep[i]`` (index along ``dim``) becomes row ``i`` in every tensor: one batched copy of
     the rows that move. The one row-compaction routine of the target's and the drafter's caches and
-    the engine's feature buffer; ``keep`` may be any selection (a source is read before writing)."""
+    the engine's feature buffer; ``keep`` may be any selection (a source is read before writing).
+    The indices travel in one upload: ``upload``'s (the copy then waits for its flush), or its own."""
     moved = [(new, old) for new, old in enumerate(keep) if new != old]
     if not moved:
         return
-    dst, src = torch.tensor(moved, device=tensors[0].device).T  # [M] each, one upload
-    for t in tensors:
-        t.index_copy_(dim, dst, t.index_select(dim, src))
+
+    def copy(idx: torch.Tensor) -> None:  # idx [2, M]: destinations, then sources
+        for t in tensors:
+            t.index_copy_(dim, idx[0], t.index_select(dim, idx[1]))
+
+    up = upload if upload is not None else StepUpload(tensors[0].device)
+    up.add([new for new, _ in moved] + [old for _, old in moved], (2, len(moved)), copy)
+    if upload is None:
+        up.flush()
 
 
 def swap_remove(n: int, gone: set[int]) -> list[int]:

@@ -86,6 +86,7 @@ import torch
 
 from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, request_ids
 from tlt.rollout.ngram_tree import SEP, chain, trie_paths
+from tlt.rollout.step_upload import StepUpload
 from tlt.rollout.strategy import Arm
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,7 @@ class NgramProposer(Proposer):
     """The model-free drafter (see the module docstring for the exact rules)."""
 
     feature_layers = None  # needs no target features
+    packs_upload = True  # its trees travel with the step's grown tables
     TABLE_TOKENS = 1 << 15  # history tokens whose n-gram tables are kept (a few MiB)
 
     def __init__(self, config: NgramConfig | None = None, history: HistorySource | None = None) -> None:
@@ -308,13 +310,16 @@ class NgramProposer(Proposer):
                 self._live.discard(r)
                 self.finish([r])
         self.catch_up_s = time.perf_counter() - t0
-        return self.draft(inp.rows, inp.arm, inp.device)
+        return self.draft(inp.rows, inp.arm, inp.device, inp.upload)
 
-    def draft(self, rids: Sequence[int], arm: Arm, device: torch.device | str = "cpu") -> DraftTree:
-        """Trees for requests ``rids`` from the index as it stands, on ``device`` (one upload)."""
+    def draft(self, rids: Sequence[int], arm: Arm, device: torch.device | str = "cpu",
+              upload: StepUpload | None = None) -> DraftTree:
+        """Trees for requests ``rids`` from the index as it stands, on ``device`` (one upload:
+        ``upload``'s, with what it holds already)."""
         if arm.is_off:
             return DraftTree.empty(len(rids))
-        return DraftTree.from_nodes([self._draft(self._running(rid, "propose"), arm) for rid in rids], device=device)
+        return DraftTree.from_nodes([self._draft(self._running(rid, "propose"), arm) for rid in rids], device=device,
+                                    upload=upload)
 
     # --- internals --------------------------------------------------------------------------
 
