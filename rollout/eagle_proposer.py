@@ -52,7 +52,7 @@ import torch
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from tlt.rollout.graph_pool import CaptureGate
-from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, DraftLoopGraphKey, GraphPlanConfig
+from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, CaptureSizes, DraftLoopGraphKey
 from tlt.rollout.attention import KERNELS, AttnMeta, default_splits, physical
 from tlt.rollout.kv_cache import StaticKVCache, compact_rows
 from tlt.rollout.sampling import gumbel, token_hash
@@ -110,7 +110,7 @@ class EagleProposer(Proposer):
         self._catch_up = Span(self.device)  # the last proposal's catch-up (CUDA events on CUDA)
         self.static = static_shapes if static_shapes is not None else self.device.type == "cuda"
         sizes = tuple(c for c in DEFAULT_CAPTURE_BATCH_SIZES if c < max_batch) + (max_batch,)
-        self.sizes = GraphPlanConfig(capture_batch_sizes=sizes)
+        self.sizes = CaptureSizes(sizes)
         self.pool = None
         if self.static and cuda_graphs and self.device.type == "cuda":
             if cfg.rope_parameters.get("rope_type") == "dynamic":

@@ -54,7 +54,7 @@ import torch
 from tlt.drafter.seeds import derive
 from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from tlt.rollout.generate import SamplingParams
-from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, GraphPlanConfig
+from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, CaptureSizes
 from tlt.rollout.attention import KERNELS, AttnMeta, default_splits, physical
 from tlt.rollout.blocks import BlockPool
 from tlt.rollout.eviction import RULES, Candidate, choose_victims
@@ -319,7 +319,7 @@ class RolloutEngine:
 
     def _new_static_step(self) -> StaticTargetStep:
         sizes = tuple(c for c in DEFAULT_CAPTURE_BATCH_SIZES if c < self.cfg.max_batch) + (self.cfg.max_batch,)
-        return StaticTargetStep(self.target, self.cache, GraphPlanConfig(capture_batch_sizes=sizes),
+        return StaticTargetStep(self.target, self.cache, CaptureSizes(sizes),
                                 self._capture, self._features, cuda_graphs=self.cfg.cuda_graphs,
                                 attention=self.cfg.attention, capture_after=self.cfg.capture_after,
                                 paged=(self.cfg.block_size, self.table_width, self.pool.scratch) if self.pool else None)

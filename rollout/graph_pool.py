@@ -4,7 +4,7 @@ Owns :class:`CaptureGate` (a shape is captured at its ``after``-th use), :func:`
 and :class:`CudaGraphPool`: warm-up on a side stream, capture into one shared graph-memory pool
 per policy, replay with inputs copied into the static buffers, and the measured memory of each
 graph. It is model-agnostic: the engine hands it a factory ``make_step(key) -> (static_inputs, fn)``
-for the keys :func:`tlt.rollout.graphs.plan_graphs` lists.
+for the keys of :mod:`tlt.rollout.graphs` (or whole plans of :func:`tlt.bench.graph_plan.plan_graphs`).
 
 A capture is safe by construction against the two things that invalidated one
 (``cudaErrorStreamCaptureInvalidated``, "operation not permitted when stream is capturing"): the
@@ -25,9 +25,13 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from tlt.rollout.graphs import POLICIES, GraphKey
+from tlt.rollout.graphs import GraphKey
 
 log = logging.getLogger(__name__)
+
+# graphs by the plan policy that captured them, each policy its own memory pool (the engine captures
+# "bucketed"; the benches compare it with "naive", :mod:`tlt.bench.graph_plan`)
+POLICIES = ("bucketed", "naive")
 # Held by every capture; device work on any other thread of the process takes it too.
 CAPTURE_LOCK = threading.RLock()
 

@@ -1,7 +1,7 @@
 """The verify step of the engine at static shapes, replayed from CUDA graphs on CUDA.
 
 Owns :class:`StaticTargetStep`. A step is padded to a captured shape: the batch up to the planned
-captured size (:meth:`tlt.rollout.graphs.GraphPlanConfig.padded_batch`), the query to the arm's
+captured size (:meth:`tlt.rollout.graphs.CaptureSizes.padded_batch`), the query to the arm's
 ``tokens_to_verify + 1`` (the engine pads the draft tree with invalid nodes); each row's context
 length and tree mask are device inputs (:class:`~tlt.rollout.attention.AttnMeta`: the prefix read
 unmasked, the tree mask on the step's own tokens only, the context split ``splits`` ways for the
@@ -31,7 +31,7 @@ import torch
 
 from tlt.rollout.draft_tree import DraftTree
 from tlt.rollout.graph_pool import CaptureGate
-from tlt.rollout.graphs import GraphPlanConfig, TargetGraphKey
+from tlt.rollout.graphs import CaptureSizes, TargetGraphKey
 from tlt.rollout.attention import AttnMeta, default_splits
 from tlt.rollout.kv_cache import StaticKVCache
 from tlt.rollout.sampling import RowSampling
@@ -54,7 +54,7 @@ class VerifyGraphKey(TargetGraphKey):
 
 
 class StaticTargetStep:
-    def __init__(self, target: TargetModel, cache: StaticKVCache, sizes: GraphPlanConfig,
+    def __init__(self, target: TargetModel, cache: StaticKVCache, sizes: CaptureSizes,
                  capture: tuple[int, ...], features: Callable[[TargetOutput], torch.Tensor | None], *,
                  cuda_graphs: bool, attention: str = "auto", capture_after: int = 2,
                  paged: tuple[int, int, int] | None = None) -> None:

@@ -1,4 +1,5 @@
-"""CUDA-graph bucket planner and memory model (CPU); capture/replay parity and memory (GPU)."""
+"""The engine's capture sizes; the benches' CUDA-graph bucket planner and memory model (CPU);
+capture/replay parity and memory (GPU)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from tlt.rollout.graph_pool import CudaGraphPool
-from tlt.rollout.graphs import (DEFAULT_BUCKETS, DraftGraphKey, DraftLoopGraphKey, GraphPlanConfig, GraphSet, TargetGraphKey,
-                                plan_graphs)
+from tlt.bench.graph_plan import DEFAULT_BUCKETS, DraftGraphKey, GraphPlanConfig, GraphSet, plan_graphs
+from tlt.rollout.graphs import CaptureSizes, DraftLoopGraphKey, TargetGraphKey
 from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_bytes, estimate_parts, memory_report
 from tlt.rollout.strategy import Arm
 
@@ -124,6 +125,17 @@ def test_off_arm_only_adds_decode_graphs():
     assert with_off.bucketed.draft == without.bucketed.draft
     assert set(with_off.bucketed.keys) - set(without.bucketed.keys) == {T(1, 1), T(2, 1)}
     assert with_off.keys_for(2, Arm.off()) == (T(2, 1), None)
+
+
+def test_the_engines_capture_sizes_pad_and_validate():
+    sizes = CaptureSizes()  # the engine's and the EAGLE proposer's (tlt.rollout.graphs)
+    assert [sizes.padded_batch(b) for b in (1, 2, 3, 5, 17, 33, 64)] == [1, 2, 4, 8, 24, 48, 64]
+    assert sizes.padded_batch(65) is None and CaptureSizes([2, 5]).capture_batch_sizes == (2, 5)
+    for bad in ((), (0, 1), (2, 1), (1, 1)):
+        with pytest.raises(ValueError, match="capture_batch_sizes"):
+            CaptureSizes(bad)
+    with pytest.raises(ValueError, match="batch"):
+        sizes.padded_batch(0)
 
 
 def test_padded_batch_and_keys_for():

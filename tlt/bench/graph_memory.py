@@ -2,7 +2,7 @@
 
 Owns :class:`ModelDims` (shapes the model needs; :data:`QWEN25_32B` for the paper's Table 3),
 :func:`estimate_parts` / :func:`estimate_bytes` per graph key and :func:`memory_report` for a
-:class:`~tlt.rollout.graphs.GraphPlan`. The engine never reads it: which graphs to capture is
+:class:`~tlt.bench.graph_plan.GraphPlan`. The engine never reads it: which graphs to capture is
 :mod:`tlt.rollout.graphs`; ``tlt bench graphs`` and ``tlt bench sglang-policy`` report these figures.
 """
 
@@ -12,7 +12,8 @@ import dataclasses
 from collections.abc import Iterable
 
 from tlt.drafter.model_config import ModelConfig
-from tlt.rollout.graphs import DraftGraphKey, DraftLoopGraphKey, GraphKey, GraphPlan, TargetGraphKey, graph_set
+from tlt.bench.graph_plan import DraftGraphKey, GraphKey, GraphPlan, graph_set
+from tlt.rollout.graphs import DraftLoopGraphKey, TargetGraphKey
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

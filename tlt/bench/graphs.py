@@ -18,7 +18,8 @@ import time
 import torch
 
 from tlt.rollout.graph_pool import CudaGraphPool
-from tlt.rollout.graphs import DraftLoopGraphKey, GraphPlan, GraphPlanConfig, TargetGraphKey, plan_graphs
+from tlt.bench.graph_plan import GraphPlan, GraphPlanConfig, plan_graphs
+from tlt.rollout.graphs import DraftLoopGraphKey, TargetGraphKey
 from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_bytes, memory_report
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tlt.rollout.graphs import DraftGraphKey, TargetGraphKey
+from tlt.bench.graph_plan import DraftGraphKey
+from tlt.rollout.graphs import TargetGraphKey
 from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_parts
 from tlt.integrations.sglang.policy import DEFAULT_SLOTS, AdaptivePolicy, SlotsConfig, describe
 
