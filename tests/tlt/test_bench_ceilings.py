@@ -84,3 +84,18 @@ def test_text_ceiling_counts_each_digit_as_a_miss():
     assert structure_ceiling([[1, 2, 9, 3]], {9}, depth=6) == 2.0
     assert structure_ceiling([[1, 2, 3, 4]], {9}, depth=2) == 4 / 2  # [1, 2 + bonus 3], [4]
     assert structure_ceiling([[9, 9]], {9}, depth=6) == 1.0
+
+
+def test_bench_step_cost_on_a_paged_cache(tmp_path, capsys):
+    """--block-size: the long-context step on a paged cache (token-identical in fp32); a short run
+    or a negative size is refused, naming the flag."""
+    rec = tmp_path / "p.json"
+    assert main(["-q", "bench", "step-cost", "--shape", "demo", "--prompt-len", "2048", "--new-tokens", "8",
+                 "--batches", "2", "--block-size", "16", "--json", str(rec)]) == 0
+    r = json.loads(rec.read_text())
+    assert r["block_size"] == 16 and r["by_batch"]["2"]["lossless"] and r["by_batch"]["2"]["ar_step_ms"] > 0
+    assert "a paged KV cache of 16-position blocks" in capsys.readouterr().out
+    assert main(["-q", "bench", "step-cost", "--shape", "demo", "--block-size", "16"]) == 2
+    assert "--block-size 16: the paged cache is timed in long-context runs" in capsys.readouterr().err
+    assert main(["-q", "bench", "step-cost", "--block-size", "-1"]) == 2
+    assert "--block-size=-1: must be >= 0" in capsys.readouterr().err
