@@ -28,7 +28,7 @@ most one upload (:class:`~tlt.rollout.step_upload.StepUpload`): with a paged cac
 of requests that took new blocks (about one step in ``block_size``), packed with the draft trees of a
 host-side proposer (the model-free drafter's) or a drafter's row moves after requests left. Prefill
 and the engine's own row compaction for leaving requests upload their indices; they are no step's
-cost (:mod:`tlt.rollout.transfers` counts all of it).
+cost (:mod:`tlt.bench.transfer_count` counts all of it).
 
 Sampling is coupled (:mod:`tlt.rollout.sampling`): a request's token at a position is a function of its
 seed, the position and the target's logits, so speculative and plain decoding sample the same

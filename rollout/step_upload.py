@@ -6,7 +6,7 @@ integers, each part with what to do with its device tensor once it lands; :meth:
 sends every part in one copy (from pinned memory, not blocking the host, on CUDA) and hands each
 its slice. The engine makes one per step and flushes it before the device reads what is pending:
 before a proposer that reads the tables, else after the proposer added its trees, so a step makes
-at most one upload and one read (:mod:`tlt.rollout.transfers` counts them).
+at most one upload and one read (:mod:`tlt.bench.transfer_count` counts them).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from tlt.rollout.generate import SamplingParams
 from tlt.rollout.ngram import NgramProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
-from tlt.rollout.transfers import count_per_call, count_transfers
+from tlt.bench.transfer_count import count_per_call, count_transfers
 from tlt.rollout.tuner import BegMab, TunerConfig
 
 

@@ -4,7 +4,7 @@ The workload: 64 requests (16 arithmetic prompts x 4 GRPO samples) on the traine
 with lognormal response lengths (the long tail), greedy so every variant must reproduce the AR
 tokens exactly (checked: a mismatch fails the bench). A drafter is warmed up on the target's own
 rollouts first (cached). Also measures SD speedup vs AR at batch 1 / 8 / 32 with a fixed chain,
-and host <-> device transfers (:mod:`tlt.rollout.transfers`) per plain and per speculative step.
+and host <-> device transfers (:mod:`tlt.bench.transfer_count`) per plain and per speculative step.
 Every variant runs between two AR rollouts, and its paired ratio is their mean time over its own
 (the machine's speed drifts by tens of percent within a minute); a second, identical AR engine runs
 as a control: its paired ratio is the run's noise floor.
@@ -34,7 +34,7 @@ from tlt.drafter.eagle import Drafter
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
-from tlt.rollout.transfers import count_per_call
+from tlt.bench.transfer_count import count_per_call
 from tlt.rollout.ngram import NgramProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
