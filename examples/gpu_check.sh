@@ -56,7 +56,8 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else '')" | tee "$logs
 tuned() {  # the sweep's best launch shapes (batch 1, batch 8), once the attention part recorded them
   [ -f "$logs/attention_gpu.json" ] && python -c "import json, sys
 s = json.load(open(sys.argv[1])).get('sweep')
-print(json.dumps({'few': s['few'][0]['tuning'], 'many': s['many'][0]['tuning']}) if s else '')" "$logs/attention_gpu.json"
+print(json.dumps({'few': s['few'][0]['tuning'], 'many': s['many'][0]['tuning']}) if s and 'few' in s else '')" \
+  "$logs/attention_gpu.json"
 }
 if has kernel; then
   part attention-kernel 120 python -m pytest -q -m gpu -p no:cacheprovider tests/rollout/test_attention.py

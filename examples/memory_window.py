@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     token_bytes = 2 * cfg_model.num_hidden_layers * cfg_model.num_key_value_heads * cfg_model.head_dim * (
         torch.finfo(dtype).bits // 8)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    card = a.card_gb * 2**30 if cuda else 64 * 2**20  # (CPU: a pretend 64 MiB card)
+    card = 64 * 2**20  # (CPU: a pretend 64 MiB card)
+    if cuda:  # GB as the card's makers count them, at most what this card has
+        card = min(a.card_gb * 1e9, torch.cuda.get_device_properties(dev).total_memory)
     kv = int(card * (1 - RESERVE) - weights)
     if kv <= 0:
         raise ValueError(f"--card-gb {a.card_gb}: the weights ({weights / 2**30:.1f} GiB) leave no room for a KV cache")

@@ -177,9 +177,9 @@ class Proposer:
     capture_s: float = 0.0  # seconds spent capturing graphs, summed (the engine keeps them out of tuner rewards)
     catch_up_s: float = 0.0  # of the last proposal's time: its catch-up on tokens committed since
     kv_position_bytes: int = 0  # device bytes it keeps per request position in a paged engine's blocks
-    # True: propose() reads no block table of ``ProposerInput.state`` and sends what it uploads through
-    # ``ProposerInput.upload`` (flushing it), so the step's grown tables travel in the same copy; False:
-    # the engine flushes the tables before propose()
+    # True: propose() sends what it uploads through ``ProposerInput.upload`` and flushes it before it
+    # reads a block table of ``ProposerInput.state``, so the step's grown tables travel in the same
+    # copy; False: the engine flushes the tables before propose()
     packs_upload: bool = False
 
     def propose(self, inp: ProposerInput) -> DraftTree:

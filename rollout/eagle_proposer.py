@@ -360,9 +360,11 @@ class EagleProposer(Proposer):
         self._starting.update(self.rows[i] for i in new)
 
     def _start_rows(self, at: torch.Tensor) -> None:
-        """Rows ``at`` [N] hold requests the drafter has not seen: nothing seen, the first window."""
-        self._pos[:2, at] = 0
-        self._pos[2, at] = self.start_window
+        """Rows ``at`` [N] hold requests the drafter has not seen: nothing seen, the first window.
+        (index_fill_, not an indexed assignment of a Python number: that copies the number to the
+        device and waits for it.)"""
+        self._pos[:2].index_fill_(1, at, 0)
+        self._pos[2].index_fill_(0, at, self.start_window)
 
     @property
     def catch_up_s(self) -> float:

@@ -848,7 +848,11 @@ class RolloutEngine:
             if inp.upload is not None and not prop.packs_upload:
                 inp.upload.flush()  # the grown tables, before the proposer reads them
             drafting.start()
-            tree = prop.propose(dataclasses.replace(inp, arm=arm, features=self._proposer_features(prop)))
+            try:
+                tree = prop.propose(dataclasses.replace(inp, arm=arm, features=self._proposer_features(prop)))
+            finally:  # the pool counted the grown blocks: their tables reach the device whatever happens
+                if inp.upload is not None:
+                    inp.upload.flush()
             drafting.stop()
             switched = arm.proposer != self._last_proposer
             self._last_proposer = arm.proposer

@@ -22,9 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def make_case(seed: int, *, b: int, h: int = 4, kvh: int = 2, d: int = 16, q: int = 5, w: int | None = None,
               bs: int | None = 16, max_ctx: int = 80, splits: int = 1, tail: str = "tree",
-              dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict:
+              dtype: torch.dtype = torch.float32, device: str = "cpu", spare: int = 1) -> dict:
     """A random paged layout: each row's blocks drawn from a shuffled pool (the last block is scratch),
-    table columns past a row's need point at scratch. ``tail``: "tree" (Q == W, ancestor closure of
+    table columns past a row's need point at scratch (``spare`` of them past the longest row's; 0 with
+    ``bs=None``: a one-column table, the static cache's layout). ``tail``: "tree" (Q == W, ancestor closure of
     random parents), "levels" (W > Q, random visibility, every query sees itself) or "causal"."""
     g = torch.Generator().manual_seed(seed)
     w = q if w is None else w
@@ -33,7 +34,7 @@ def make_case(seed: int, *, b: int, h: int = 4, kvh: int = 2, d: int = 16, q: in
     need = ctx + w
     bs = int(need.max()) if bs is None else bs  # None: one block per row
     cols = [math.ceil(int(n) / bs) for n in need]
-    width = max(cols) + 1
+    width = max(cols) + spare
     n_blocks = sum(cols) + 1
     perm = torch.randperm(n_blocks - 1, generator=g).tolist()
     scratch = n_blocks - 1
@@ -170,7 +171,9 @@ def triton_cases(device: str = "cpu", big: bool = False) -> list[dict]:
     kws = [dict(b=2, q=1, w=1, tail="causal", max_ctx=150), dict(b=2, q=5, tail="tree", splits=3),
            dict(b=2, q=3, w=7, tail="levels", bs=1, splits=2), dict(b=2, q=20, tail="causal", bs=None, max_ctx=70),
            dict(b=5, q=5, tail="tree", bs=None, max_ctx=400, splits=2),  # one block per row, rows of mixed lengths
-           dict(b=4, q=1, w=1, tail="causal", bs=16, max_ctx=500, splits=3)]
+           dict(b=4, q=1, w=1, tail="causal", bs=16, max_ctx=500, splits=3),
+           dict(b=3, q=5, tail="tree", bs=None, spare=0, max_ctx=200, splits=3),  # one column: the block once
+           dict(b=2, q=1, w=1, tail="causal", bs=None, spare=0, max_ctx=300, splits=2)]
     if big:
         kws += [dict(b=8, h=32, kvh=8, d=128, q=5, tail="tree", max_ctx=3000, splits=8),
                 dict(b=3, h=32, kvh=8, d=128, q=64, tail="causal", max_ctx=1000, splits=1, bs=16)]
@@ -191,7 +194,7 @@ def test_triton_kernel_interpreted_equals_the_reference():
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     errs = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(errs) == 6 and all(e["err"] < 1e-5 for e in errs), errs
+    assert len(errs) == 8 and all(e["err"] < 1e-5 for e in errs), errs
 
 
 @pytest.mark.gpu

@@ -107,8 +107,9 @@ def test_a_step_makes_at_most_one_upload_and_one_read(name, static, block_size):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("block_size", [None, 4], ids=["rows", "paged"])
 @pytest.mark.parametrize("arm", [Arm(3, 1, 3), Arm(3, 2, 6), Arm(4, 1, 4, proposer="suffix")], ids=str)
-def test_a_sampled_speculative_rollout_makes_no_unintended_sync(arm):
+def test_a_sampled_speculative_rollout_makes_no_unintended_sync(arm, block_size):
     """Under ``set_sync_debug_mode("error")`` every synchronising call fails but those the engine
     marks (``intended_sync``: the step's packed read and upload, prefill, leaving requests). Graphs
     are captured in a first rollout; the second, counted one replays them."""
@@ -116,8 +117,8 @@ def test_a_sampled_speculative_rollout_makes_no_unintended_sync(arm):
         target, drafter = _models()
     props = {"suffix": NgramProposer()} if arm.proposer else {"": EagleProposer(drafter, max_batch=4, max_len=96,
                                                                                 capture_after=1)}
-    eng = RolloutEngine(target, EngineConfig(max_batch=4, max_len=72, arm=arm, elastic_threshold=4, capture_after=1),
-                        proposers=props)
+    eng = RolloutEngine(target, EngineConfig(max_batch=4, max_len=72, arm=arm, elastic_threshold=4, capture_after=1,
+                                             block_size=block_size), proposers=props)
     prompts = [[1 + i, 2, 3 + i, 2, 3 + i] for i in range(4)]
     params = [SamplingParams(max_new_tokens=20 + 7 * i, temperature=1.0) for i in range(4)]
     first = eng.generate(prompts, params, groups=[0, 0, 1, 1])
