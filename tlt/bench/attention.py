@@ -12,9 +12,10 @@ The bound is the bytes of K and V the rows' real lengths hold, divided by the de
 (nominal: 3.35 TB/s for an H100 SXM, 4.8 TB/s for an H200; measured: a device-to-device copy, in
 the record too). ``--sweep`` times candidate launch shapes of the kernel
 (:class:`~tlt.rollout.attention.Tuning`) at batch 1 and at batch 8 (the two regimes of
-:class:`~tlt.rollout.attention.Tunings`) and records them, best first. A mixed-length row (lengths 1K to 32K in one batch, the cache sized for 32K) shows
-that time follows the sum of the real lengths. On CUDA each time is the median over replays of a CUDA
-graph of 20 calls (launch overhead out), else of eager calls.
+:class:`~tlt.rollout.attention.Tunings`) and records them, best first. A mixed-length row (lengths
+1K to 32K in one batch, the cache sized for 32K) shows that time follows the sum of the real
+lengths, and a paged row times the verify over scattered 16-position blocks. On CUDA each time is
+the median over replays of a CUDA graph of 20 calls (launch overhead out), else of eager calls.
 """
 
 from __future__ import annotations
