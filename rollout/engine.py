@@ -833,6 +833,20 @@ class RolloutEngine:
             return Arm.off()
         return self.cfg.arm if self.cfg.arm is not None else self.tuner.choose(b)
 
+    def _propose(self, prop: Proposer, inp: ProposerInput, arm: Arm, drafting: Span) -> DraftTree:
+        """The proposer's tree, timed by ``drafting``. The step's upload (the grown tables) is flushed
+        before the proposer reads the tables, or by the proposer with its own data packed in
+        (``packs_upload``); either way before the verify, and even if the proposer raises (the pool
+        counted the grown blocks)."""
+        if not prop.packs_upload:
+            inp.upload.flush()
+        drafting.start()
+        try:
+            return prop.propose(dataclasses.replace(inp, arm=arm, features=self._proposer_features(prop)))
+        finally:
+            inp.upload.flush()  # (nothing left when the proposer flushed it)
+            drafting.stop()
+
     def _step(self, inp: ProposerInput, arm: Arm):
         rows, st = inp.rows, inp.state
         b = len(rows)
@@ -845,22 +859,13 @@ class RolloutEngine:
         if sd and not arm.is_off:
             prop = self.proposers[arm.proposer]
             prop_capture0 = prop.capture_s
-            if inp.upload is not None and not prop.packs_upload:
-                inp.upload.flush()  # the grown tables, before the proposer reads them
-            drafting.start()
-            try:
-                tree = prop.propose(dataclasses.replace(inp, arm=arm, features=self._proposer_features(prop)))
-            finally:  # the pool counted the grown blocks: their tables reach the device whatever happens
-                if inp.upload is not None:
-                    inp.upload.flush()
-            drafting.stop()
+            tree = self._propose(prop, inp, arm, drafting)
             switched = arm.proposer != self._last_proposer
             self._last_proposer = arm.proposer
         else:
+            inp.upload.flush()  # the grown tables, for the verify
             tree = DraftTree.empty(b, self.device)
             self._last_proposer = None
-        if inp.upload is not None:
-            inp.upload.flush()  # (if the proposer did not: the grown tables, for the verify)
         if self.static_step is not None:
             tree = tree.padded_to(arm.tokens_to_verify)
         n = tree.num_nodes
