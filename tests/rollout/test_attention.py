@@ -159,7 +159,7 @@ def test_prefix_parts_follow_each_rows_length():
         parts = -(-ctx // chunk)
         assert int(parts.sum()) <= b * (splits + 1) and chunk >= 1
         if int(ctx.sum()):
-            assert int(parts.sum()) >= min(b * splits, int(ctx.sum())) // 2 and parts.max() == -(-ctx.max() // chunk)
+            assert int(parts.sum()) >= min(b * splits, int(ctx.sum())) // 2
     mixed = AttnMeta.rows(torch.tensor([32768] + [1024] * 7), 5, 32832, splits=5)
     assert (-(-mixed.ctx // mixed.prefix_chunk())).tolist() == [33] + [2] * 7  # the long row: 33 of 47 parts
 
