@@ -11,19 +11,20 @@ import pytest
 
 pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
 
-from tlt.integrations.verl import trainer, worker  # noqa: E402
+from tlt.integrations.verl import worker  # noqa: E402
+from tlt.integrations.verl.run_records import counted  # noqa: E402
 
 
 def test_a_failure_is_counted_by_what_failed_and_the_run_goes_on(caplog):
     failures = collections.Counter()
-    assert trainer.counted(failures, "history", lambda x: x + 1, 1) == 2
+    assert counted(failures, "history", lambda x: x + 1, 1) == 2
     assert not failures
 
     def push(*_):
         raise RuntimeError("replica 1 is gone")
 
-    assert trainer.counted(failures, "history", push, [[1]], [[2]], 3) is None
-    assert trainer.counted(failures, "history", push) is None
+    assert counted(failures, "history", push, [[1]], [[2]], 3) is None
+    assert counted(failures, "history", push) is None
     assert failures == {"history": 2}
     assert "history failed (2 so far this run)" in caplog.text and "replica 1 is gone" in caplog.text
 

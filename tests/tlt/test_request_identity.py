@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from tlt.drafter.seeds import fallback_seed, request_seed
-from tlt.integrations.verl.requests import duplicate_requests, engine_params, plain
-from tlt.integrations.verl.trainer import canonical_order
+from tlt.integrations.verl.requests import canonical_order, duplicate_requests, engine_params, plain
 
 MSG = [{"role": "user", "content": "Compute 1 + 2."}]
 

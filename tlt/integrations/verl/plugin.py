@@ -26,12 +26,15 @@ def register() -> None:
     from verl.workers.rollout import base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from tlt.integrations.verl import agent_loop, cpu_platform, replica, trainer, varlen_attention  # noqa: F401
+    from tlt.integrations.verl import agent_loop, cpu_platform, replica, varlen_attention  # noqa: F401
 
     varlen_attention.register()
     cpu_platform.install()
     RolloutReplicaRegistry.register("tlt", replica.load_replica)
     base._ROLLOUT_REGISTRY[("tlt", "async")] = "tlt.integrations.verl.replica.TLTRolloutAdapter"
+    # after the CPU platform: verl's trainer modules ask the platform for the device at import
+    from tlt.integrations.verl import trainer  # registers trainer_mode=tlt
+
     trainer.trainer_class()
     _validate_in_driver()
 

@@ -2,8 +2,8 @@
 
 Owns the translation of verl's ``sampling_params`` into the engine's
 :class:`~tlt.rollout.generate.SamplingParams` (keys the engine honours, keys whose neutral value is the
-only lossless one, anything else refused rather than dropped), and the check that no two requests of
-a batch share an identity. verl 0.9.1 sends no seed and no stable request identity (``request_id`` is
+only lossless one, anything else refused rather than dropped), the check that no two requests of
+a batch share an identity, and the batch's canonical order (by identity, not arrival). verl 0.9.1 sends no seed and no stable request identity (``request_id`` is
 a uuid4), so the seed (:func:`tlt.drafter.seeds.request_seed`) is derived from what identifies a
 request in an RL run: the data seed, the global step,
 the prompt's dataset index, the sample's index in its GRPO group, training vs validation, and the
@@ -38,6 +38,23 @@ def plain(x: Any) -> Any:
     if isinstance(x, dict):
         return {str(k): plain(v) for k, v in x.items()}
     return x
+
+
+def as_list(x: Any) -> list:
+    """A batch column (tensor, numpy array or NonTensorStack) as a Python list."""
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return [getattr(v, "data", v) for v in x]
+
+
+def canonical_order(keys: list[str], uid_index: dict[str, int]) -> list[int]:
+    """Positions of verl's trajectory keys (``{uid}_{sample}_{output}``) sorted by (prompt index,
+    sample index, output index): an order that does not depend on arrival. uid_index: prompt uid ->
+    dataset index (unknown uids sort first, by uid)."""
+    def rank(k: str):
+        uid, sample, out = k.rsplit("_", 2)
+        return uid_index.get(uid, -1), int(sample), int(out), uid
+    return sorted(range(len(keys)), key=lambda j: rank(keys[j]))
 
 
 def duplicate_requests(indices: list[int], prompts: list[Any]) -> list[tuple[int, str]]:

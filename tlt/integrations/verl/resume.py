@@ -26,6 +26,7 @@ spot checkpoint and the whole history log, with a warning.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -45,6 +46,20 @@ log = logging.getLogger(__name__)
 FOLDER = "tlt"
 STATE = "state.json"
 ROUNDS = "tlt_tail_batching.pt"  # beside tlt/, in global_step_N
+
+
+@dataclasses.dataclass
+class ResumePoint:
+    """Where a run stands against verl's checkpoints (the trainer's driver thread owns it)."""
+
+    checkpointed: int = -1  # the step verl saved last (its TLT state follows at the step's end)
+    folder: Path | None = None  # verl's global_step_N folder this run resumed from
+    restored: dict | None = None  # what the resume restored: the first step's record takes it
+    rounds: dict | None = None  # tail batching's checkpointed state, until its driver is built
+
+    def take_restored(self) -> dict | None:
+        out, self.restored = self.restored, None
+        return out
 
 
 def save(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list], spot_root: str | None,

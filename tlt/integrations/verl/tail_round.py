@@ -252,3 +252,13 @@ class RoundDriver:
 
     def restore(self, state: dict) -> None:
         self.batcher.restore(state)
+
+    def resume(self, state: dict | None, step: int) -> None:
+        """A resumed run at ``step``: its checkpointed state; without one (a checkpoint saved without
+        tail batching, whose steps each fetched one batch), the epoch's position, with a warning."""
+        if state is not None:
+            self.restore(state)
+        elif step > 1:
+            self.batcher.fetched = (step - 1) % self.batcher.fetches_per_epoch
+            log.warning("tlt: the checkpoint holds no tail batching state (saved without it): tail batching "
+                        "starts at the epoch's batch %d", self.batcher.fetched)
