@@ -63,6 +63,11 @@ from tlt.rollout.timing import Span
 log = logging.getLogger(__name__)
 
 
+def kv_position_bytes(kv_heads: int, head_dim: int, element_size: int) -> int:
+    """Bytes an EAGLE drafter's keys and values take per position (its one decoder layer)."""
+    return 2 * kv_heads * head_dim * element_size
+
+
 class EagleProposer(Proposer):
     packs_upload = True  # its rows' moves travel with the step's grown tables (flushed before it reads them)
 
@@ -159,7 +164,7 @@ class EagleProposer(Proposer):
     def kv_position_bytes(self) -> int:
         """The drafter's keys and values of one position (one layer), laid out in the engine's blocks."""
         c = self.cache.k
-        return 2 * c.shape[2] * c.shape[4] * c.element_size()
+        return kv_position_bytes(c.shape[2], c.shape[4], c.element_size())
 
     def forget(self, rids) -> None:
         """Requests the engine evicted: their drafter KV went with their blocks, so each starts over

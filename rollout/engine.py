@@ -133,6 +133,9 @@ class EngineConfig:
     # weights) when the engine is built, as vLLM's gpu_memory_utilization
     kv_bytes: int | None = None
     kv_fraction: float | None = None
+    # bytes per position such a pool also keeps for proposers set after construction (a first
+    # spot-trained EAGLE drafter's keys and values); proposers that outgrow it are refused
+    draft_position_bytes: int = 0
     eviction: str = "youngest"
 
     def __post_init__(self) -> None:
@@ -154,6 +157,8 @@ class EngineConfig:
             raise ValueError(f"kv_fraction={self.kv_fraction}: needs a block_size, and a fraction in (0, 1]")
         if sum(x is not None for x in (self.kv_blocks, self.kv_bytes, self.kv_fraction)) > 1:
             raise ValueError("kv_blocks, kv_bytes and kv_fraction each size the pool: give one")
+        if self.draft_position_bytes < 0:
+            raise ValueError(f"draft_position_bytes={self.draft_position_bytes}: bytes per position, >= 0")
         if self.eviction not in RULES:
             raise ValueError(f"eviction={self.eviction!r}: use one of {RULES}")
         if self.max_draft_tokens < 0:
@@ -245,6 +250,7 @@ class RolloutEngine:
         self._aux_layers: tuple[int, ...] = ()
         self._last_proposer: str | None = None  # the proposer that drafted the previous step (None: off)
         self.static_step: StaticTargetStep | None = None  # (built below, once the cache is)
+        self._sized_block_bytes: int | None = None  # a pool sized by memory: the block bytes it was sized for
         self.set_proposers(named, tuner)
         mc = target.config
         self.device = target.embed_weight.device
@@ -253,6 +259,8 @@ class RolloutEngine:
         self.pool: BlockPool | None = None
         if cfg.block_size is not None:
             self.pool = BlockPool(self._pool_blocks() + 1, cfg.block_size)
+            if cfg.kv_bytes is not None or cfg.kv_fraction is not None:
+                self._sized_block_bytes = self._block_bytes_sized()
         self.table_width = -(-cfg.slots // cfg.block_size) if self.pool else 1
         self.cache = StaticKVCache(mc.num_hidden_layers, self.pool.capacity + 1 if self.pool else cfg.max_batch,
                                    mc.num_key_value_heads, cfg.block_size or cfg.slots, mc.head_dim,
@@ -290,31 +298,35 @@ class RolloutEngine:
     def block_bytes(self) -> int:
         """Bytes a block of the paged pools takes: the target's keys and values over every layer, the
         feature buffer's row (the last hidden state and the captured layers), and what the proposers
-        keep per position in the engine's blocks (an EAGLE drafter's keys and values). A drafter set
-        after construction (a first spot-trained one) adds its share beyond a pool sized by memory."""
+        keep per position in the engine's blocks (an EAGLE drafter's keys and values)."""
         mc, bs = self.target.config, self.cfg.block_size or self.cfg.slots
         elem = self.target.embed_weight.element_size()
         feats = (mc.hidden_size if self._stores_hidden else 0) + mc.hidden_size * len(self._aux_layers)
         drafters = sum(p.kv_position_bytes for p in self.proposers.values())
         return bs * (elem * (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim + feats) + drafters)
 
+    def _block_bytes_sized(self) -> int:
+        """The block bytes a pool sized by memory divides it by: :meth:`block_bytes` and the room
+        ``draft_position_bytes`` keeps for proposers set later."""
+        return self.block_bytes() + self.cfg.block_size * self.cfg.draft_position_bytes
+
     def _pool_blocks(self) -> int:
         cfg = self.cfg
         if cfg.kv_blocks is not None:
             return cfg.kv_blocks
         if cfg.kv_bytes is not None:
-            n, how = cfg.kv_bytes // self.block_bytes(), f"kv_bytes={cfg.kv_bytes}"
+            n, how = cfg.kv_bytes // self._block_bytes_sized(), f"kv_bytes={cfg.kv_bytes}"
         elif cfg.kv_fraction is not None:
             if self.device.type != "cuda":
                 raise ValueError(f"kv_fraction={cfg.kv_fraction} sizes the pool by a CUDA device's memory; on "
                                  f"{self.device.type} give kv_bytes or kv_blocks")
             total = torch.cuda.get_device_properties(self.device).total_memory
             free = cfg.kv_fraction * total - torch.cuda.memory_allocated(self.device)
-            n, how = int(free // self.block_bytes()), f"kv_fraction={cfg.kv_fraction} of {total / 2**30:.1f} GiB"
+            n, how = int(free // self._block_bytes_sized()), f"kv_fraction={cfg.kv_fraction} of {total / 2**30:.1f} GiB"
         else:  # today's capacity: max_batch rows of max_len + max_draft_tokens
             return cfg.max_batch * -(-cfg.slots // cfg.block_size)
         if n < 1:
-            raise ValueError(f"{how} holds no block of {self.block_bytes()} bytes: give the pool more memory")
+            raise ValueError(f"{how} holds no block of {self._block_bytes_sized()} bytes: give the pool more memory")
         return n
 
     def _new_static_step(self) -> StaticTargetStep:
@@ -668,6 +680,7 @@ class RolloutEngine:
         self.proposers, self.tuner, self._aux_layers = dict(proposers), tuner, (aux.pop() if aux else ())
         try:
             self._check_arms()
+            self._check_memory()
         except ValueError:
             self.proposers, self.tuner, self._aux_layers = old
             raise
@@ -682,6 +695,15 @@ class RolloutEngine:
         for p in old[0].values():  # replaced proposers give their graphs' memory back now, not at a GC pass
             if all(p is not q for q in self.proposers.values()):
                 p.close()
+
+    def _check_memory(self) -> None:
+        """Proposers set after construction fit the memory a pool sized by memory was sized for."""
+        if self._sized_block_bytes is None or self.block_bytes() <= self._sized_block_bytes:
+            return
+        more = -(-(self.block_bytes() - self._sized_block_bytes) // self.cfg.block_size)
+        raise ValueError(f"these proposers keep {self.block_bytes()} bytes per block of {self.cfg.block_size} "
+                         f"positions, the pool was sized by memory for {self._sized_block_bytes}: build the "
+                         f"engine with EngineConfig.draft_position_bytes >= {self.cfg.draft_position_bytes + more}")
 
     def _check_arms(self) -> None:
         """Every arm this engine may run fits its KV slots (a paged cache: its reach too, :func:`reach`)

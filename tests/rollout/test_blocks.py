@@ -3,6 +3,7 @@ side effects, and a random workload whose blocks are never shared or lost."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -137,3 +138,29 @@ def test_a_pool_sized_by_memory_counts_the_drafters_kv():
     hidden = target.config.hidden_size * target.embed_weight.element_size()  # EAGLE keeps the last hidden state
     assert eagle.block_bytes() - plain.block_bytes() == 8 * (per_position + hidden)
     assert eagle.pool.capacity == (1 << 20) // eagle.block_bytes() < plain.pool.capacity
+
+
+def test_a_drafter_set_later_fits_the_memory_kept_for_it_or_is_refused():
+    """A pool sized by memory before its first drafter (a spot-trained one arrives later) keeps
+    ``draft_position_bytes`` per position for it: without that room the drafter is refused, naming
+    the room it needs, and the engine keeps its proposers; with it, the pool holds as many blocks as
+    one built with the drafter from the start."""
+    from tlt.rollout.eagle_proposer import EagleProposer
+    from tlt.rollout.engine import EngineConfig, RolloutEngine
+    from tlt.rollout.strategy import Arm
+    from tests.rollout.test_transfers import _models
+
+    target, drafter = _models()
+    cfg = EngineConfig(max_batch=4, max_len=64, block_size=8, kv_bytes=1 << 20, arm=Arm(3, 1, 3))
+    from_start = RolloutEngine(target, cfg, proposer=EagleProposer(drafter, max_batch=4, max_len=128))
+    plain = RolloutEngine(target, cfg)
+    need = (from_start.block_bytes() - plain.block_bytes()) // 8  # the drafter's KV and the hidden state it reads
+    with pytest.raises(ValueError, match=f"draft_position_bytes >= {need}"):
+        plain.set_proposers({"": EagleProposer(drafter, max_batch=4, max_len=128)}, None)
+    assert plain.proposers == {} and plain.block_bytes() * plain.pool.capacity <= 1 << 20
+    later = RolloutEngine(target, dataclasses.replace(cfg, draft_position_bytes=need))
+    assert later.pool.capacity == from_start.pool.capacity < plain.pool.capacity
+    later.set_proposers({"": EagleProposer(drafter, max_batch=4, max_len=128)}, None)
+    assert later.block_bytes() * later.pool.capacity <= 1 << 20
+    with pytest.raises(ValueError, match="draft_position_bytes=-1"):
+        EngineConfig(block_size=8, kv_bytes=1 << 20, draft_position_bytes=-1)

@@ -21,9 +21,10 @@ from collections.abc import Iterable, Sequence
 
 from tlt.drafter.seeds import replica_seed
 from tlt.drafter.digest import module_digest
-from tlt.drafter.eagle import Drafter
+from tlt.drafter.eagle import Drafter, DrafterConfig
 from tlt.rollout import assembly
 from tlt.rollout.assembly import SUFFIX
+from tlt.rollout.eagle_proposer import kv_position_bytes
 from tlt.rollout.engine import EngineConfig, FeatureSink, RolloutEngine
 from tlt.rollout.history import ResponseHistory
 from tlt.rollout.ngram import NgramProposer
@@ -46,6 +47,11 @@ class ReplicaEngine:
         self.on = spec.enable and cfg.enable
         keys = cfg.engine.engine_keys(max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
                                       cuda=device == "cuda")
+        if self.on and drafter is None and cfg.drafter.train and "kv_fraction" in keys:
+            # a pool sized by memory keeps room for the drafter spot training will push
+            layer = DrafterConfig.for_target(model.config, cfg.drafter.method).layer
+            keys["draft_position_bytes"] = kv_position_bytes(layer.num_key_value_heads, layer.head_dim,
+                                                             model.embed_weight.element_size())
         self.engine_cfg = EngineConfig(max_len=max_len, max_draft_tokens=spec.max_draft_tokens,
                                        elastic_threshold=spec.elastic_threshold, seed=replica_seed(seed, rank), **keys)
         hist = spec.history_config()
