@@ -42,13 +42,13 @@ class CorruptingServer(TLTServer):
         out = super()._load_drafter(version, step)
         if step == CORRUPT_STEP:
             with torch.no_grad():
-                next(self.drafter.parameters()).view(-1)[0] += 0.5
+                next(self.core.drafters.served.parameters()).view(-1)[0] += 0.5
         return out
 
     def lose(self) -> None:
         """The drafter's weights change under the engine (a memory release/resume that drops them)."""
         with torch.no_grad():
-            next(self.drafter.parameters()).view(-1)[0] += 0.5
+            next(self.core.drafters.served.parameters()).view(-1)[0] += 0.5
 
 
 @pytest.fixture(scope="module")

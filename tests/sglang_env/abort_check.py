@@ -32,8 +32,8 @@ def main(site: str, model: str, max_len: str, out_dir: str) -> None:
 
     from tlt.integrations.verl.config import TLTConfig
     from tlt.integrations.verl.sglang_push import TLTHttpEngine
+    from tlt.integrations.verl.replica_core import ReplicaCore
     from tlt.integrations.verl.sglang_server import TLTSGLangServer
-    from tlt.integrations.verl.step_stats import StepStats
 
     out = Path(out_dir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
@@ -49,8 +49,8 @@ def main(site: str, model: str, max_len: str, out_dir: str) -> None:
         s.cfg = TLTConfig.from_mapping({})
         s.config = types.SimpleNamespace(max_model_len=int(max_len), response_length=BUDGET, prompt_length=16)
         s.http = TLTHttpEngine(model_path=model, host="127.0.0.1", port=port, launch_server=False, device="cpu")
-        s.agent, s.stats, s.eagle, s.global_steps = None, StepStats(), False, 1
-        s.rank, s.step, s._in_flight, s._released, s._rollout_over, s._idle_task = 0, 0, 0, False, True, None
+        s.core, s.eagle, s.global_steps = ReplicaCore(s.cfg, rank=0, seed=0, spot_root=""), False, 1
+        s.rank, s._in_flight, s._released, s._rollout_over, s._idle_task = 0, 0, False, True, None
         s._rids, s._dropping = set(), False  # tail batching's (TLTSGLangServer.__init__)
         prompt = [1, 5, 7, 9, 11]
 

@@ -26,8 +26,8 @@ def main(site: str) -> None:
     cpu_env.activate(site)
     from tlt.integrations.replica_api import ReplicaAPI
     from tlt.integrations.verl.config import TLTConfig
+    from tlt.integrations.verl.replica_core import ReplicaCore
     from tlt.integrations.verl.sglang_server import TLTSGLangServer
-    from tlt.integrations.verl.step_stats import StepStats
 
     log: list = []
 
@@ -57,8 +57,9 @@ def main(site: str) -> None:
     s = object.__new__(TLTSGLangServer)  # verl's constructor launches SGLang: not here
     s.cfg = TLTConfig.from_mapping({"engine": {"batch_window_ms": 1.0}})
     s.config = types.SimpleNamespace(max_model_len=64, response_length=8, prompt_length=8)
-    s.http, s.agent, s.buffer, s.stats = Http(), Agent(), [object()], StepStats()
-    s.rank, s.step, s.eagle, s.global_steps = 0, 0, True, 1
+    s.rank, s.eagle, s.global_steps = 0, True, 1
+    s.http, s.core = Http(), ReplicaCore(s.cfg, rank=0, seed=0, spot_root="")
+    s.core.agent, s.core.buffer = Agent(), [object()]  # a buffer with something to train on
     s._in_flight, s._released, s._rollout_over, s._gate, s._idle_task = 0, False, True, None, None
     s._rids, s._dropping = set(), False  # tail batching's (TLTSGLangServer.__init__)
 

@@ -1,10 +1,13 @@
-"""The replica's parts without Ray: the request batcher (continuous batching, abort and resume), the policy copy, the drift probe and the step statistics."""
+"""The replica's parts without Ray: the request batcher (continuous batching, abort and resume), the
+serving lock around a generation, the policy copy, the drift probe and the step statistics."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -32,6 +35,18 @@ def _batcher_engine(max_batch: int = 4, **paged):
     return RolloutEngine(_target(0), EngineConfig(max_batch=max_batch, max_len=256, **paged))
 
 
+def _serving(on_open=lambda: None, on_close=lambda gen: None):
+    """A ``serving()`` for the batcher: ``on_open()`` entering, ``on_close(generation)`` leaving."""
+    @contextlib.contextmanager
+    def serving():
+        on_open()
+        done = []
+        yield done.append
+        for gen in done:
+            on_close(gen)
+    return serving
+
+
 def _state(i: int, n: int = 40) -> RequestState:
     return RequestState((1 + i, 2, 3), SamplingParams(temperature=1.0, max_new_tokens=n), seed=100 + i, group=i)
 
@@ -53,7 +68,7 @@ def test_batcher_joins_running_generations_and_reports_idle():
 
     async def main():
         b = RequestBatcher(lambda: eng, window_s=0.02, max_batch=4, on_idle=lambda: idle.append(len(eng.steps)),
-                           on_open=lambda: events.append("open"), on_close=lambda g: events.append(len(g.finished)))
+                           serving=_serving(lambda: events.append("open"), lambda g: events.append(len(g.finished))))
         first = [asyncio.ensure_future(b.submit(_state(i), f"r{i}")) for i in range(2)]
         await _until(lambda: len(eng.steps) >= 3)
         later = [asyncio.ensure_future(b.submit(_state(i), f"r{i}")) for i in range(2, 6)]  # 2 join, 2 wait
@@ -83,7 +98,7 @@ def test_batcher_admits_by_free_blocks_and_evicted_requests_come_back_identical(
                                      seeds=[_state(i).seed for i in range(6)]).outputs
 
     async def main():
-        b = RequestBatcher(lambda: eng, window_s=0.02, max_batch=8, on_close=gens.append)
+        b = RequestBatcher(lambda: eng, window_s=0.02, max_batch=8, serving=_serving(on_close=gens.append))
         outs = await asyncio.gather(*(b.submit(_state(i), f"r{i}") for i in range(6)))
         assert [list(f.state.output) for f in outs] == ref
         assert all(f.reason == "length" for f in outs) and len({f.rid for f in outs}) == 6
@@ -152,7 +167,7 @@ def test_a_generation_that_cannot_start_or_fails_fails_its_requests_and_serving_
     eng.step = step
 
     async def main():
-        b = RequestBatcher(lambda: eng, window_s=0.01, max_batch=4, on_open=on_open)
+        b = RequestBatcher(lambda: eng, window_s=0.01, max_batch=4, serving=_serving(on_open))
         with pytest.raises(RuntimeError, match="did not stop"):
             await b.submit(_state(0), "a")
         with pytest.raises(RuntimeError, match="a step broke"):
@@ -249,6 +264,8 @@ def test_step_stats_time_the_replicas_decoding_span():
 
 def test_captured_features_feed_the_buffer():
     from tlt.drafter.buffer import BufferConfig, DataBuffer
+    from tlt.integrations.verl.config import TLTConfig
+    from tlt.integrations.verl.replica_core import ReplicaCore
     from tlt.integrations.verl.server import TLTServer
     from tlt.integrations.verl.spot_wiring import add_captured
 
@@ -257,8 +274,8 @@ def test_captured_features_feed_the_buffer():
     assert add_captured(buf, 3, [(ids, mask, torch.randn(6, 8), None)] * 2) == 2
     with pytest.raises(ValueError, match="captured sample 0: .* got 3 fields"):
         add_captured(buf, 3, [(ids, mask, torch.randn(6, 8))])
-    server = object.__new__(TLTServer)  # its add_samples is the feed (SGLang's server delegates the same way)
-    server.buffer = DataBuffer(BufferConfig(dtype="float32", max_bytes=1 << 20))
+    server = object.__new__(TLTServer)  # its add_samples is the replica core's (SGLang's server's too)
+    server.core = ReplicaCore(TLTConfig.from_mapping({}), rank=0, seed=0, spot_root="")
     assert server.add_samples(1, [(ids, mask, torch.randn(6, 8), None)]) == 1
 
 
@@ -272,7 +289,8 @@ def test_a_long_run_through_the_batcher_keeps_bounded_memory():
     params = SamplingParams(temperature=1.0, max_new_tokens=101, stop_ids=())
 
     async def main():
-        b = RequestBatcher(lambda: eng, window_s=0.001, max_batch=4, on_close=lambda g: gens.append(len(g.steps)))
+        b = RequestBatcher(lambda: eng, window_s=0.001, max_batch=4,
+                           serving=_serving(on_close=lambda g: gens.append(len(g.steps))))
         for g in range(50):
             await asyncio.gather(*(b.submit(RequestState((1 + i, 2, 3), params, seed=g * 4 + i, group=i), f"g{g}r{i}")
                                    for i in range(2)))
@@ -316,3 +334,50 @@ def test_a_replica_frees_its_kv_cache_between_generations_only():
     eng.add([_state(1)])  # requests in the engine: nothing is freed
     assert TLTServer._release_memory(replica) == 0 and not eng.cache.released
     eng.abort()
+
+
+def test_a_generation_holds_the_serving_lock_from_its_first_step_to_its_last():
+    """The replica's ``_serving`` (one function takes and releases the lock): every engine step runs
+    under the serving lock, training is stopped before the first, the statistics get the generation
+    after the lock is free; an agent that cannot stop fails the waiting requests and leaves the lock
+    free (a lock left held would stop every later generation, weight push and drafter swap)."""
+    from tlt.integrations.verl.config import TLTConfig
+    from tlt.integrations.verl.replica_core import ReplicaCore
+    from tlt.integrations.verl.server import TLTServer
+
+    events, eng = [], _batcher_engine()
+    server = object.__new__(TLTServer)  # the serving part without a model, Ray or a coordinator
+    server._lock, server._mu, server._idle_sent = threading.Lock(), threading.Lock(), True
+    server.core = ReplicaCore(TLTConfig.from_mapping({}), rank=0, seed=0, spot_root="")
+    server.probe = types.SimpleNamespace(size=1, record=lambda seqs: events.append(("probe", len(seqs))))
+
+    class Agent:
+        broken = False
+
+        def busy(self, step):
+            events.append(("busy", server._lock.locked()))
+            if self.broken:
+                raise RuntimeError("the spot session did not stop")
+
+    server.core.agent = Agent()
+    real = eng.step
+
+    def step():
+        events.append(("step", server._lock.locked()))
+        return real()
+
+    eng.step = step
+
+    async def main():
+        b = RequestBatcher(lambda: eng, window_s=0.01, max_batch=4, serving=server._serving)
+        await asyncio.gather(*(b.submit(_state(i, 6), f"r{i}") for i in range(2)))
+        await _until(lambda: server.core.stats.snapshot()["batches"] == 1)
+        server.core.agent.broken = True
+        with pytest.raises(RuntimeError, match="did not stop"):
+            await b.submit(_state(3, 6), "r3")
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    steps = [held for what, held in events if what == "step"]
+    assert events[0] == ("busy", True) and len(steps) >= 5 and all(steps)  # 6 tokens: the prefill gives one
+    assert ("probe", 1) in events and not server._idle_sent and not server._lock.locked()
+    assert events[-1] == ("busy", True)  # the second generation never stepped

@@ -19,7 +19,7 @@ step's cost by batch size, which the tail policy reads (:mod:`tlt.coordinator.ta
 
 Threads and ownership: the event loop owns the futures, the gate and the ``_serving`` flag; a
 generation runs in one worker thread, which owns the engine from its first step to its last
-(``on_open`` / ``on_close`` bracket it, e.g. the replica's serving lock). The two meet only in
+(inside ``serving()``, e.g. the replica's serving lock, taken and released in one function). The two meet only in
 ``_mu``-guarded fields: ``_pending`` (event loop appends, worker takes), the abort and leave requests
 (event loop posts, worker serves), and the published load (worker writes, anyone reads). A result is
 handed to the event loop with ``call_soon_threadsafe`` (FIFO with the worker's end, so every answer
@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, ContextManager
 
 from tlt.rollout.engine import RolloutEngine, RolloutResult, StepRecord
 from tlt.rollout.request import Finished, RequestState
@@ -67,7 +68,7 @@ class Load:
 
 @dataclasses.dataclass
 class Generation:
-    """What one generation did (handed to ``on_close``)."""
+    """What one generation did (handed to the callable ``serving()`` yields)."""
 
     finished: list[Finished]
     steps: list[StepRecord]
@@ -80,17 +81,24 @@ class Generation:
         return RolloutResult([list(f.state.output) for f in self.finished], self.steps, [], self.seconds)
 
 
+@contextlib.contextmanager
+def _serving_alone() -> Iterator[Callable[[Generation], None]]:
+    """The default ``serving``: nothing held, the record dropped."""
+    yield lambda gen: None
+
+
 class RequestBatcher:
     def __init__(self, engine: Callable[[], RolloutEngine], *, window_s: float, max_batch: int,
-                 on_open: Callable[[], None] = lambda: None,
-                 on_close: Callable[[Generation], None] = lambda g: None,
+                 serving: Callable[[], ContextManager[Callable[[Generation], None]]] = _serving_alone,
                  on_idle: Callable[[], None] = lambda: None, name: str = "replica", track_load: bool = False) -> None:
-        """``engine()``: the engine to run (read at each generation's start); ``on_open`` and
-        ``on_close`` run in the worker thread around a generation, ``on_idle`` in the event loop
-        when every request was answered (it must not block); ``track_load``: measure and publish
-        the load after each step (only a tail policy reads it: off, the step loop does no more)."""
+        """``engine()``: the engine to run (read at each generation's start); ``serving()``: a context
+        the worker thread holds around each generation, yielding where the generation's record goes
+        (an error entering it fails the requests waiting for that generation); ``on_idle``: runs in
+        the event loop when every request was answered (it must not block); ``track_load``: measure
+        and publish the load after each step (only a tail policy reads it: off, the step loop does
+        no more)."""
         self.track_load = track_load
-        self.engine, self.on_open, self.on_close, self.on_idle = engine, on_open, on_close, on_idle
+        self.engine, self.serving, self.on_idle = engine, serving, on_idle
         self.window_s, self.max_batch, self.name = window_s, max_batch, name
         self._mu = threading.Lock()
         self._pending: list[Request] = []  # queued for the engine (guarded by _mu)
@@ -234,21 +242,28 @@ class RequestBatcher:
 
     # ------------------------------------------------------------------ worker thread
     def _generation(self, loop: asyncio.AbstractEventLoop) -> None:
-        eng = self.engine()
-        live: dict[int, Request] = {}
-        done: list[Finished] = []
-        first, t0, tokens, counts = eng.steps_run, time.monotonic(), 0, collections.Counter(eng.lifecycle)
+        eng, t0 = self.engine(), time.monotonic()  # (the generation's time includes the wait for serving())
         with self._mu:  # exits posted before now named requests that had finished: none of this generation's
             self._exits.clear()
-        try:
-            self.on_open()
-        except Exception as e:  # the requests waiting for this generation learn why it never ran
-            log.exception("%s: a generation could not start", self.name)
-            with self._mu:
-                waiting, self._pending = self._pending, []
-            for req in waiting:
-                loop.call_soon_threadsafe(self._answer, req, e)
-            return
+        with contextlib.ExitStack() as stack:
+            try:
+                record = stack.enter_context(self.serving())
+            except Exception as e:  # the requests waiting for this generation learn why it never ran
+                log.exception("%s: a generation could not start", self.name)
+                with self._mu:
+                    waiting, self._pending = self._pending, []
+                for req in waiting:
+                    loop.call_soon_threadsafe(self._answer, req, e)
+                return
+            record(self._decode(eng, loop, t0))
+
+    def _decode(self, eng: RolloutEngine, loop: asyncio.AbstractEventLoop, t0: float) -> Generation:
+        """Step the engine until it is idle and nothing waits: requests join at step boundaries,
+        exits are served, each result is answered as it finishes. Returns what the generation did
+        (a failure fails its own requests and ends it)."""
+        live: dict[int, Request] = {}
+        done: list[Finished] = []
+        first, tokens, counts = eng.steps_run, 0, collections.Counter(eng.lifecycle)
 
         def answer(outs: list[Finished]) -> None:
             nonlocal tokens
@@ -259,44 +274,8 @@ class RequestBatcher:
                 loop.call_soon_threadsafe(self._answer, req, f)
 
         try:
-            while True:
-                with self._mu:
-                    aborts, self._abort_all = self._abort_all, []
-                    exits, self._exits = self._exits, {}
-                    take, self._pending = self._pending, []  # the engine's queue admits them (rows, blocks)
-                    if not take and not eng.active:
-                        self._load = dataclasses.replace(self._load, requests=())
-                        for f in aborts:
-                            loop.call_soon_threadsafe(_resolve, f, [])
-                        break
-                if aborts:
-                    gone = [r.key for r in live.values()]
-                    answer(eng.abort(list(live)))
-                    for f in aborts:
-                        loop.call_soon_threadsafe(_resolve, f, gone)
-                    aborts = []
-                for reason in ("aborted", "left"):
-                    named = [rid for rid, r in live.items() if exits.get(r.key) == reason]
-                    if named:
-                        answer(eng.abort(named) if reason == "aborted" else eng.leave(named))
-                for req in take:  # one by one: a request the engine refuses fails alone
-                    try:
-                        (rid,) = eng.add([req.state])
-                    except ValueError as e:
-                        loop.call_soon_threadsafe(self._answer, req, e)
-                        continue
-                    req.rid, live[rid] = rid, req
-                if eng.active:
-                    n_steps, t_step, joins = eng.steps_run, time.monotonic(), eng.lifecycle["joined"]
-                    outs = eng.step()
-                    answer(outs)
-                    if self.track_load:
-                        if eng.steps_run > n_steps:  # a decode step ran (its prefill of joining requests included)
-                            self._measure(eng.steps[-1], time.monotonic() - t_step, eng.lifecycle["joined"] - joins)
-                        progress = eng.progress()  # the requests still running: each ran this step
-                        for rid in progress:
-                            live[rid].steps += 1
-                        self._publish(live, progress)
+            while self._step_once(eng, loop, live, answer):
+                pass
         except Exception as e:  # the engine is emptied, then the generation's requests learn the error
             log.exception("%s: a generation of %d requests failed", self.name, len(live))
             try:
@@ -305,12 +284,51 @@ class RequestBatcher:
                 log.exception("%s: emptying the engine after the failure failed too", self.name)
             for req in live.values():
                 loop.call_soon_threadsafe(self._answer, req, e)
-        finally:
-            steps = eng.steps_since(first)
-            eng.forget_steps(eng.steps_run)  # handed over with the generation: the engine keeps no history
-            self.on_close(Generation(done, steps, t0, time.monotonic() - t0, tokens,
-                                     dict(collections.Counter(eng.lifecycle) - counts)))
+        steps = eng.steps_since(first)
+        eng.forget_steps(eng.steps_run)  # handed over with the generation: the engine keeps no history
+        return Generation(done, steps, t0, time.monotonic() - t0, tokens,
+                          dict(collections.Counter(eng.lifecycle) - counts))
 
+    def _step_once(self, eng: RolloutEngine, loop: asyncio.AbstractEventLoop, live: dict[int, Request],
+                   answer: Callable[[list[Finished]], None]) -> bool:
+        """One step boundary: aborts, exits and arrivals served, then one engine step. False when the
+        engine is idle and nothing waits (the generation ends; decided under ``_mu``)."""
+        with self._mu:
+            aborts, self._abort_all = self._abort_all, []
+            exits, self._exits = self._exits, {}
+            take, self._pending = self._pending, []  # the engine's queue admits them (rows, blocks)
+            if not take and not eng.active:
+                self._load = dataclasses.replace(self._load, requests=())
+                for f in aborts:
+                    loop.call_soon_threadsafe(_resolve, f, [])
+                return False
+        if aborts:
+            gone = [r.key for r in live.values()]
+            answer(eng.abort(list(live)))
+            for f in aborts:
+                loop.call_soon_threadsafe(_resolve, f, gone)
+        for reason in ("aborted", "left"):
+            named = [rid for rid, r in live.items() if exits.get(r.key) == reason]
+            if named:
+                answer(eng.abort(named) if reason == "aborted" else eng.leave(named))
+        for req in take:  # one by one: a request the engine refuses fails alone
+            try:
+                (rid,) = eng.add([req.state])
+            except ValueError as e:
+                loop.call_soon_threadsafe(self._answer, req, e)
+                continue
+            req.rid, live[rid] = rid, req
+        if eng.active:
+            n_steps, t_step, joins = eng.steps_run, time.monotonic(), eng.lifecycle["joined"]
+            answer(eng.step())
+            if self.track_load:
+                if eng.steps_run > n_steps:  # a decode step ran (its prefill of joining requests included)
+                    self._measure(eng.steps[-1], time.monotonic() - t_step, eng.lifecycle["joined"] - joins)
+                progress = eng.progress()  # the requests still running: each ran this step
+                for rid in progress:
+                    live[rid].steps += 1
+                self._publish(live, progress)
+        return True
 
     def _measure(self, rec: StepRecord, seconds: float, joined: int) -> None:
         """One step's cost (``seconds``: the whole ``step()``) into the curve (steps without joins)

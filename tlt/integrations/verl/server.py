@@ -3,9 +3,9 @@
 Owns the replica's Ray actor (:class:`TLTServer`) and how its parts meet, in the replica's own
 process: the engine (:class:`~tlt.integrations.verl.assembly.ReplicaEngine`: target, suffix and
 EAGLE proposers, tuner, feature sink) fed by the request batcher (:mod:`.batcher`); policy and
-drafter updates (:mod:`.weight_sync`); the DataBuffer and the spot agent (:mod:`.spot_wiring`);
-per-step statistics (:mod:`.step_stats`); and forwarding from a restarted replica that has not
-received the current policy yet.
+drafter updates (:mod:`.weight_sync`); tail moves; and forwarding from a restarted replica that has
+not received the current policy yet. What both backends keep (the DataBuffer, the step's
+statistics, the spot agent, the drafter versions) is its :class:`~.replica_core.ReplicaCore`.
 
 Device: the one this process has. With a GPU (Ray gave the actor one) the target, drafter and spot
 trainer run there in bf16 with static shapes and graph replay, the GPU tuner arms and nccl;
@@ -15,8 +15,9 @@ today they run on CPU: the backend is for CPU runs, tests and small models; GPU 
 SGLang path (docs/verl.md).
 
 Ordering (one serving lock, ``_lock``): a generation (from the first request an idle engine takes
-to the last that leaves it; requests join it while it runs), a policy copy, a drafter swap, a
-history update and a drift-probe forward never overlap. A spot session trains on its own copies of the
+to the last that leaves it; requests join it while it runs: ``_serving`` takes the lock and releases
+it, the batcher's worker holds it around the generation), a policy copy, a drafter swap, a history
+update and a drift-probe forward never overlap. A spot session trains on its own copies of the
 frozen tensors, so it needs no lock; it is stopped before a generation runs (``agent.busy``).
 
 Tail moves (the driver's :mod:`.tail_mover`, the protocol in :mod:`.moves`): ``move_out`` lets
@@ -40,18 +41,19 @@ its own (the worker's belongs to the FSDP actor), so a spot-training group can b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tlt.drafter.buffer import BufferConfig, DataBuffer
 from tlt.drafter.eagle import Drafter, DrafterConfig
 from tlt.drafter.resume_state import WarmStore, prefetch, warmup_state
 from tlt.drafter.seeds import fallback_seed
@@ -63,8 +65,8 @@ from tlt.integrations.verl.config import TLTConfig
 from tlt.integrations.verl.history_log import HISTORY_FILE, read_history
 from tlt.integrations.verl.moves import MOVED, MOVED_KEY, moved_in
 from tlt.integrations.verl.requests import engine_params
-from tlt.integrations.verl.spot_wiring import BufferFeed, add_captured, spot_config, start_spot_agent
-from tlt.integrations.verl.step_stats import StepStats
+from tlt.integrations.verl.replica_core import ReplicaCore
+from tlt.integrations.verl.spot_wiring import BufferFeed, spot_config
 from tlt.integrations.verl.tail_batching import DROPPED
 from tlt.integrations.verl.weight_sync import DriftProbe, copy_policy, load_spot_drafter
 
@@ -108,6 +110,7 @@ class TLTServer:
 
         self.cfg = TLTConfig.from_mapping(tlt)
         self.rank, self.spot_root, self.seed = replica_rank, spot_root, seed
+        self.core = ReplicaCore(self.cfg, rank=replica_rank, seed=seed, spot_root=spot_root)
         if run_dir:  # which process is which replica (also after a restart), like tlt_coordinator.pid
             (Path(run_dir) / f"tlt_replica_{replica_rank}.pid").write_text(f"{os.getpid()}\n")
         if self.cfg.engine.threads:
@@ -118,13 +121,11 @@ class TLTServer:
         self.max_len = prompt_length + response_length + 1
         self.response_length = response_length
         self.drafter_cfg = DrafterConfig.for_target(self.model.config, self.cfg.drafter.method)
-        self.drafter: Drafter | None = None
-        self.drafter_version = 0
-        self._previous: tuple[Drafter | None, int] | None = None  # served before the last push
+        drafters = self.core.drafters  # served: the EAGLE drafter (None: none)
         if self.cfg.drafter.init_path:
-            self.drafter = Drafter.load(self.cfg.drafter.init_path, self.model.embed_weight,
-                                        self.model.lm_head.weight).to(dtype=dtype).eval()
-            self.drafter_cfg = self.drafter.config
+            drafters.served = Drafter.load(self.cfg.drafter.init_path, self.model.embed_weight,
+                                           self.model.lm_head.weight).to(dtype=dtype).eval()
+            self.drafter_cfg = drafters.served.config
         # A restarted replica (Ray re-ran this constructor after a crash) holds the initial weights:
         # until verl pushes the current policy it forwards requests to a healthy replica (never
         # samples stale weights); it serves the newest committed spot drafter.
@@ -133,15 +134,13 @@ class TLTServer:
             log.warning("replica %d restarted: serving again after the next policy push", replica_rank)
             got = load_spot_drafter(spot_root, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight)
             if got is not None:
-                self.drafter, self.drafter_version = got[0], -1  # restored: the driver's version is unknown
+                drafters.served, drafters.version = got[0], -1  # restored: the driver's version is unknown
         self._forwarded_to: int | None = None
-        self.buffer = DataBuffer(BufferConfig(dtype=self.cfg.buffer.dtype, max_bytes=self.cfg.buffer.max_mb << 20))
-        self.step = 0
         train = self.cfg.enable and self.cfg.drafter.train and coordinator and spot_base_port
-        feed = (BufferFeed(self.buffer, self.drafter_cfg.aux_layers, lambda: self.step)
+        feed = (BufferFeed(self.core.buffer, self.drafter_cfg.aux_layers, lambda: self.core.step)
                 if train and self.cfg.buffer.capture == "rollout" else None)
         self.assembly = ReplicaEngine(self.model, self.cfg, max_len=self.max_len, seed=seed, rank=replica_rank,
-                                      drafter=self.drafter, sink=feed, device=self.device.type,
+                                      drafter=drafters.served, sink=feed, device=self.device.type,
                                       max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization)
         self.history_file = Path(run_dir) / HISTORY_FILE if run_dir else None
         if self.stale and self.history_file is not None and self.history_file.is_file():
@@ -158,21 +157,16 @@ class TLTServer:
         self._idle_sent = False  # IDLE went to the spot agent since the last generation (guarded by _mu)
         self.moved_out = 0  # requests moved away this step
         self.batcher = RequestBatcher(lambda: self.engine, window_s=self.cfg.engine.batch_window_ms / 1000,
-                                      max_batch=self.engine.cfg.max_batch, on_open=self._open_generation,
-                                      on_close=self._close_generation, on_idle=self._went_idle,
+                                      max_batch=self.engine.cfg.max_batch, serving=self._serving,
+                                      on_idle=self._went_idle,
                                       track_load=self.cfg.tail.consolidate.mode != "off",
                                       name=f"replica {replica_rank}")
-        self.stats = StepStats()
         self.probe = DriftProbe(self.model, self._lock)
-        self.agent = None
         self.warm = WarmStore()  # the spot sessions' state between sessions, and prefetched drafters
         if train:
             self._prefetch_warmup_state()
-            self.agent = start_spot_agent(
-                cfg=self.cfg, rank=replica_rank, seed=seed, model=self.model, drafter_cfg=self.drafter_cfg,
-                buffer=self.buffer, spot_root=spot_root, coordinator=coordinator,
-                node_ip=ray.util.get_node_ip_address(), base_port=spot_base_port, on_record=self.stats.session,
-                spot_rate=lambda: self.stats.spot_rate, warm_store=self.warm)
+            self.core.start_agent(model=self.model, drafter_cfg=self.drafter_cfg, coordinator=coordinator,
+                                  base_port=spot_base_port, warm_store=self.warm)
         # Everything loaded so far lives as long as the replica: out of the cyclic collector's full
         # passes, which otherwise walk it each time the rollout's allocations trigger one (they took
         # about 60% of the suffix drafter's time per proposal; docs/rollout.md)
@@ -277,34 +271,33 @@ class TLTServer:
     def is_stale(self) -> bool:
         return self.stale
 
-    def _open_generation(self) -> None:
-        """A generation starts (the batcher's worker thread): it holds the serving lock until it
-        ends, so weights and drafters swap between generations, never inside one."""
-        self._lock.acquire()  # after any IDLE the idle thread sent under this lock, never before it
-        try:
-            if self.agent is not None:
-                self.agent.busy(self.step)  # stops a training session (checkpointed) before decoding
+    @contextlib.contextmanager
+    def _serving(self) -> Iterator[Callable[[Generation], None]]:
+        """A generation's hold on the replica (the batcher's worker thread, around the whole
+        generation): the serving lock from its first step to its last, so weights and drafters swap
+        between generations, never inside one; training stopped (checkpointed) before it decodes.
+        Yields where the batcher hands the generation's record."""
+        done: list[Generation] = []
+        with self._lock:  # after any IDLE the idle thread sent under this lock, never before it
+            agent = self.core.agent
+            if agent is not None:
+                agent.busy(self.core.step)
             with self._mu:
                 self._idle_sent = False
-        except BaseException:
-            self._lock.release()
-            raise
-
-    def _close_generation(self, gen: Generation) -> None:
-        try:
-            self.probe.record([list(f.state.prompt + f.state.output) for f in gen.finished[:self.probe.size]])
-        finally:
-            self._lock.release()
-        self.stats.batch(gen.result(), started=gen.started, gen_s=gen.seconds, requests=len(gen.finished),
-                         lifecycle=gen.lifecycle,
-                         lengths=[len(f.state.output) for f in gen.finished if f.reason in ("stop", "length")])
+            yield done.append
+            for gen in done:
+                self.probe.record([list(f.state.prompt + f.state.output) for f in gen.finished[:self.probe.size]])
+        for gen in done:
+            self.core.stats.batch(gen.result(), started=gen.started, gen_s=gen.seconds, requests=len(gen.finished),
+                                  lifecycle=gen.lifecycle,
+                                  lengths=[len(f.state.output) for f in gen.finished if f.reason in ("stop", "length")])
 
     def _went_idle(self) -> None:
         """Every request answered (event loop): if there is anything to train on, the spot agent's
         IDLE, then the drift probe's old-policy forward, in a thread of their own. IDLE goes first:
         the idle window is often a fraction of a second, and the probe's forward would delay the
         session's start by its own length."""
-        self.stats.went_idle()
+        self.core.stats.went_idle()
         threading.Thread(target=self._idle_work, name=f"tlt-idle-{self.rank}", daemon=True).start()
 
     def _idle_work(self) -> None:
@@ -313,11 +306,12 @@ class TLTServer:
                 now = time.monotonic()
                 self._expected = [t for t in self._expected if t > now]
                 expected = min(self._expected, default=None)
-                send = bool(self.agent is not None and self.batcher.idle and len(self.buffer) and expected is None)
+                agent = self.core.agent
+                send = bool(agent is not None and self.batcher.idle and len(self.core.buffer) and expected is None)
                 self._idle_sent = self._idle_sent or send
             if send:
-                self.agent.idle(self.step)
-            elif expected is not None and self.agent is not None:  # a move that never arrives: look again then
+                agent.idle(self.core.step)
+            elif expected is not None and agent is not None:  # a move that never arrives: look again then
                 threading.Timer(expected - now, self._idle_work).start()
         self.probe.before()  # before the next policy copy: update_weights comes after the rollout
 
@@ -328,14 +322,14 @@ class TLTServer:
         load = self.batcher.load()
         return {"rank": self.rank, "requests": list(load.requests), "step_s": dict(load.step_s),
                 "join_s": load.join_s, "tokens_per_step": load.tokens_per_step,
-                "training": bool(self.agent is not None and self.agent.training)}
+                "training": bool(self.core.agent is not None and self.core.agent.training)}
 
     def reserve(self, n: int, ttl_s: float) -> bool:
         """A move's destination: False if this replica told its spot agent it is idle (a session
         may run or be about to: never a destination); else it expects ``n`` requests within
         ``ttl_s`` and sends no IDLE until they arrived (the two decisions are ordered by ``_mu``)."""
         with self._mu:
-            if self._idle_sent or (self.agent is not None and self.agent.training):
+            if self._idle_sent or (self.core.agent is not None and self.core.agent.training):
                 return False
             now = time.monotonic()
             self._expected = [t for t in self._expected if t > now] + [now + ttl_s] * n
@@ -361,11 +355,11 @@ class TLTServer:
     # ------------------------------------------------------------------ control (driver / workers)
     def begin_step(self, step: int) -> None:
         """RL step ``step``'s rollout is about to start: stats restart; training (if any) stops."""
-        if self.agent is not None and self.agent.training:
-            self.agent.busy(step)
-        self.step = step
+        agent = self.core.agent
+        if agent is not None and agent.training:
+            agent.busy(step)
+        self.core.begin_step(step)
         self.moved_out = 0
-        self.stats.reset()
 
     async def end_rollout(self) -> None:
         """The rollout ended (the coordinator has preempted training): nothing to give back, the
@@ -373,12 +367,10 @@ class TLTServer:
         return None
 
     def step_stats(self) -> dict[str, Any]:
-        st = self.stats.snapshot()
-        st.update(drafter_version=self.drafter_version, proposer=self.proposer_name, drift_top1=self.probe.top1,
-                  buffer=self.buffer.stats(), replica=self.rank, running=self.engine.running, moved_out=self.moved_out,
-                  engine_lifecycle=dict(self.engine.lifecycle),
-                  buffer_fed=dict(self.engine.fed), kv_slots=self.engine.cfg.slots)
-        return st
+        return self.core.step_stats(proposer=self.proposer_name, drift_top1=self.probe.top1,
+                                    running=self.engine.running, moved_out=self.moved_out,
+                                    engine_lifecycle=dict(self.engine.lifecycle), buffer_fed=dict(self.engine.fed),
+                                    kv_slots=self.engine.cfg.slots)
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:
         """Policy weights (HF names) copied into the target in place, between batches; the drafter
@@ -414,14 +406,13 @@ class TLTServer:
         rebuilt); returns the version served."""
         got = load_spot_drafter(self.spot_root, self.drafter_cfg, self.model.embed_weight,
                                 self.model.lm_head.weight, step)
+        drafters = self.core.drafters
         if got is None:
-            return self.drafter_version
+            return drafters.version
         with self._lock:  # never in the middle of a batch (hence of a verify)
-            self._previous = (self.drafter, self.drafter_version)  # the push guard's rollback
-            self.drafter, _ = got
-            self.drafter_version = version
-            self.assembly.set_drafter(self.drafter)
-        if self.agent is not None:  # the next one-rank session here resumes from memory
+            self.assembly.set_drafter(got[0])  # refused (a ValueError): nothing changed
+            drafters.push(got[0], version)  # the previous one: the push guard's rollback
+        if self.core.agent is not None:  # the next one-rank session here resumes from memory
             spot = spot_config(self.cfg, self.seed)
             prefetch(self.warm, self.spot_root, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight,
                      lr=spot.lr, betas=spot.betas, weight_decay=spot.weight_decay, step=step)
@@ -437,12 +428,12 @@ class TLTServer:
     def _rollback_drafter(self, version: int) -> int:
         """Serve again the drafter served before the last push (the push guard rejected it), as
         ``version``; once only: a second call without a push in between changes nothing."""
+        drafters = self.core.drafters
         with self._lock:
-            if self._previous is None:
-                return self.drafter_version
-            (self.drafter, _), self._previous = self._previous, None
-            self.drafter_version = version
-            self.assembly.set_drafter(self.drafter)
+            if drafters.previous is None:
+                return drafters.version
+            self.assembly.set_drafter(drafters.previous[0])
+            drafters.rollback(version)
         log.warning("replica %d: drafter rolled back (%s)", self.rank, self.proposer_name)
         return version
 
@@ -465,7 +456,7 @@ class TLTServer:
 
     def add_samples(self, step: int, samples: list[tuple]) -> int:
         """Features captured by this replica's actor worker (``tlt.buffer.capture=old_log_prob``)."""
-        return add_captured(self.buffer, step, samples)
+        return self.core.add_samples(step, samples)
 
     def pid(self) -> int:
         return os.getpid()
@@ -533,5 +524,4 @@ class TLTServer:
     async def stop_profile(self): return None
 
     def shutdown(self) -> None:
-        if self.agent is not None:
-            self.agent.close()
+        self.core.shutdown()

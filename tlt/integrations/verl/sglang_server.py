@@ -53,7 +53,6 @@ import torch
 from verl.workers.rollout.replica import TokenOutput
 from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer, SGLangReplica
 
-from tlt.drafter.buffer import BufferConfig, DataBuffer
 from tlt.drafter.digest import weights_digest
 from tlt.drafter.resume_state import WarmStore
 from tlt.integrations.sglang import launch
@@ -61,8 +60,7 @@ from tlt.integrations.verl.config import TLTConfig
 from tlt.integrations.verl.sglang_drafts import CANARY, drafter_config
 from tlt.integrations.verl.server import replica_actor_name
 from tlt.integrations.verl.sglang_push import TLTHttpEngine
-from tlt.integrations.verl.spot_wiring import add_captured, start_spot_agent
-from tlt.integrations.verl.step_stats import StepStats
+from tlt.integrations.verl.replica_core import ReplicaCore
 from tlt.integrations.verl.tail_batching import DROPPED
 
 log = logging.getLogger(__name__)
@@ -86,9 +84,9 @@ class TLTSGLangServer(SGLangHttpServer):
         embed, head = launch.frozen_tensors(self.model_path)
         self.frozen = types.SimpleNamespace(embed_weight=embed, lm_head=types.SimpleNamespace(weight=head))
         self.drafter_cfg = drafter_config(self.cfg, self.model_path)
-        self.buffer = DataBuffer(BufferConfig(dtype=self.cfg.buffer.dtype, max_bytes=self.cfg.buffer.max_mb << 20))
-        self.stats = StepStats()
-        self.step = 0
+        self.core = ReplicaCore(self.cfg, rank=self.rank, seed=seed, spot_root=spot_root)
+        # served: the drafter's source ({"kind": "export" | "spot", ...}); None: SGLang's own
+        self.core.drafters.served = {"kind": "export", "path": start_drafter} if start_drafter else None
         self.http: TLTHttpEngine | None = None
         self._in_flight = 0
         self._rids: set[str] = set()  # request ids in flight (event loop)
@@ -97,11 +95,7 @@ class TLTSGLangServer(SGLangHttpServer):
         self._rollout_over = True  # between end_rollout and the next begin_step: no idle work
         self._gate = asyncio.Lock()  # memory and agent transitions, in request order
         self._idle_task: asyncio.Task | None = None
-        self.drafter_version = 0
-        self._served: dict | None = {"kind": "export", "path": start_drafter} if start_drafter else None
-        self._previous: tuple[dict | None, int] | None = None
         self._coordinator, self._spot_base_port = coordinator, spot_base_port
-        self.agent = None
 
     # ------------------------------------------------------------------ launch
     async def launch_server(self, master_address: str | None = None, master_port: int | None = None):
@@ -126,12 +120,9 @@ class TLTSGLangServer(SGLangHttpServer):
             self.tokenizer_manager = _HttpControl(self.http)
         train = self.cfg.drafter.train and self.eagle and self._coordinator and self._spot_base_port
         if train:
-            self.agent = start_spot_agent(
-                cfg=self.cfg, rank=self.rank, seed=self.seed, model=self.frozen, drafter_cfg=self.drafter_cfg,
-                buffer=self.buffer, spot_root=self.spot_root, coordinator=self._coordinator,
-                node_ip=ray.util.get_node_ip_address(), base_port=self._spot_base_port,
-                on_record=self.stats.session, spot_rate=lambda: self.stats.spot_rate, device=self.device,
-                warm_store=WarmStore())  # this replica's sessions resume from memory
+            self.core.start_agent(model=self.frozen, drafter_cfg=self.drafter_cfg, coordinator=self._coordinator,
+                                  base_port=self._spot_base_port, device=self.device,
+                                  warm_store=WarmStore())  # this replica's sessions resume from memory
         log.info("replica %d: SGLang at %s:%s (%s)", self.rank, self._server_address, self._server_port,
                  "attached" if self._attach else "launched")
 
@@ -154,14 +145,14 @@ class TLTSGLangServer(SGLangHttpServer):
             if self._dropping:  # dropped while it waited at the gate: it never reaches SGLang
                 return TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
                                    stop_reason=DROPPED, extra_fields={"global_steps": self.global_steps})
-            self.stats.resumed(time.monotonic())
+            self.core.stats.resumed(time.monotonic())
             return await self._generate(request_id, list(prompt_ids), dict(sampling_params))
         finally:
             self._in_flight -= 1
             self._rids.discard(request_id)
             if self._in_flight == 0:
-                self.stats.went_idle()
-                if not self._rollout_over and self.agent is not None:
+                self.core.stats.went_idle()
+                if not self._rollout_over and self.core.agent is not None:
                     self._idle_task = asyncio.get_running_loop().create_task(self._idle())
 
     async def _generate(self, request_id: str, prompt_ids: list[int], sp: dict[str, Any]):
@@ -180,7 +171,7 @@ class TLTSGLangServer(SGLangHttpServer):
         out = await self.http._make_async_request("generate", body)
         meta = out.get("meta_info", {})
         tokens = list(out.get("output_ids", []))
-        self.stats.request(tokens=len(tokens), verifies=int(meta.get("spec_verify_ct", 0) or 0), eagle=self.eagle)
+        self.core.stats.request(tokens=len(tokens), verifies=int(meta.get("spec_verify_ct", 0) or 0), eagle=self.eagle)
         lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []] if logprob else None
         reason = (meta.get("finish_reason") or {}).get("type")
         if reason == "abort":  # verl's name (its retry loop takes both); the partial output goes back
@@ -229,16 +220,17 @@ class TLTSGLangServer(SGLangHttpServer):
             # from here it runs to the end (never cancelled half-way through a release); a request
             # that arrives meanwhile waits for the gate and undoes it in _wake
             self._idle_task = None
-            if self._in_flight or self._rollout_over or not len(self.buffer) or self._released:
+            if self._in_flight or self._rollout_over or not len(self.core.buffer) or self._released:
                 return
             await self._memory("release", ["kv_cache"])
             self._released = True
-            await asyncio.to_thread(self.agent.idle, self.step)
+            await asyncio.to_thread(self.core.agent.idle, self.core.step)
 
     async def _wake(self) -> None:
         """(Under the gate.) Stop a training session (checkpointed), then take the KV cache back."""
-        if self.agent is not None and (self._released or self.agent.training):
-            await asyncio.to_thread(self.agent.busy, self.step)
+        agent = self.core.agent
+        if agent is not None and (self._released or agent.training):
+            await asyncio.to_thread(agent.busy, self.core.step)
         if self._released:
             await self._memory("resume", ["kv_cache"])
             self._released = False
@@ -252,9 +244,8 @@ class TLTSGLangServer(SGLangHttpServer):
 
     # ------------------------------------------------------------------ the loop's calls
     def begin_step(self, step: int) -> None:
-        self.step = step
+        self.core.begin_step(step)
         self._rollout_over = False
-        self.stats.reset()
 
     async def end_rollout(self) -> None:
         async with self._gate:
@@ -265,10 +256,7 @@ class TLTSGLangServer(SGLangHttpServer):
             await self._wake()
 
     def step_stats(self) -> dict[str, Any]:
-        st = self.stats.snapshot()
-        st.update(drafter_version=self.drafter_version, proposer=f"sglang-{self.cfg.sglang.algorithm}",
-                  drift_top1=None, buffer=self.buffer.stats(), replica=self.rank)
-        return st
+        return self.core.step_stats(proposer=f"sglang-{self.cfg.sglang.algorithm}", drift_top1=None)
 
     def update_weights(self, state: dict, version: int | None = None) -> int:
         """The spot sessions' frozen tensors from the policy push (the TP leader's adapter sends the
@@ -285,16 +273,16 @@ class TLTSGLangServer(SGLangHttpServer):
         replica's actor workers, as ``version``."""
         source = {"kind": "spot", "root": self.spot_root, "step": step}
         await self._push(source, version)
-        self._previous = (self._served, self.drafter_version)
-        self._served, self.drafter_version = source, version
+        self.core.drafters.push(source, version)
         return version
 
     async def rollback_drafter(self, version: int) -> int:
-        if self._previous is None or self._previous[0] is None:
-            return self.drafter_version
-        (source, _), self._previous = self._previous, None
+        drafters = self.core.drafters
+        if drafters.previous is None or drafters.previous[0] is None:  # (SGLang's own drafter: no source to push)
+            return drafters.version
+        source = drafters.previous[0]
         await self._push(source, version)
-        self._served, self.drafter_version = source, version
+        drafters.rollback(version)
         log.warning("replica %d: drafter rolled back (%s)", self.rank, source)
         return version
 
@@ -325,7 +313,7 @@ class TLTSGLangServer(SGLangHttpServer):
 
     def add_samples(self, step: int, samples: list[tuple]) -> int:
         """Features captured by this replica's actor worker (``tlt.buffer.capture=old_log_prob``)."""
-        return add_captured(self.buffer, step, samples)
+        return self.core.add_samples(step, samples)
 
     async def add_history(self, step: int, pairs: list[tuple[list[int], list[int]]]) -> int:
         """NGRAM runs: step ``step``'s responses become the server's external corpus (global to the
@@ -339,8 +327,7 @@ class TLTSGLangServer(SGLangHttpServer):
         return await self.http.rotate_corpus(step, docs, window=max(1, self.cfg.speculation.history_visits))
 
     def shutdown(self) -> None:
-        if self.agent is not None:
-            self.agent.close()
+        self.core.shutdown()
 
 
 def _worker_method(handle, name: str):
