@@ -42,7 +42,6 @@ through :mod:`tlt.integrations.verl.runtime`. verl is imported at this module's 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import ray
