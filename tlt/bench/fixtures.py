@@ -8,12 +8,12 @@ other's private helpers.
 from __future__ import annotations
 
 import json
-import random
 import statistics
 import tempfile
 from pathlib import Path
 
 from tlt.demo.corpus import CorpusConfig, make_corpus
+from tlt.demo.step_ratios import bootstrap_ci90
 from tlt.demo.target_factory import default_cache_dir
 from tlt.drafter.offline_train import TrainConfig
 from tlt.warmup import WarmupConfig, run_warmup
@@ -40,6 +40,4 @@ def demo_drafter(target: Path, steps: int, quick: bool) -> Path:
 def paired_ci90(ar_s: list[float], variant_s: list[float], seed: int, resamples: int = 2000) -> tuple[float, float]:
     """Bootstrap 90% interval of the median paired ratio (AR's time / the variant's, per repeat)."""
     ratios = [a / t for a, t in zip(ar_s, variant_s)]
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    return meds[int(0.05 * (resamples - 1))], meds[int(0.95 * (resamples - 1))]
+    return bootstrap_ci90(ratios, statistics.median, seed=seed, draws=resamples)

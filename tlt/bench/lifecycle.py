@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import io
 import logging
-import math
 import random
 import statistics
 import time
@@ -44,6 +43,7 @@ from tlt.rollout.target import TargetModel
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.demo.job import DEFAULT, QUICK
 from tlt.demo.target_factory import ensure_target
+from tlt.sim.workloads import lognormal_lengths
 from tlt.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -53,11 +53,11 @@ WINDOW_S = 0.02  # the verl backend's default batch window (tlt.engine.batch_win
 def _workload(tok: TextTokenizer, seed: int, quick: bool) -> list[RequestState]:
     rng = random.Random(seed)
     n_prompts, n_samples, median, cap = (2, 4, 24, 64) if quick else (4, 4, 96, DEFAULT.max_response)
-    out = []
+    out, lengths = [], iter(lognormal_lengths(n_prompts * n_samples, rng, median, 1.0, lo=8, hi=cap))
     for g, p in enumerate(make_corpus(n_prompts, CorpusConfig(seed=seed + 4242))):
         ids = tok.chat_prompt([{"role": "user", "content": p.prompt}])
         for i in range(n_samples):
-            length = int(min(cap, max(8, rng.lognormvariate(math.log(median), 1.0))))
+            length = next(lengths)
             out.append(RequestState(tuple(ids), SamplingParams(max_new_tokens=length), seed=1000 * g + i, group=g))
     return out
 

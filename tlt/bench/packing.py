@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import platform
 import random
 import statistics
@@ -16,13 +15,10 @@ from tlt.drafter.eagle import Drafter, DrafterConfig
 from tlt.drafter.model_config import ModelConfig
 from tlt.drafter.packing import FeatureSample, pack, pack_by_budget, pad
 from tlt.drafter.ttt import TTTConfig, ttt_forward
+from tlt.sim.workloads import lognormal_lengths
 
 log = logging.getLogger(__name__)
 
-
-def long_tail_lengths(n: int, rng: random.Random, median: float = 256, sigma: float = 1.0,
-                      lo: int = 64, hi: int = 4096) -> list[int]:
-    return [int(min(hi, max(lo, rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
 
 
 def _train_pass(drafter: Drafter, batches, ttt: TTTConfig, opt: torch.optim.Optimizer) -> None:
@@ -42,7 +38,7 @@ def run(args: argparse.Namespace) -> dict:
     h = 128
     target = ModelConfig(model_type="llama", vocab_size=512, hidden_size=h, intermediate_size=352,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    lengths = long_tail_lengths(n, rng, hi=hi)
+    lengths = lognormal_lengths(n, rng, 256, 1.0, lo=64, hi=hi)
     samples = [FeatureSample(torch.randint(0, 512, (L,)), torch.arange(L) >= L // 4, torch.randn(L, h))
                for L in lengths]
     real_tokens = sum(lengths)

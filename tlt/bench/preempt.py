@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import platform
 import random
@@ -33,6 +32,7 @@ from tlt.drafter.packing import FeatureSample
 from tlt.drafter.spot import PreemptFlag, SessionSpec, SpotConfig, run_session
 from tlt.drafter.ttt import TTTConfig
 from tlt.ports import free_port
+from tlt.sim.workloads import lognormal_lengths
 
 log = logging.getLogger(__name__)
 CHUNK_S = 0.025  # the verl integration's default tlt.spot.preempt_s
@@ -52,7 +52,7 @@ class _LongTailStream:
             self.on_first_call = None
         out, used = [], 0
         while True:
-            n = int(min(token_budget // 2, max(16, self.rng.lognormvariate(math.log(96), 0.8))))
+            (n,) = lognormal_lengths(1, self.rng, 96, 0.8, lo=16, hi=token_budget // 2)
             if used + n > token_budget:
                 return out
             used += n

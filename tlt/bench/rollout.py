@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import platform
 import random
 import statistics
@@ -42,6 +41,7 @@ from tlt.rollout.tuner import BegMab, TunerConfig
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.demo.job import DEFAULT, QUICK
 from tlt.demo.target_factory import ensure_target
+from tlt.sim.workloads import lognormal_lengths
 from tlt.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -113,10 +113,11 @@ def _run(args: argparse.Namespace) -> dict:
     n_prompts, n_samples, median, cap = (4, 4, 24, 64) if quick else (16, 4, 96, 512)
     corpus = make_corpus(n_prompts, CorpusConfig(seed=args.seed + 4242))
     prompts, groups, params = [], [], []
+    lengths = iter(lognormal_lengths(n_prompts * n_samples, rng, median, 1.0, lo=8, hi=cap))
     for g, p in enumerate(corpus):
         ids = tok.chat_prompt([{"role": "user", "content": p.prompt}])
         for _ in range(n_samples):
-            length = int(min(cap, max(8, rng.lognormvariate(math.log(median), 1.0))))
+            length = next(lengths)
             prompts.append(ids)
             groups.append(g)
             params.append(SamplingParams(max_new_tokens=length))  # no stop id: lengths are the tail

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import platform
 import random
 import statistics
@@ -41,6 +40,7 @@ from tlt.bench.graph_plan import DraftGraphKey
 from tlt.rollout.graphs import TargetGraphKey
 from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_parts
 from tlt.integrations.sglang.policy import DEFAULT_SLOTS, AdaptivePolicy, SlotsConfig, describe
+from tlt.sim.workloads import lognormal_lengths
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +189,7 @@ def evaluate(trace: Trace, slots: SlotsConfig, *, rollouts: int, requests: int, 
     """Goodput of every variant on the same rollouts; the policy keeps learning across them."""
     rng = random.Random(seed)
     cap = 1024
-    sets = [[int(min(cap, max(8, rng.lognormvariate(math.log(150), 1.0)))) for _ in range(requests)]
-            for _ in range(rollouts)]
+    sets = [lognormal_lengths(requests, rng, 150, 1.0, lo=8, hi=cap) for _ in range(rollouts)]
     recorded = sorted({s for v in trace.values() for s in v})
     probe = AdaptivePolicy(0, slots)
     probe.set_cuda_graph_bs(list(SGLANG_SPEC_GRAPH_BS))

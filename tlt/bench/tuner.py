@@ -50,6 +50,7 @@ from collections.abc import Callable
 from tlt.drafter.seeds import derive, replica_seed
 from tlt.rollout.strategy import Arm
 from tlt.rollout.tuner import BegMab, TunerConfig, describe
+from tlt.sim.workloads import lognormal_lengths
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,6 @@ def grid_arms() -> tuple[Arm, ...]:
     return tuple(out)
 
 
-def lognormal_lengths(n: int, rng: random.Random, median: float, sigma: float, cap: int) -> list[int]:
-    return [int(min(cap, max(1, rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
 
 
 SCENARIOS = {"stationary": (0.8, 0.8), "shift_down": (0.8, 0.4), "shift_up": (0.4, 0.8)}
@@ -239,7 +238,7 @@ def run(args: argparse.Namespace) -> dict:
     cfg = TunerConfig.default()
     tuner_arms = tuple(dict.fromkeys(a for _, arms in cfg.buckets for a in arms if not a.is_off))
     statics = tuple(dict.fromkeys(tuner_arms + (ENGINE_DEFAULT,)))
-    sets = [lognormal_lengths(n_req, random.Random(seed * 100_003 + r), median_len, sigma, cap)
+    sets = [lognormal_lengths(n_req, random.Random(seed * 100_003 + r), median_len, sigma, hi=cap)
             for r in range(rollouts)]
     grid = grid_arms()
     oracles = {"oracle": oracle(surf, tuner_arms), "oracle_elastic": oracle(surf, tuner_arms, ELASTIC),

@@ -2,7 +2,8 @@
 
 Owns the measures of a list of per-step records (``tlt_steps.jsonl`` rows: accept length pooled over
 verifies, the EAGLE drafter's alone, a summed key), the ratio of a measure between two arms over the
-same RL steps, and its 90% interval from resampling those steps for both arms at once. Pure: no
+same RL steps, and its 90% interval from resampling those steps for both arms at once; and the
+one bootstrap interval routine the demo and the benches use (:func:`bootstrap_ci90`). Pure: no
 files, no plots (``tlt.demo.summary`` reads the runs and prints).
 """
 
@@ -83,9 +84,15 @@ def step_interval(num: dict[int, dict], den: dict[int, dict], steps: list[int], 
     """
     if len(steps) < 2:
         return None
-    rng = random.Random(0)
-    got = sorted(r for r in (ratio_over_steps(num, den, rng.choices(steps, k=len(steps)), ratio)
-                             for _ in range(draws)) if r is not None)
-    if len(got) < draws // 2:  # most resamples have nothing to compare
+    iv = bootstrap_ci90(steps, lambda sample: ratio_over_steps(num, den, sample, ratio), draws=draws)
+    return list(iv) if iv is not None else None
+
+
+def bootstrap_ci90(items: list, statistic, *, seed: int = 0, draws: int = 2000) -> tuple[float, float] | None:
+    """90% interval of ``statistic`` (of a resampled list; None: nothing to compare in it) over
+    ``draws`` resamples of ``items`` with replacement. None when most resamples give None."""
+    rng = random.Random(seed)
+    got = sorted(x for x in (statistic(rng.choices(items, k=len(items))) for _ in range(draws)) if x is not None)
+    if len(got) < draws // 2:
         return None
-    return [got[int(0.05 * (len(got) - 1))], got[int(0.95 * (len(got) - 1))]]
+    return got[int(0.05 * (len(got) - 1))], got[int(0.95 * (len(got) - 1))]

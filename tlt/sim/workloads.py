@@ -5,7 +5,8 @@ Owns the inputs of ``tlt bench tail``, each with where it comes from:
 - :data:`SCALES`: the replicas, prompts per step, responses per prompt and maximum length at 8,
   64 and 256 replicas. The source of each figure is stated beside it; what no paper states is
   marked as assumed.
-- :func:`reasoning_lengths`: a long-tailed response-length profile for reasoning RL (lognormal,
+- :func:`lognormal_lengths`: the one long-tail length sampler the simulator and the benches draw
+  from; :func:`reasoning_lengths`: a long-tailed response-length profile for reasoning RL (lognormal,
   clipped at the maximum length). Its shape is an assumption, chosen to match the long tail the
   seed papers describe; :func:`recorded_lengths` reads a ``tlt demo`` run's real lengths instead.
 - :func:`speeds_from_record`: plain and speculative step-cost curves and the accept length by
@@ -45,14 +46,20 @@ SCALES = {
 }
 
 
+def lognormal_lengths(n: int, rng: random.Random, median: float, sigma: float, *, lo: int = 1,
+                      hi: int) -> list[int]:
+    """``n`` lengths drawn lognormal with median ``median`` and shape ``sigma`` (one draw of ``rng``
+    each, in order), clipped to ``[lo, hi]``."""
+    mu = math.log(median)
+    return [int(min(hi, max(lo, rng.lognormvariate(mu, sigma)))) for _ in range(n)]
+
+
 def reasoning_lengths(n: int, max_len: int, *, seed: int = 0, median_share: float = 0.12,
                       sigma: float = 0.9) -> list[int]:
     """``n`` lengths, lognormal with median ``median_share * max_len`` and shape ``sigma``, clipped
     at ``max_len`` (about 2% hit the cap with the defaults): most responses are short, a few run to
     the limit, as in reasoning RL (an assumed shape, not fitted to a paper's data)."""
-    rng = random.Random(seed)
-    mu = math.log(median_share * max_len)
-    return [max(1, min(max_len, int(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
+    return lognormal_lengths(n, random.Random(seed), median_share * max_len, sigma, hi=max_len)
 
 
 def arm_lines(run: Path, arm: str, name: str) -> list[dict]:
