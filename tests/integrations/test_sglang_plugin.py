@@ -44,7 +44,7 @@ def _check(version: str, model_path: Path, tmp_path: Path) -> dict:
 @pytest.mark.parametrize("version", ["0.5.12", "0.5.23"])
 def test_plugin_inside_sglang(version, model_path, tmp_path):
     from tlt.bench.sglang_policy import evaluate, parse_trace
-    from tlt.integrations.sglang import hooks
+    from tlt.integrations.sglang import hook_table
     from tlt.integrations.sglang.policy import DEFAULT_SLOTS
 
     r = _check(version, model_path, tmp_path)
@@ -52,7 +52,7 @@ def test_plugin_inside_sglang(version, model_path, tmp_path):
     doc = r["doctor"]
     assert doc["entry_point"] == "tlt = tlt.integrations.sglang.plugin:load"
     assert doc["hooks_missing"] == [] and doc["errors"] == []
-    assert doc["hooks_applied"] == [h.target for h in hooks.TABLE[version]()]
+    assert doc["hooks_applied"] == [h.target for h in hook_table.TABLE[version]()]
 
     pol = r["policy"]
     if version == "0.5.23":
@@ -104,10 +104,10 @@ def test_plugin_failure_stops_the_process(tmp_path):
         pytest.skip("SGLang 0.5.23 is not installed for the CPU tests: bash tests/sglang_env/install.sh")
     code = (
         "import sys; from tests.sglang_env import cpu_env; cpu_env.activate(sys.argv[1])\n"
-        "from tlt.integrations.sglang import hooks\n"
-        "base = hooks.TABLE['0.5.23']\n"
-        "hooks.TABLE['0.5.23'] = lambda: base() + (hooks.Hook('sglang.srt.managers.scheduler.Scheduler.no_such_method',"
-        " 'after', 'tlt.integrations.sglang.sglang_hooks:idle_after_batch', 'test'),)\n"
+        "from tlt.integrations.sglang import hook_table\n"
+        "base = hook_table.TABLE['0.5.23']\n"
+        "hook_table.TABLE['0.5.23'] = lambda: base() + (hook_table.Hook('sglang.srt.managers.scheduler.Scheduler.no_such_method',"
+        " 'after', 'tlt.integrations.sglang.hook_impls:idle_after_batch', 'test'),)\n"
         "from sglang.srt.plugins import load_plugins\n"
         "load_plugins()\n"
         "print('still running')\n")

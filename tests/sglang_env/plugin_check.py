@@ -53,7 +53,7 @@ def _policy_on_trace(version: str, trace, original_cls, sglang_own_too: bool) ->
     from sglang.srt.speculative import adaptive_spec_params as asp
 
     from tlt.bench.sglang_policy import SGLANG_SPEC_GRAPH_BS, evaluate
-    from tlt.integrations.sglang import sglang_hooks
+    from tlt.integrations.sglang import hook_impls
     from tlt.integrations.sglang.policy import DEFAULT_SLOTS
 
     out: dict = {"class_replaced": asp.AdaptiveSpeculativeParams.__name__}
@@ -92,7 +92,7 @@ def _policy_on_trace(version: str, trace, original_cls, sglang_own_too: bool) ->
             ctl.params = original_cls(initial_steps=3, config={"candidate_steps": [1, 2, 3, 5, 7]})
             ctl.init_states()
             return _Driven(ctl, worker, None, per_verify=True)
-    slots = DEFAULT_SLOTS if version == "0.5.23" else sglang_hooks.policy._positive(DEFAULT_SLOTS)
+    slots = DEFAULT_SLOTS if version == "0.5.23" else hook_impls.policy._positive(DEFAULT_SLOTS)
     rollouts = 16 if sglang_own_too else ROLLOUTS[version]  # docs/sglang.md's figures: 16 each
     for name, make in (("tlt", tlt), ("sglang_own", sglang_own))[:2 if sglang_own_too else 1]:
         ev = evaluate(trace, slots, rollouts=rollouts, requests=32, seed=0, make_policy=make,
@@ -212,7 +212,7 @@ def _guard(version: str, model: str) -> dict:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())
-    logging.getLogger("tlt.integrations.sglang.sglang_hooks").addHandler(handler)
+    logging.getLogger("tlt.integrations.sglang.hook_impls").addHandler(handler)
     _server_args(version, model)  # lossless, max-running-requests left to SGLang: accepted, warned
     out["lossless_accepted"] = True
     out["warned_default_cap"] = any("max_running_requests" in m for m in records)
@@ -223,13 +223,13 @@ def _guard(version: str, model: str) -> dict:
     out["greedy_ok"] = _refused(lambda: SamplingParams(temperature=0).verify(100)) is None
     out["sampled_ok"] = _refused(lambda: SamplingParams(temperature=0.7, top_p=0.9).verify(100)) is None
     os.environ["SGLANG_NGRAM_FORCE_GREEDY_VERIFY"] = "1"
-    from tlt.integrations.sglang import sglang_hooks
+    from tlt.integrations.sglang import hook_impls
 
-    sglang_hooks._server["algorithm"] = "NGRAM"  # what an NGRAM server's args hook records
+    hook_impls._server["algorithm"] = "NGRAM"  # what an NGRAM server's args hook records
     out["forced_greedy_sampled"] = _refused(lambda: SamplingParams(temperature=0.7).verify(100))
     out["forced_greedy_greedy_ok"] = _refused(lambda: SamplingParams(temperature=0).verify(100)) is None
     del os.environ["SGLANG_NGRAM_FORCE_GREEDY_VERIFY"]
-    sglang_hooks._server["algorithm"] = None
+    hook_impls._server["algorithm"] = None
     out["min_p_without_spec_ok"] = _refused(lambda: SamplingParams(min_p=0.1).verify(100)) is None
     # run time: the hooked method refuses before SGLang's own code (which needs a live scheduler) runs
     res = Scheduler.set_internal_state(object(), SetInternalStateReq(
@@ -241,7 +241,7 @@ def _guard(version: str, model: str) -> dict:
 def _idle() -> dict:
     from tlt.coordinator.broker import Coordinator, CoordinatorConfig
     from tlt.coordinator.policy import PolicyConfig
-    from tlt.integrations.sglang import sglang_hooks
+    from tlt.integrations.sglang import hook_impls
 
     coord = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval_s=0.05,
                                           policy=PolicyConfig(idle_threshold=8))).start()
@@ -259,13 +259,13 @@ def _idle() -> dict:
             time.sleep(0.02)
         return False
 
-    sglang_hooks.idle_after_batch(None, sched, None, None)
+    hook_impls.idle_after_batch(None, sched, None, None)
     busy = wait("BUSY")
     sched.running_batch.reqs = []
-    sglang_hooks.idle_after_on_idle(None, sched)
+    hook_impls.idle_after_on_idle(None, sched)
     idle = wait("IDLE")
     sched.waiting_queue = [3]
-    sglang_hooks.idle_after_batch(None, sched, None, None)
+    hook_impls.idle_after_batch(None, sched, None, None)
     busy2 = wait("BUSY")
     coord.stop()
     return {"busy": busy, "idle": idle, "busy_again": busy2, "seen": seen}

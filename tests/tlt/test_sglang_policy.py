@@ -193,13 +193,13 @@ def test_speculation_arguments():
 
 
 def test_hook_table_per_version():
-    from tlt.integrations.sglang import hooks
+    from tlt.integrations.sglang import hook_table
 
-    assert hooks.table_for("0.5.12")[0] == "0.5.12" and hooks.table_for("0.5.23")[0] == "0.5.23"
-    assert hooks.table_for("0.5.18")[0] == "0.5.12"  # between: the newest supported release not above it
-    assert hooks.table_for("0.6.0")[0] == "0.5.23"
-    assert hooks.table_for("0.5.0")[0] == "0.5.12"  # older than any: the oldest table
-    assert {h.target for h in hooks.TABLE["0.5.23"]()} > {h.target for h in hooks._common()}
+    assert hook_table.table_for("0.5.12")[0] == "0.5.12" and hook_table.table_for("0.5.23")[0] == "0.5.23"
+    assert hook_table.table_for("0.5.18")[0] == "0.5.12"  # between: the newest supported release not above it
+    assert hook_table.table_for("0.6.0")[0] == "0.5.23"
+    assert hook_table.table_for("0.5.0")[0] == "0.5.12"  # older than any: the oldest table
+    assert {h.target for h in hook_table.TABLE["0.5.23"]()} > {h.target for h in hook_table._common()}
 
 
 def test_plugin_switched_off_by_environment(monkeypatch):

@@ -28,16 +28,16 @@ def report() -> dict[str, Any]:
     except ImportError as e:
         raise ValueError(f"SGLang is not importable here ({e}); install a supported version "
                          "(pip install 'tlt-rollout[sglang]' on a GPU machine)") from None
-    from tlt.integrations.sglang import hooks
+    from tlt.integrations.sglang import hook_table
 
     try:
-        version, table_version, table, applied, missing = hooks.apply()
+        version, table_version, table, applied, missing = hook_table.apply()
         errors: list[str] = []
     except Exception as e:  # noqa: BLE001 - reported, not raised: the doctor explains
-        version = hooks.sglang_version()
-        table_version, table = hooks.table_for(version)
+        version = hook_table.sglang_version()
+        table_version, table = hook_table.table_for(version)
         errors = [f"{type(e).__name__}: {e}"]
-        applied, missing = hooks.status(table)
+        applied, missing = hook_table.status(table)
     return {"sglang_version": version, "table": table_version, "entry_point": entry_point(),
             "hooks_applied": applied, "hooks_missing": missing, "errors": errors,
             "hooks": [{"target": h.target, "kind": h.kind, "why": h.why, "applied": h.target in applied}

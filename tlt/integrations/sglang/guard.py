@@ -1,7 +1,7 @@
 """The lossless guard: settings that would make SGLang's speculative acceptance lossy are refused.
 
 Owns the rules, as plain functions over plain values (SGLang is not imported here; the hooks in
-:mod:`tlt.integrations.sglang.sglang_hooks` read SGLang's objects and call these). Speculative
+:mod:`tlt.integrations.sglang.hook_impls` read SGLang's objects and call these). Speculative
 decoding is lossless only when a draft token is accepted exactly as often as the target would
 have sampled it. SGLang offers knobs that break this:
 

@@ -26,10 +26,10 @@ def load() -> None:
     if not enabled():
         log.info("TLT's SGLang plugin is off (%s=0)", ENV_OFF)
         return
-    from tlt.integrations.sglang import hooks
+    from tlt.integrations.sglang import hook_table
 
     try:
-        hooks.install()
+        hook_table.install()
     except Exception as e:  # noqa: BLE001 - any failure must stop this SGLang process
         traceback.print_exc(file=sys.stderr)
         sys.stderr.write(f"error: TLT's SGLang plugin failed: {e}\n"

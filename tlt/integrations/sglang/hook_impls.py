@@ -1,4 +1,4 @@
-"""TLT's hook implementations inside SGLang (what :mod:`tlt.integrations.sglang.hooks` installs).
+"""TLT's hook implementations inside SGLang (what :mod:`tlt.integrations.sglang.hook_table` installs).
 
 Owns the adapters between SGLang's objects and TLT's plain-Python parts: the adaptive policy
 classes (:mod:`.policy`), the lossless guard (:mod:`.guard`) and the idle signal (:mod:`.idle`).

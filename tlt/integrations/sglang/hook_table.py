@@ -35,7 +35,7 @@ class Hook:
     why: str
 
 
-_H = "tlt.integrations.sglang.sglang_hooks"
+_H = "tlt.integrations.sglang.hook_impls"
 _ADAPTIVE = "sglang.srt.speculative.adaptive_spec_params"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _RB = "tlt.integrations.sglang.readback"
