@@ -16,7 +16,7 @@ from tlt.drafter.eagle import Drafter
 from tlt.rollout.draft_tree import Proposer
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig
-from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.tuner import BegMab, TunerConfig
 
@@ -24,7 +24,7 @@ SUFFIX = "suffix"  # the model-free drafter's proposer name in arms (``d4k1v4@su
 
 
 def proposers(cfg: EngineConfig, *, drafter: Drafter | None = None,
-              suffix: NgramProposer | None = None) -> dict[str, Proposer]:
+              suffix: SuffixProposer | None = None) -> dict[str, Proposer]:
     """The engine's proposers by name: EAGLE over ``drafter`` (sized for ``cfg``), the suffix drafter."""
     out: dict[str, Proposer] = {}
     if drafter is not None:

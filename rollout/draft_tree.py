@@ -3,7 +3,7 @@
 Owns :class:`DraftTree` (per request: draft tokens, each node's parent, a validity mask; nodes in
 topological order, node ``-1`` being the last verified token), :class:`ProposerInput` (the one
 record a proposer receives) and the :class:`Proposer` base class of the EAGLE / EAGLE-3
-drafters and the model-free n-gram drafter. Proposers only propose; the verifier only verifies.
+drafters and the model-free suffix drafter. Proposers only propose; the verifier only verifies.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ epoch would never hold a returning prompt's responses; the newest visits are kep
 moves. Beside them, a bounded pool of the most recent responses across prompts. Each is one corpus
 (:func:`corpus`: each response preceded by the last ``max_n`` tokens of its prompt, so a request that
 has generated nothing yet matches its prompt's end and drafts the response's start; joined by
-:data:`tlt.rollout.ngram.SEP`), which :class:`tlt.rollout.ngram.NgramProposer` matches like a sibling's
+:data:`tlt.rollout.suffix.SEP`), which :class:`tlt.rollout.suffix.SuffixProposer` matches like a sibling's
 output. Corpora are kept as tokens only (built when a request of the prompt first asks, dropped
 when the prompt's history changes); the proposer indexes the ones its requests use and keeps
-the recently used tables (:attr:`tlt.rollout.ngram.NgramProposer.TABLE_TOKENS`). Memory is bounded by
+the recently used tables (:attr:`tlt.rollout.suffix.SuffixProposer.TABLE_TOKENS`). Memory is bounded by
 ``max_prompts`` (the least recently visited prompt goes first) x ``per_prompt`` responses and by
 ``global_tokens``; :meth:`ResponseHistory.stats` reports it.
 
@@ -26,7 +26,7 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from tlt.rollout.ngram import SEP, IndexedSeq, NgramConfig, NgramIndex
+from tlt.rollout.suffix import SEP, IndexedSeq, SuffixConfig, NgramIndex
 
 _HISTORY_STAMP = -(1 << 40)  # history stamps count up from here: older than every prompt token
 
@@ -59,8 +59,8 @@ def corpus(responses: Iterable[Sequence[int]]) -> IndexedSeq:
 class ResponseHistory:
     """Per-prompt visits of earlier responses and a global pool (see the module docstring)."""
 
-    def __init__(self, config: HistoryConfig = HistoryConfig(), ngram: NgramConfig | None = None) -> None:
-        self.config, self.ngram = config, ngram or NgramConfig()
+    def __init__(self, config: HistoryConfig = HistoryConfig(), suffix: SuffixConfig | None = None) -> None:
+        self.config, self.suffix = config, suffix or SuffixConfig()
         # prompt -> deque[(step, prompt tail + response)]; the global pool holds the same entries
         self._by_prompt: dict[tuple[int, ...], collections.deque] = {}
         self._recent: collections.deque = collections.deque()  # (step, prompt tail + response), oldest first
@@ -75,7 +75,7 @@ class ResponseHistory:
             key, resp = tuple(int(t) for t in prompt), [int(t) for t in response]
             if not resp:
                 continue
-            resp = list(key[-self.ngram.max_n:]) + resp
+            resp = list(key[-self.suffix.max_n:]) + resp
             q = self._by_prompt.pop(key, None) or collections.deque()  # re-inserted: last visited last
             q.append((step, resp))
             visits = sorted({s for s, _ in q})[-cfg.visits:]
@@ -115,7 +115,7 @@ class ResponseHistory:
     def pairs(self) -> list[tuple[int, list[int], list[int]]]:
         """Everything kept per prompt, as (step, prompt, response) in step order: what a restarted
         replica needs to rebuild this history (``add`` them back step by step, in this order)."""
-        cut = self.ngram.max_n
+        cut = self.suffix.max_n
         return sorted(((s, list(k), r[min(cut, len(k)):]) for k, q in self._by_prompt.items() for s, r in q),
                       key=lambda x: x[0])
 

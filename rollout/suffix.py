@@ -1,6 +1,6 @@
-"""Model-free n-gram drafter: drafts from the request's prompt, its own output and its GRPO siblings.
+"""Model-free suffix drafter: drafts from the request's prompt, its own output and its GRPO siblings.
 
-Owns :class:`NgramConfig` and :class:`NgramProposer`, a :class:`~tlt.rollout.draft_tree.Proposer` used
+Owns :class:`SuffixConfig` and :class:`SuffixProposer`, a :class:`~tlt.rollout.draft_tree.Proposer` used
 beside the EAGLE drafter (an arm of its own). Matching is plain Python over incremental dict
 indexes: every token is indexed once, when it arrives, into one table per GRPO group (its members'
 outputs, in arrival order) and one per distinct prompt, so a proposal costs one lookup per match
@@ -52,11 +52,11 @@ Tree
     (distinct continuations, so ``topk == 1`` gives a chain), at most ``arm.depth`` deep, at most
     ``arm.tokens_to_verify`` nodes in all (the last path is cut). Nodes are emitted in the order
     taken, so a parent always precedes its children. ``Arm.off()`` gives an empty tree. A chain
-    takes the same greedy path without building the trie (:mod:`tlt.rollout.ngram_tree`).
+    takes the same greedy path without building the trie (:mod:`tlt.rollout.suffix_tree`).
 
 Lifetime
 --------
-Inside the engine, :meth:`NgramProposer.propose` gets a
+Inside the engine, :meth:`SuffixProposer.propose` gets a
 :class:`~tlt.rollout.draft_tree.ProposerInput` and brings the index up to date from it first: a new
 generation starts over, new requests are started, tokens committed since the last proposal are
 accepted (so nothing is indexed while speculation is off, and siblings' tokens are stamped per
@@ -64,12 +64,12 @@ proposal rather than per step), and requests that left the running rows are fini
 join a running generation are started at the first proposal that sees them, in their own group
 (a request moved here from another engine keeps its group key, so its siblings here are its
 siblings, and its prompt's history is this proposer's). The index
-API below is public for replays (the tests' ``tests/rollout/ngram_eval.py``): ``start`` indexes the prompt
+API below is public for replays (the tests' ``tests/rollout/suffix_eval.py``): ``start`` indexes the prompt
 (siblings with equal prompts share one prompt index); ``accept``
 indexes each committed token (``max_n - min_n + 1`` dict appends per token); ``finish`` freezes
 a request, whose sequence stays a source for its siblings. When the last running request of a
 group finishes, the group's data are dropped (``drop_finished_groups=True``, the default; with
-``False`` call :meth:`NgramProposer.clear_group` or :meth:`NgramProposer.reset`). A request id
+``False`` call :meth:`SuffixProposer.clear_group` or :meth:`SuffixProposer.reset`). A request id
 can be reused once its group is dropped.
 """
 
@@ -85,17 +85,17 @@ from typing import Protocol
 import torch
 
 from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, request_ids
-from tlt.rollout.ngram_tree import SEP, chain, trie_paths
+from tlt.rollout.suffix_tree import SEP, chain, trie_paths
 from tlt.rollout.step_upload import StepUpload
 from tlt.rollout.strategy import Arm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HistorySource", "IndexedSeq", "NgramConfig", "NgramIndex", "NgramProposer", "SEP"]
+__all__ = ["HistorySource", "IndexedSeq", "SuffixConfig", "NgramIndex", "SuffixProposer", "SEP"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class NgramConfig:
+class SuffixConfig:
     min_n: int = 1  # shortest context suffix that may match
     max_n: int = 4  # longest context suffix tried (longer = more precise, more index entries)
     max_occurrences: int = 8  # occurrences (candidate continuations) gathered per request and step
@@ -108,20 +108,20 @@ class NgramConfig:
         for name in ("min_n", "max_n", "max_occurrences"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"NgramConfig.{name} must be an int, got {value!r}")
+                raise ValueError(f"SuffixConfig.{name} must be an int, got {value!r}")
         for name in ("use_prompt", "use_own_output", "use_siblings", "drop_finished_groups"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"NgramConfig.{name} must be a bool, got {getattr(self, name)!r}")
+                raise ValueError(f"SuffixConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.min_n < 1:
-            raise ValueError(f"NgramConfig.min_n must be >= 1, got {self.min_n}")
+            raise ValueError(f"SuffixConfig.min_n must be >= 1, got {self.min_n}")
         if self.max_n < self.min_n:
-            raise ValueError(f"NgramConfig.max_n ({self.max_n}) must be >= min_n ({self.min_n})")
+            raise ValueError(f"SuffixConfig.max_n ({self.max_n}) must be >= min_n ({self.min_n})")
         if self.max_n > 32:
-            raise ValueError(f"NgramConfig.max_n must be <= 32 (index cost grows with it), got {self.max_n}")
+            raise ValueError(f"SuffixConfig.max_n must be <= 32 (index cost grows with it), got {self.max_n}")
         if self.max_occurrences < 1:
-            raise ValueError(f"NgramConfig.max_occurrences must be >= 1, got {self.max_occurrences}")
+            raise ValueError(f"SuffixConfig.max_occurrences must be >= 1, got {self.max_occurrences}")
         if not (self.use_prompt or self.use_own_output or self.use_siblings):
-            raise ValueError("NgramConfig: use_prompt, use_own_output and use_siblings are all False; "
+            raise ValueError("SuffixConfig: use_prompt, use_own_output and use_siblings are all False; "
                              "enable at least one source (or run with Arm.off())")
 
 
@@ -182,15 +182,15 @@ def _as_list(tokens: Iterable[int]) -> list[int]:
     return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
 
 
-class NgramProposer(Proposer):
+class SuffixProposer(Proposer):
     """The model-free drafter (see the module docstring for the exact rules)."""
 
     feature_layers = None  # needs no target features
     packs_upload = True  # its trees travel with the step's grown tables
     TABLE_TOKENS = 1 << 15  # history tokens whose n-gram tables are kept (a few MiB)
 
-    def __init__(self, config: NgramConfig | None = None, history: HistorySource | None = None) -> None:
-        self.config = config if config is not None else NgramConfig()
+    def __init__(self, config: SuffixConfig | None = None, history: HistorySource | None = None) -> None:
+        self.config = config if config is not None else SuffixConfig()
         self.history = history
         # seconds the last proposal spent taking in what arrived since its last call (a new generation's
         # requests and history corpora, tokens other arms committed): not this arm's drafting cost
@@ -264,7 +264,7 @@ class NgramProposer(Proposer):
             raise ValueError(f"clear_group: unknown group {gid}")
         for seq in group.members:
             del self._reqs[seq.rid]
-        logger.debug("n-gram drafter: dropped group %s (%d requests)", gid, len(group.members))
+        logger.debug("suffix drafter: dropped group %s (%d requests)", gid, len(group.members))
 
     def reset(self) -> None:
         """Forget every request (e.g. between RL steps); history corpora stay indexed (they never change)."""

@@ -1,9 +1,9 @@
-"""Draft trees from ranked occurrences: the n-gram drafter's trie and its chain fast path.
+"""Draft trees from ranked occurrences: the suffix drafter's trie and its chain fast path.
 
 Owns :func:`trie_paths` and :func:`chain` and :data:`SEP`. An occurrence is ``(n, stamp, source,
 p)``: a match of length ``n`` whose continuation is ``source.tokens[p:]`` (cut at :data:`SEP`),
 stamped by when its first token came. Occurrences arrive sorted by ``(n, stamp)`` descending
-(:meth:`tlt.rollout.ngram.NgramProposer._occurrences`); the ranking rules are in :mod:`tlt.rollout.ngram`'s
+(:meth:`tlt.rollout.suffix.SuffixProposer._occurrences`); the ranking rules are in :mod:`tlt.rollout.suffix`'s
 docstring. Both functions return ``(token, parent)`` pairs in topological order.
 """
 

@@ -224,12 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("rollout", help="generate responses with elastic, tuned speculative decoding",
                        description="GRPO-style rollout: --n samples per prompt (a group), drafted by the "
-                       "EAGLE drafter in --drafter or, without one, by the n-gram drafter over the "
+                       "EAGLE drafter in --drafter or, without one, by the suffix drafter over the "
                        "prompt, the request's own output and its group siblings. Lossless: outputs are "
                        "distributed exactly as plain sampling from the target.")
     s.add_argument("--target", required=True)
     s.add_argument("--data", required=True, help="prompts: .json/.jsonl/.parquet")
-    s.add_argument("--drafter", help="drafter directory from `tlt warmup` (default: n-gram drafter)")
+    s.add_argument("--drafter", help="drafter directory from `tlt warmup` (default: suffix drafter)")
     s.add_argument("--n", type=int, default=1, help="samples per prompt (GRPO group size)")
     s.add_argument("--out", help="responses as JSONL")
     s.add_argument("--record", help="per-rollout record (JSON) for `tlt report`")

@@ -19,7 +19,7 @@ from tlt.drafter.eagle import Drafter, read_config
 from tlt.rollout import assembly
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
-from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.record import rollout_record
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class RolloutJob:
     target: Path
     data: Path
-    drafter: Path | None = None  # None: the n-gram drafter
+    drafter: Path | None = None  # None: the suffix drafter
     n: int = 1  # samples per prompt (a GRPO group)
     max_prompts: int = 0
     max_new_tokens: int = 256
@@ -62,7 +62,7 @@ def build_engine(job: RolloutJob, model: TargetModel, batch: int, max_len: int
         read_config(job.drafter).check_target(model.config)
         named = assembly.proposers(cfg, drafter=Drafter.load(job.drafter, model.embed_weight, model.lm_head.weight))
     else:
-        named = assembly.proposers(cfg, suffix=NgramProposer())
+        named = assembly.proposers(cfg, suffix=SuffixProposer())
     arm = assembly.fixed_arm(job.arm, named)
     tuner = assembly.tuner(named, device=model.embed_weight.device.type, seed=job.seed, fixed=arm)
     return RolloutEngine(model, dataclasses.replace(cfg, arm=arm), proposers=named, tuner=tuner), tuner
@@ -86,7 +86,7 @@ def run_rollout(job: RolloutJob, out: Path | None, record_path: Path | None) -> 
     result = engine.generate(prompts, params, groups)
     record = rollout_record(result, tuner_stats=tuner.stats() if tuner else None,
                             meta={"target": str(job.target), "drafter": str(job.drafter) if job.drafter else
-                                  ("none" if job.no_sd else "ngram"), "n": job.n})
+                                  ("none" if job.no_sd else "suffix"), "n": job.n})
     for path in (out, record_path):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)

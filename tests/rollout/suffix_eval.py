@@ -1,8 +1,8 @@
-"""Offline accept-length measurement of the n-gram drafter on known rollouts (a test helper).
+"""Offline accept-length measurement of the suffix drafter on known rollouts (a test helper).
 
 Owns :func:`measure_accept_length` and :class:`AcceptStats`. Given, per GRPO group, the prompt and
 the sibling responses the target produced (greedy or sampled), it replays decoding with an
-:class:`~tlt.rollout.ngram.NgramProposer` in the loop and counts the tokens each verify step commits.
+:class:`~tlt.rollout.suffix.SuffixProposer` in the loop and counts the tokens each verify step commits.
 
 Acceptance is greedy against the known response: walk the draft tree from the root, following the
 child whose token equals the response's next token; the matched nodes are *accepted*, and the
@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from tlt.rollout.ngram import NgramConfig, NgramProposer
+from tlt.rollout.suffix import SuffixConfig, SuffixProposer
 from tlt.rollout.strategy import Arm
 
 logger = logging.getLogger(__name__)
@@ -82,14 +82,14 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tens
 
 
 def measure_accept_length(groups: Sequence[Group] | Mapping[int, Group], arm: Arm, *,
-                          config: NgramConfig | None = None, interleave: bool = True) -> AcceptStats:
-    """Replay every group's responses with the n-gram drafter in the loop (see the module docstring).
+                          config: SuffixConfig | None = None, interleave: bool = True) -> AcceptStats:
+    """Replay every group's responses with the suffix drafter in the loop (see the module docstring).
 
     ``groups``: per GRPO group, ``(prompt, [response, ...])`` (token id lists), as a sequence or a
     mapping from group id. Returns the totals over all responses.
     """
     items = list(groups.items()) if isinstance(groups, Mapping) else list(enumerate(groups))
-    proposer = NgramProposer(config)
+    proposer = SuffixProposer(config)
     rids, gids, prompts, targets = [], [], [], []
     for gid, (prompt, responses) in items:
         for resp in responses:

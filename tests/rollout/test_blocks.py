@@ -106,16 +106,16 @@ def test_a_forgotten_request_starts_over_in_the_drafter():
 
 def test_a_paged_engine_refuses_an_arm_whose_drafter_reaches_past_its_tables():
     from tlt.rollout.engine import EngineConfig, RolloutEngine
-    from tlt.rollout.ngram import NgramProposer
+    from tlt.rollout.suffix import SuffixProposer
     from tlt.rollout.strategy import Arm
     from tests.rollout.test_transfers import _models
 
     target, _ = _models()
     # the rows layout: a drafter's levels use its own cache; paged: the engine's tables
-    RolloutEngine(target, EngineConfig(max_len=64, max_draft_tokens=8, arm=Arm(4, 4, 8)), proposer=NgramProposer())
+    RolloutEngine(target, EngineConfig(max_len=64, max_draft_tokens=8, arm=Arm(4, 4, 8)), proposer=SuffixProposer())
     with pytest.raises(ValueError, match="drafter writes 12 positions"):  # (4 - 1) levels x 4 candidates
         RolloutEngine(target, EngineConfig(max_len=64, max_draft_tokens=8, arm=Arm(4, 4, 8), block_size=4),
-                      proposer=NgramProposer())
+                      proposer=SuffixProposer())
 
 
 def test_a_pool_sized_by_memory_counts_the_drafters_kv():

@@ -12,7 +12,7 @@ from tlt.drafter.model_config import ModelConfig
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.graph_pool import CudaGraphPool
 from tlt.rollout.generate import SamplingParams
-from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.target import TargetModel
 from tlt.rollout.tuner import BegMab, TunerConfig
 
@@ -51,7 +51,7 @@ def test_graph_capture_time_stays_out_of_tuner_rewards():
     record = tuner.record
     tuner.record = lambda b, arm, acc, s: (times.append(s), record(b, arm, acc, s))[1]
     engine = RolloutEngine(model, EngineConfig(max_batch=2, max_len=96, static_shapes=True, capture_after=1),
-                           proposers={"suffix": NgramProposer()}, tuner=tuner)
+                           proposers={"suffix": SuffixProposer()}, tuner=tuner)
     step = engine.static_step
     step.pool = _SlowCapturePool(step)
     prompts = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [7, 8, 9, 7, 8, 9, 7, 8]]
@@ -122,7 +122,7 @@ def test_a_shape_is_captured_at_its_second_use_and_an_arm_tried_once_never():
 
     def engine():
         return RolloutEngine(model, EngineConfig(max_batch=2, max_len=96, static_shapes=True),
-                             proposers={"suffix": NgramProposer()},
+                             proposers={"suffix": SuffixProposer()},
                              tuner=BegMab(TunerConfig.for_device("cpu", proposers=("suffix",), seed=0)))
 
     eng = engine()

@@ -19,7 +19,7 @@ from tlt.rollout import sampling
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams, generate
-from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tests.rollout.test_sampling_lossless import V, _target, chi2_critical, chi_square, probs_from_logits
@@ -56,15 +56,15 @@ def test_plain_engine_equals_reference_loop(setup, name):
 
 
 @pytest.mark.parametrize("name", sorted(PARAMS))
-@pytest.mark.parametrize("proposer", ["eagle", "eagle3", "eagle-no-noise", "ngram"])
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3", "eagle-no-noise", "suffix"])
 def test_sampled_speculation_is_token_identical(setup, warm_drafters, name, proposer):
     model, tok, prompts = setup
     p = _params(tok, name)
     ref = RolloutEngine(model, EngineConfig(max_batch=8, max_len=256)).generate(prompts, p, seeds=SEEDS)
     groups = [i // 2 for i in range(len(prompts))]
     for arm in ARMS:
-        if proposer == "ngram":
-            prop = NgramProposer()
+        if proposer == "suffix":
+            prop = SuffixProposer()
         else:
             d = Drafter.load(warm_drafters[proposer.split("-")[0]], model.embed_weight, model.lm_head.weight)
             prop = EagleProposer(d, max_batch=8, max_len=320, shared_noise=not proposer.endswith("no-noise"))
@@ -168,15 +168,15 @@ class _Sink:
         self.got.append((list(tokens), prompt_len, hidden, aux))
 
 
-@pytest.mark.parametrize("proposer", ["none", "ngram", "eagle", "eagle3"])
+@pytest.mark.parametrize("proposer", ["none", "suffix", "eagle", "eagle3"])
 def test_rollout_features_equal_a_direct_forward(setup, warm_drafters, proposer):
     """Every finished request reaches the sink with the features its rollout computed (prompt and
     response, the last token excluded); they equal a direct forward of the same weights."""
     model, tok, prompts = setup
     p = _params(tok, "t1")
     prop, aux = None, ()
-    if proposer == "ngram":
-        prop = NgramProposer()
+    if proposer == "suffix":
+        prop = SuffixProposer()
     elif proposer.startswith("eagle"):
         d = Drafter.load(warm_drafters[proposer], model.embed_weight, model.lm_head.weight)
         prop, aux = EagleProposer(d, max_batch=8, max_len=320), d.feature_layers

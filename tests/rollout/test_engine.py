@@ -13,7 +13,7 @@ from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams, generate
 from tlt.rollout.request import RequestState
-from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.demo.corpus import CorpusConfig, make_corpus
@@ -106,7 +106,7 @@ def test_greedy_parity_ngram_with_siblings(setup, arm):
     ps = [prompts[0]] * 4 + [prompts[1]] * 4
     pa = [SamplingParams(max_new_tokens=20 + 10 * i, stop_ids=params[0].stop_ids) for i in range(8)]
     ref = _ar(model, ps, pa)
-    res = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=arm), proposer=NgramProposer()).generate(
+    res = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=arm), proposer=SuffixProposer()).generate(
         ps, pa, groups=[0] * 4 + [1] * 4)
     assert res.outputs == ref
 
@@ -159,7 +159,7 @@ def test_bad_requests_are_clear_errors(setup):
     with pytest.raises(ValueError, match="empty"):
         eng.generate([[]], params[0])
     with pytest.raises(ValueError, match="strategy"):
-        RolloutEngine(model, EngineConfig(), proposer=NgramProposer())
+        RolloutEngine(model, EngineConfig(), proposer=SuffixProposer())
 
     class DuckTyped:  # propose() alone: the engine also reads capture_s, catch_up_s, forget and close
         feature_layers = None

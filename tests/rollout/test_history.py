@@ -18,7 +18,7 @@ from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.history import HistoryConfig, ResponseHistory
-from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.rollout.tuner import BegMab, TunerConfig
@@ -65,7 +65,7 @@ def setup(trained_target):
 
 def _suffix_engine(model, history, arm=Arm(8, 1, 8)):
     return RolloutEngine(model, EngineConfig(max_batch=8, max_len=200, arm=arm),
-                         proposers={"suffix": NgramProposer(history=history)})
+                         proposers={"suffix": SuffixProposer(history=history)})
 
 
 def test_a_prompts_history_drafts_what_the_target_samples_again(setup):
@@ -100,7 +100,7 @@ def test_engine_runs_eagle_and_suffix_as_arms_and_checks_them(setup, warm_drafte
     d = Drafter.load(warm_drafters["eagle"], model.embed_weight, model.lm_head.weight)
     eagle = EagleProposer(d, max_batch=8, max_len=260)
     tuner = BegMab(TunerConfig.for_device("cpu", proposers=("", "suffix"), seed=1))
-    eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=200), proposers={"": eagle, "suffix": NgramProposer()},
+    eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=200), proposers={"": eagle, "suffix": SuffixProposer()},
                         tuner=tuner)
     seeds = list(range(8))
     ref = RolloutEngine(model, EngineConfig(max_batch=8, max_len=200)).generate(prompts, params, seeds=seeds)
@@ -109,18 +109,18 @@ def test_engine_runs_eagle_and_suffix_as_arms_and_checks_them(setup, warm_drafte
     used = {s.arm.split("@")[1] if "@" in s.arm else "eagle" for s in res.steps if s.sd}
     assert used == {"eagle", "suffix"}, used  # both were tried (untried arms come first)
     cache = eng.cache
-    eng.set_proposers({"suffix": NgramProposer()}, BegMab(TunerConfig.for_device("cpu", proposers=("suffix",))))
+    eng.set_proposers({"suffix": SuffixProposer()}, BegMab(TunerConfig.for_device("cpu", proposers=("suffix",))))
     assert eng.cache is cache and eng.generate(prompts, params, seeds=seeds).outputs == ref.outputs  # no rebuild
     with pytest.raises(ValueError, match="names proposer ''"):  # EAGLE arms without an EAGLE proposer
-        RolloutEngine(model, EngineConfig(max_batch=8, max_len=200), proposers={"suffix": NgramProposer()},
+        RolloutEngine(model, EngineConfig(max_batch=8, max_len=200), proposers={"suffix": SuffixProposer()},
                       tuner=BegMab(TunerConfig.for_device("cpu", proposers=("", "suffix"))))
     with pytest.raises(ValueError, match="max_draft_tokens=2"):  # the tuner's arms verify up to 8 tokens
         RolloutEngine(model, EngineConfig(max_batch=8, max_len=200, max_draft_tokens=2), proposer=eagle,
                       tuner=BegMab(TunerConfig.for_device("cpu")))
 
 
-class _SlowCatchUp(NgramProposer):
-    """The n-gram drafter reporting a slow catch-up (test-only): the engine must not charge it
+class _SlowCatchUp(SuffixProposer):
+    """The suffix drafter reporting a slow catch-up (test-only): the engine must not charge it
     to the arm after a switch from another proposer."""
 
     def propose(self, inp):
@@ -144,7 +144,7 @@ def test_catch_up_after_another_proposers_steps_is_not_charged(setup):
     arms = (Arm(4, 1, 4, "a"), Arm(4, 1, 4, "b"))
     tuner = _Recorder(TunerConfig(buckets=((64, arms),), epsilon=0.0))
     eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=200),
-                        proposers={"a": _SlowCatchUp(), "b": NgramProposer()}, tuner=tuner)
+                        proposers={"a": _SlowCatchUp(), "b": SuffixProposer()}, tuner=tuner)
     eng.generate(prompts, params, seeds=list(range(8)))
     times = [t for arm, t in tuner.seen if arm.endswith("@a")]
     assert times and max(times[:1]) < 0.5  # its first step follows a prefill / another arm: no charge
@@ -185,7 +185,7 @@ def test_history_corpora_are_indexed_once_across_generations_and_bounded(monkeyp
     from tlt.rollout.draft_tree import ProposerInput
 
     h = ResponseHistory(HistoryConfig(visits=1, global_tokens=80))  # the pool: the newest response
-    prop = NgramProposer(history=h)
+    prop = SuffixProposer(history=h)
     tables: dict[int, tuple] = {}  # id(corpus) -> (corpus, kept alive: ids stay unique; its first table)
     real = prop._corpus_table
 
@@ -201,7 +201,7 @@ def test_history_corpora_are_indexed_once_across_generations_and_bounded(monkeyp
             prompts = [[1, 2, step % 5]] * 2
             prop.propose(ProposerInput(10 * step + g, (0, 1), prompts, [3, 3], [0, 0], None, Arm(3, 1, 3)))
     assert len(tables) == 12  # each step: the prompt's corpus and the global pool, indexed once
-    monkeypatch.setattr(NgramProposer, "TABLE_TOKENS", 100)  # a new step's corpora evict the old ones
+    monkeypatch.setattr(SuffixProposer, "TABLE_TOKENS", 100)  # a new step's corpora evict the old ones
     h.add(6, [([1, 2, 9], list(range(10, 40)))])
     prop.propose(ProposerInput(99, (0, 1), [[1, 2, 9]] * 2, [3, 3], [0, 0], None, Arm(3, 1, 3)))
     assert len(prop._tables) == 2 and prop._table_tokens <= 100

@@ -19,7 +19,7 @@ from tlt.drafter.eagle import Drafter
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
-from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.request import RequestState
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
@@ -76,9 +76,9 @@ def _engine(model, kind, arm, warm_drafters, static=False, sink=None, paged=None
         return EagleProposer(d, max_batch=8, max_len=320, static_shapes=static)
     if kind == "begmab":
         tuner = BegMab(TunerConfig.for_device("cpu", proposers=("", "suffix"), seed=3, epsilon=0.5))
-        return RolloutEngine(model, EngineConfig(**cfg), proposers={"": eagle("eagle"), "suffix": NgramProposer()},
+        return RolloutEngine(model, EngineConfig(**cfg), proposers={"": eagle("eagle"), "suffix": SuffixProposer()},
                              tuner=tuner, sink=sink)
-    prop = NgramProposer() if kind == "ngram" else eagle(kind)
+    prop = SuffixProposer() if kind == "suffix" else eagle(kind)
     return RolloutEngine(model, EngineConfig(**cfg, arm=arm), proposer=prop, sink=sink)
 
 
@@ -170,7 +170,7 @@ def _abort(model, kind, arm, drafters, states, verl_style, paged=None):
 
 
 @pytest.mark.parametrize("sampling", sorted(SAMPLING))
-@pytest.mark.parametrize("kind,arm", [("plain", "chain")] + [(k, a) for k in ("eagle", "eagle3", "ngram")
+@pytest.mark.parametrize("kind,arm", [("plain", "chain")] + [(k, a) for k in ("eagle", "eagle3", "suffix")
                                                              for a in sorted(ARMS)])  # plain runs no arm
 def test_join_leave_abort_are_token_identical(setup, warm_drafters, kind, arm, sampling):
     model, tok, prompts = setup
@@ -208,7 +208,7 @@ def test_lifecycle_under_begmab_and_static_shapes(setup, warm_drafters, sampling
 
 
 @pytest.mark.parametrize("sampling", sorted(SAMPLING))
-@pytest.mark.parametrize("kind,arm", [("plain", "chain"), ("eagle", "chain"), ("eagle3", "tree"), ("ngram", "tree"),
+@pytest.mark.parametrize("kind,arm", [("plain", "chain"), ("eagle", "chain"), ("eagle3", "tree"), ("suffix", "tree"),
                                       ("begmab", None)])
 def test_evictions_are_token_identical(setup, warm_drafters, kind, arm, sampling):
     """A paged cache too small for every request at once: requests are evicted and prefilled again,

@@ -15,7 +15,7 @@ from tlt.rollout.draft_tree import DraftTree
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.graph_pool import CudaGraphPool
 from tlt.rollout.engine import EngineConfig, RolloutEngine
-from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.rollout.tuner import BegMab, TunerConfig
@@ -37,7 +37,7 @@ def test_padded_tree_adds_only_invalid_root_children():
 
 
 @pytest.mark.parametrize("kind,arm", [("ar", None), ("eagle", Arm(3, 1, 3)), ("eagle", Arm(4, 2, 8)),
-                                      ("ngram", Arm(4, 2, 8)), ("eagle-mab", None)], ids=str)
+                                      ("suffix", Arm(4, 2, 8)), ("eagle-mab", None)], ids=str)
 def test_static_shapes_are_token_identical(setup, warm_drafters, kind, arm):  # noqa: F811
     model, prompts, params = setup
     prompts, params = prompts[:5], params[:5]  # 5 running requests pad to 8, then shrink: 4, 2, 1
@@ -45,8 +45,8 @@ def test_static_shapes_are_token_identical(setup, warm_drafters, kind, arm):  # 
     groups = [0, 0, 1, 1, 2]
 
     def proposer():
-        if kind == "ngram":
-            return NgramProposer()
+        if kind == "suffix":
+            return SuffixProposer()
         drafter = Drafter.load(warm_drafters["eagle"], model.embed_weight, model.lm_head.weight)
         return EagleProposer(drafter, max_batch=8, max_len=600, static_shapes=True)
 
@@ -163,7 +163,7 @@ def test_a_first_eagle_drafter_joins_a_static_engine(setup, warm_drafters):  # n
     prompts, params = prompts[:5], params[:5]
     ref = _run(model, prompts, params, static=False)[1]
     groups = [0, 0, 1, 1, 2]
-    eng, res = _run(model, prompts, params, static=True, groups=groups, proposer=NgramProposer(),
+    eng, res = _run(model, prompts, params, static=True, groups=groups, proposer=SuffixProposer(),
                     tuner=BegMab(TunerConfig.for_device("cpu", seed=1)))
     assert res.outputs == ref.outputs
     cache, step = eng.cache, eng.static_step
@@ -173,12 +173,12 @@ def test_a_first_eagle_drafter_joins_a_static_engine(setup, warm_drafters):  # n
         return EagleProposer(drafter, max_batch=8, max_len=600)
 
     proposers = ("", "suffix")
-    eng.set_proposers({"": eagle(), "suffix": NgramProposer()}, BegMab(TunerConfig.for_device("cpu", proposers=proposers, seed=1)))
+    eng.set_proposers({"": eagle(), "suffix": SuffixProposer()}, BegMab(TunerConfig.for_device("cpu", proposers=proposers, seed=1)))
     assert eng.cache is cache and eng.static_step is not step  # the features changed: a new step
     res = eng.generate(prompts, params, groups)
     assert res.outputs == ref.outputs and any(s.sd for s in res.steps)
     step = eng.static_step
-    eng.set_proposers({"": eagle(), "suffix": NgramProposer()}, BegMab(TunerConfig.for_device("cpu", proposers=proposers, seed=1)))
+    eng.set_proposers({"": eagle(), "suffix": SuffixProposer()}, BegMab(TunerConfig.for_device("cpu", proposers=proposers, seed=1)))
     assert eng.static_step is step  # the same features: the step and its graphs stay
     assert eng.generate(prompts, params, groups).outputs == ref.outputs
 

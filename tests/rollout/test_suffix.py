@@ -1,4 +1,4 @@
-"""The n-gram drafter's matching rules, tree shape, lifetime, config, and the accept-length replay."""
+"""The suffix drafter's matching rules, tree shape, lifetime, config, and the accept-length replay."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tlt.rollout.draft_tree import DraftTree, ProposerInput
-from tlt.rollout.ngram import NgramConfig, NgramProposer
-from tests.rollout.ngram_eval import greedy_accept, measure_accept_length
+from tlt.rollout.suffix import SuffixConfig, SuffixProposer
+from tests.rollout.suffix_eval import greedy_accept, measure_accept_length
 from tlt.rollout.strategy import Arm
 
 CHAIN3 = Arm(3, 1, 3)
@@ -30,7 +30,7 @@ def chain(tree: DraftTree, row: int = 0) -> list[int]:
 
 def run(requests, arm: Arm = CHAIN3, ask: int = 0, **cfg) -> DraftTree:
     """requests: (rid, group, prompt, output) rows, started then accepted in order; proposes for `ask`."""
-    prop = NgramProposer(NgramConfig(**cfg))
+    prop = SuffixProposer(SuffixConfig(**cfg))
     for rid, gid, prompt, out in requests:
         prop.start([rid], [gid], [prompt])
         if out:
@@ -111,7 +111,7 @@ def test_longer_match_outranks_frequency_in_tree():
 
 
 def test_batch_padding_and_no_match_row():
-    prop = NgramProposer()
+    prop = SuffixProposer()
     prop.start([0, 1, 2], [0, 1, 2], [[5, 6, 7, 8, 5, 6], P, [1, 2, 1]])
     tree = prop.draft([0, 1, 2], Arm(3, 1, 3))
     assert tree.tokens.shape == (3, 3)  # padded to the largest tree in the batch
@@ -121,14 +121,14 @@ def test_batch_padding_and_no_match_row():
 
 
 def test_arm_off_gives_empty_tree():
-    prop = NgramProposer()
+    prop = SuffixProposer()
     prop.start([0, 1], [0, 0], [[5, 6, 5], [5, 6, 5]])
     tree = prop.draft([0, 1], Arm.off())
     assert tree.tokens.shape == (2, 0) and tree.valid.dtype == torch.bool
 
 
 def test_propose_order_follows_rids():
-    prop = NgramProposer()
+    prop = SuffixProposer()
     prop.start([3, 4], [0, 1], [[1, 2, 1], [7, 8, 7]])
     tree = prop.draft([4, 3], Arm(1, 1, 1))
     assert chain(tree, 0) == [8] and chain(tree, 1) == [2]
@@ -137,7 +137,7 @@ def test_propose_order_follows_rids():
 # --- lifetime -----------------------------------------------------------------------------------------
 
 def test_finish_keeps_sibling_data_until_group_done():
-    prop = NgramProposer()
+    prop = SuffixProposer()
     prop.start([0, 1], [7, 7], [P, P])
     prop.accept([1], [[10, 11, 12]])
     prop.finish([1])
@@ -153,7 +153,7 @@ def test_finish_keeps_sibling_data_until_group_done():
 
 
 def test_keep_finished_groups_then_clear():
-    prop = NgramProposer(NgramConfig(drop_finished_groups=False))
+    prop = SuffixProposer(SuffixConfig(drop_finished_groups=False))
     prop.start([0], [7], [P])
     prop.accept([0], [[10, 11, 12]])
     prop.finish([0])
@@ -172,7 +172,7 @@ def test_keep_finished_groups_then_clear():
 
 
 def test_accept_takes_tensors_and_ignores_features():
-    prop = NgramProposer()
+    prop = SuffixProposer()
     prop.start([0], [0], [torch.tensor(P)])
     prop.accept([0], [torch.tensor([1, 2, 3, 1])], features=[torch.zeros(2, 4)])
     assert chain(prop.draft([0], CHAIN3)) == [2, 3, 1]
@@ -181,7 +181,7 @@ def test_accept_takes_tensors_and_ignores_features():
 def test_propose_follows_the_engine_input():
     """propose(ProposerInput) indexes what was committed since its last call, finishes requests that
     left the rows (their output still serves siblings) and starts over on a new generation."""
-    prop = NgramProposer()
+    prop = SuffixProposer()
     tokens = [P + [10, 11, 12], P + [10]]  # request 0 ran ahead of its sibling 1
     arm = CHAIN3
     assert prop.num_requests == 0
@@ -206,7 +206,7 @@ def test_propose_follows_the_engine_input():
     (lambda p: p.draft([9], CHAIN3), "unknown request"),
 ])
 def test_api_errors(call, match):
-    prop = NgramProposer()
+    prop = SuffixProposer()
     prop.start([0], [0], [P])
     with pytest.raises(ValueError, match=match):
         call(prop)
@@ -223,15 +223,15 @@ def test_api_errors(call, match):
 ])
 def test_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        NgramConfig(**kwargs)
+        SuffixConfig(**kwargs)
 
 
 def test_config_is_frozen_keyword_only():
-    cfg = NgramConfig()
+    cfg = SuffixConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.min_n = 2  # type: ignore[misc]
     with pytest.raises(TypeError):
-        NgramConfig(1, 4)  # type: ignore[misc]
+        SuffixConfig(1, 4)  # type: ignore[misc]
 
 
 # --- invariants on random traffic ---------------------------------------------------------------------
@@ -249,8 +249,8 @@ def _is_sound(path: list[int], ctx: list[int], sources: list[list[int]], min_n: 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_traffic_invariants(seed):
     rng = random.Random(seed)
-    cfg = NgramConfig(min_n=rng.choice([1, 2]), max_n=rng.choice([2, 3, 4]), max_occurrences=rng.choice([1, 4, 16]))
-    prop = NgramProposer(cfg)
+    cfg = SuffixConfig(min_n=rng.choice([1, 2]), max_n=rng.choice([2, 3, 4]), max_occurrences=rng.choice([1, 4, 16]))
+    prop = SuffixProposer(cfg)
     groups = {rid: rid % 3 for rid in range(9)}
     prompts = {g: [rng.randrange(6) for _ in range(rng.randrange(1, 8))] for g in range(3)}
     seqs = {rid: list(prompts[g]) for rid, g in groups.items()}
@@ -295,10 +295,10 @@ def test_chain_is_the_trees_first_path(seed):
     from tlt.rollout.history import HistoryConfig, ResponseHistory
 
     rng = random.Random(seed)
-    cfg = NgramConfig(max_occurrences=rng.choice([2, 8, 32]))
+    cfg = SuffixConfig(max_occurrences=rng.choice([2, 8, 32]))
     hist = ResponseHistory(HistoryConfig(global_tokens=64), cfg)
     hist.add(0, [([1, 2], [rng.randrange(4) for _ in range(20)]) for _ in range(4)])
-    prop = NgramProposer(cfg, history=hist)
+    prop = SuffixProposer(cfg, history=hist)
     prop.start(list(range(6)), [r % 2 for r in range(6)], [[1, 2]] * 6)
     checked = 0
     for _ in range(20):

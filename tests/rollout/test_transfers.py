@@ -13,7 +13,7 @@ from tlt.drafter.model_config import ModelConfig
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
-from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.bench.transfer_count import count_per_call, count_transfers
@@ -84,11 +84,11 @@ def test_a_step_makes_at_most_one_upload_and_one_read(name, static, block_size):
     kw = {}
     if arm == "tuner":
         buckets = ((1, (Arm.off(), Arm(3, 1, 3), Arm(3, 2, 6), Arm(4, 1, 4, proposer="suffix"))),)
-        kw = {"proposers": {"": eagle, "suffix": NgramProposer()},
+        kw = {"proposers": {"": eagle, "suffix": SuffixProposer()},
               "tuner": BegMab(TunerConfig(buckets=buckets, epsilon=0.5, seed=1))}
         arm = None
     elif arm is not None:
-        kw = {"proposers": {"suffix": NgramProposer()} if arm.proposer else {"": eagle}}
+        kw = {"proposers": {"suffix": SuffixProposer()} if arm.proposer else {"": eagle}}
     eng = RolloutEngine(target, EngineConfig(max_batch=4, max_len=72, arm=arm, elastic_threshold=4,
                                              static_shapes=static, block_size=block_size), **kw)
     prompts = [[1 + i, 2, 3 + i, 2, 3 + i] for i in range(4)]
@@ -115,7 +115,7 @@ def test_a_sampled_speculative_rollout_makes_no_unintended_sync(arm, block_size)
     are captured in a first rollout; the second, counted one replays them."""
     with torch.device("cuda"):
         target, drafter = _models()
-    props = {"suffix": NgramProposer()} if arm.proposer else {"": EagleProposer(drafter, max_batch=4, max_len=96,
+    props = {"suffix": SuffixProposer()} if arm.proposer else {"": EagleProposer(drafter, max_batch=4, max_len=96,
                                                                                 capture_after=1)}
     eng = RolloutEngine(target, EngineConfig(max_batch=4, max_len=72, arm=arm, elastic_threshold=4, capture_after=1,
                                              block_size=block_size), proposers=props)

@@ -23,7 +23,7 @@ def test_a_drafter_swap_touches_only_the_drafter(trained_target, warm_drafters):
                for p in make_corpus(2, CorpusConfig(seed=3, median_steps=2))]
     cfg = TLTConfig.from_mapping({"engine": {"max_batch": 4}})
     rep = ReplicaEngine(model, cfg, max_len=200, seed=0, rank=0)
-    assert rep.proposer_name == "ngram" and set(rep.engine.proposers) == {"suffix"}
+    assert rep.proposer_name == "suffix" and set(rep.engine.proposers) == {"suffix"}
     params = SamplingParams(temperature=1.0, max_new_tokens=24, stop_ids=(tok.eos_id,))
     ref = rep.engine.generate(prompts, params, seeds=[1, 2]).outputs
     assert rep.add_history(1, list(zip(prompts, ref))) == 2

@@ -10,7 +10,7 @@ from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.history import ResponseHistory
-from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.strategy import Arm
 from tlt.bench.union import UnionProposer, merge
 from tests.rollout.test_history import setup  # noqa: F401  (fixture)
@@ -34,7 +34,7 @@ def test_the_union_is_lossless(setup, warm_drafters):  # noqa: F811
     drafter = Drafter.load(warm_drafters["eagle"], model.embed_weight, model.lm_head.weight)
     for p in (params, SamplingParams(max_new_tokens=40, stop_ids=params.stop_ids)):  # sampled, greedy
         ref = RolloutEngine(model, EngineConfig(max_batch=8, max_len=200)).generate(prompts, p, seeds=seeds)
-        union = UnionProposer(EagleProposer(drafter, max_batch=8, max_len=260), NgramProposer(history=ResponseHistory()))
+        union = UnionProposer(EagleProposer(drafter, max_batch=8, max_len=260), SuffixProposer(history=ResponseHistory()))
         eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=200, arm=Arm(4, 2, 8)), proposers={"": union})
         res = eng.generate(prompts, p, groups, seeds)
         assert res.outputs == ref.outputs and any(a > 1 for a in res.accept_lengths)

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 import tlt.configs
 from tlt.rollout.strategy import Arm
-from tlt.integrations.verl.config import TLTConfig, from_verl
+from tlt.integrations.verl.config import RENAMED, TLTConfig, from_verl
 
 CONFIG_DIR = os.path.dirname(os.path.abspath(tlt.configs.__file__))
 DEFAULT_YAML = os.path.join(CONFIG_DIR, "tlt", "default.yaml")
@@ -72,7 +72,8 @@ def test_default_yaml_equals_dataclass_defaults():
 
 def test_default_yaml_keys_match_dataclass_fields():
     yaml_keys, field_keys = _yaml_keys(_load_default()), _field_keys(TLTConfig)
-    assert yaml_keys - field_keys == set(), "keys in default.yaml that TLTConfig does not have"
+    renamed = {old.removeprefix("tlt.") for old in RENAMED}  # kept as null for one release
+    assert yaml_keys - field_keys == renamed, "keys in default.yaml that TLTConfig does not have"
     assert field_keys - yaml_keys == set(), "TLTConfig fields not documented in default.yaml"
 
 
@@ -216,6 +217,22 @@ def test_hydra_rejects_unknown_tlt_key():
 
     with pytest.raises(ConfigCompositionException, match="tlt.nope"):
         _compose("tlt_grpo", ["tlt.nope=1"])
+
+
+def test_a_renamed_key_still_works_with_a_warning_naming_the_new_one():
+    with pytest.warns(DeprecationWarning, match="tlt.speculation.ngram is renamed tlt.speculation.suffix"):
+        assert TLTConfig.from_mapping({"speculation": {"ngram": False}}).speculation.suffix is False
+    assert TLTConfig.from_mapping({"speculation": {"ngram": None}}) == TLTConfig()  # null: as if absent
+    with pytest.warns(DeprecationWarning):  # beside the new key at its default (Hydra fills defaults in)
+        assert TLTConfig.from_mapping({"speculation": {"ngram": False, "suffix": True}}).speculation.suffix is False
+    with pytest.raises(ValueError, match="give tlt.speculation.suffix only"):
+        TLTConfig.from_mapping({"speculation": {"ngram": True, "suffix": False}})
+
+
+@needs_verl
+def test_hydra_still_takes_a_renamed_key():
+    with pytest.warns(DeprecationWarning, match="renamed tlt.speculation.suffix"):
+        assert from_verl(_compose("tlt_grpo", ["tlt.speculation.ngram=false"])).speculation.suffix is False
 
 
 # ------------------------------------------------------------------ 6. check_verl_config

@@ -8,7 +8,7 @@ the trainer between RL steps (the target does not change between epochs here: th
 the draft sources; ``tlt demo`` measures them under a moving policy). Per variant, chain and tree:
 accept length (tokens committed per verify, bonus included) over the epochs after the first, and
 microseconds per proposal per request. Variants: the suffix drafter over the live siblings only
-(the n-gram drafter as it was), with the prompt's history, with the global pool too, the warm-up
+(the suffix drafter as it was), with the prompt's history, with the global pool too, the warm-up
 EAGLE drafter, BEG-MAB choosing between EAGLE and the history suffix drafter per step, and (tree
 arm only) one verify over the union of EAGLE's and the suffix drafter's trees, each half the arm's
 paths and nodes (:mod:`tlt.bench.union`). Last, the task's text ceiling (:func:`structure_ceiling`).
@@ -32,7 +32,7 @@ from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.history import HistoryConfig, ResponseHistory
-from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.rollout.tuner import BegMab, TunerConfig
@@ -119,9 +119,9 @@ def run(args: argparse.Namespace) -> dict:
     max_len = max(map(len, reqs)) + size.max_response + 1
     cfg = EngineConfig(max_batch=len(reqs), max_len=max_len, max_draft_tokens=16)
 
-    def suffix(history: bool, global_pool: bool) -> tuple[NgramProposer, ResponseHistory | None]:
+    def suffix(history: bool, global_pool: bool) -> tuple[SuffixProposer, ResponseHistory | None]:
         hist = ResponseHistory(HistoryConfig(global_tokens=8192 if global_pool else 0)) if history else None
-        return NgramProposer(history=hist), hist
+        return SuffixProposer(history=hist), hist
 
     def eagle() -> EagleProposer:
         return EagleProposer(drafter, max_batch=len(reqs), max_len=max_len + 32)

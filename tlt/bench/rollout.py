@@ -10,7 +10,7 @@ Every variant runs between two AR rollouts, and its paired ratio is their mean t
 as a control: its paired ratio is the run's noise floor.
 
 ``workloads.<name>.adaptive_vs_ar`` (tokens/s of the adaptive engine over AR's, same run):
-``long_tail`` — EAGLE + BEG-MAB; ``ngram_siblings`` — the n-gram drafter over the GRPO siblings +
+``long_tail`` — EAGLE + BEG-MAB; ``ngram_siblings`` — the suffix drafter over the GRPO siblings +
 BEG-MAB; ``random_drafter`` — an untrained EAGLE drafter + BEG-MAB, the worst case (it almost never
 drafts the right token, so the tuner must learn to turn speculation off). Each BEG-MAB variant keeps
 one tuner across its rollouts (an untimed warm-up rollout, then the timed repeats), and every
@@ -34,7 +34,7 @@ from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.generate import SamplingParams
 from tlt.bench.transfer_count import count_per_call
-from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.rollout.tuner import BegMab, TunerConfig
@@ -141,7 +141,7 @@ def _run(args: argparse.Namespace) -> dict:
     engines = {"AR": engine(), "AR again (control)": engine()}
     for arm in STATIC_ARMS:
         engines[f"EAGLE static {arm}"] = engine(arm=arm, proposer=eagle())
-    engines["n-gram + BEG-MAB"] = engine(proposer=NgramProposer(), tuner=mab())
+    engines["n-gram + BEG-MAB"] = engine(proposer=SuffixProposer(), tuner=mab())
     engines["EAGLE + BEG-MAB"] = engine(proposer=eagle(), tuner=mab())
     # the cost of the drafter being there at all: attached, speculation never on
     engines["EAGLE proposer, SD off"] = engine(arm=Arm.off(), proposer=eagle())

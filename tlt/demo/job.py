@@ -87,7 +87,7 @@ ARMS = {  # arm -> verl overrides (D to H are not in the default run: `tlt demo 
     "A": ["tlt.speculation.enable=false", "tlt.drafter.train=false", "tlt.buffer.capture=off"],
     "B": ["tlt.drafter.train=false", "tlt.buffer.capture=off"],
     "C": ["tlt.tail.consolidate.mode=auto"],
-    "D": ["tlt.speculation.ngram=false", "tlt.tail.consolidate.mode=auto"],
+    "D": ["tlt.speculation.suffix=false", "tlt.tail.consolidate.mode=auto"],
     "E": [],
     # F, G and H are A, C and B with RollPacker's tail batching: `tlt demo --arms ABCFGH` and
     # `tlt bench tail-batching --from OUT` compare them on the same seeds. Twice the prompts and 1.5x

@@ -27,7 +27,7 @@ from tlt.rollout.assembly import SUFFIX
 from tlt.rollout.eagle_proposer import kv_position_bytes
 from tlt.rollout.engine import EngineConfig, FeatureSink, RolloutEngine
 from tlt.rollout.history import ResponseHistory
-from tlt.rollout.ngram import NgramProposer
+from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.target import TargetModel
 from tlt.rollout.tuner import BegMab
 from tlt.integrations.verl.config import TLTConfig
@@ -55,8 +55,8 @@ class ReplicaEngine:
         self.engine_cfg = EngineConfig(max_len=max_len, max_draft_tokens=spec.max_draft_tokens,
                                        elastic_threshold=spec.elastic_threshold, seed=replica_seed(seed, rank), **keys)
         hist = spec.history_config()
-        self.history = ResponseHistory(hist) if self.on and spec.ngram and hist is not None else None
-        self.suffix = NgramProposer(history=self.history) if self.on and spec.ngram else None
+        self.history = ResponseHistory(hist) if self.on and spec.suffix and hist is not None else None
+        self.suffix = SuffixProposer(history=self.history) if self.on and spec.suffix else None
         self.drafter = drafter
         proposers = self._proposers()
         # a fixed strategy drafts with EAGLE when it is served from the start, else with the suffix drafter
@@ -94,6 +94,6 @@ class ReplicaEngine:
 
     @property
     def proposer_name(self) -> str:
-        """The main proposer serving: eagle, ngram (the suffix drafter alone) or none."""
+        """The main proposer serving: eagle, suffix (the suffix drafter alone) or none."""
         names = self.engine.proposers
-        return "eagle" if "" in names else ("ngram" if SUFFIX in names else "none")
+        return "eagle" if "" in names else (SUFFIX if SUFFIX in names else "none")

@@ -8,13 +8,17 @@ a wrong type or a value out of range names the full key, the value and what is a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from tlt.rollout.history import HistoryConfig
 from tlt.rollout.strategy import Arm
+
+log = logging.getLogger(__name__)
 
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
@@ -46,7 +50,7 @@ class SpeculationSection:
     elastic_threshold: int | None = None  # cap: speculate only at <= this many requests; None: learned
     arm: str | None = None         # fixed strategy "DEPTH,TOPK,TOKENS_TO_VERIFY" ("0,0,0" = off); None: BEG-MAB
     # the model-free suffix drafter (prompt, GRPO group, earlier steps' responses) as arms beside EAGLE
-    ngram: bool = True
+    suffix: bool = True
     history_visits: int = 2        # a prompt's responses from its last this many rollouts draft for it (0: none)
     history_global_tokens: int = 8192  # a pool of recent responses across prompts (0: none)
     max_draft_tokens: int = 64
@@ -310,18 +314,45 @@ class TLTConfig:
         return dataclasses.asdict(self)
 
 
+# Keys renamed, old -> new: the old one is read, with a warning naming the new one, until the next
+# release (configs/tlt/default.yaml keeps it as null, so Hydra still takes an override of it).
+RENAMED = {"tlt.speculation.ngram": "suffix"}
+
+
 def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     if not isinstance(data, Mapping):
         raise _bad(prefix, data, "use a mapping of keys")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
+    data = _renamed(data, prefix, fields)
     for key, value in data.items():
         if key not in fields:
             raise ValueError(f"tlt config: {prefix}.{key} is not a TLT key; {prefix} has "
                              f"{', '.join(sorted(fields))}")
         kwargs[key] = _coerce(hints[key], value, f"{prefix}.{key}")
     return cls(**kwargs)
+
+
+def _renamed(data: Mapping[str, Any], prefix: str, fields: dict) -> Mapping[str, Any]:
+    """``data`` with each renamed key under its new name (a null old key: absent). The old key wins
+    over the new one at its default (Hydra fills defaults in), and a different value is refused."""
+    out = dict(data)
+    for old, new in RENAMED.items():
+        section, _, key = old.rpartition(".")
+        if section != prefix or key not in out:
+            continue
+        value = out.pop(key)
+        if value is None:
+            continue
+        if out.get(new, value) not in (value, fields[new].default):
+            raise ValueError(f"tlt config: {old}={value!r} and {prefix}.{new}={out[new]!r}: {old} is the old name "
+                             f"of {prefix}.{new}; give {prefix}.{new} only")
+        warnings.warn(f"tlt config: {old} is renamed {prefix}.{new}; the old name stops working in the next "
+                      "release", DeprecationWarning, stacklevel=2)
+        log.warning("tlt config: %s is renamed %s.%s; the old name stops working in the next release", old, prefix, new)
+        out[new] = value
+    return out
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:

@@ -350,7 +350,7 @@ class TLTTrainer(PPOTrainerSync):
         """The step's (prompt, response) pairs go to every replica's draft history and to the run
         directory's log (for a replica that restarts)."""
         hist = self.tlt.speculation.history_config()
-        if hist is None or not (self.tlt.speculation.ngram and self.tlt.speculation.enable):
+        if hist is None or not (self.tlt.speculation.suffix and self.tlt.speculation.enable):
             return
         pairs = list(zip(prompts, responses))
         self._add_history(step, pairs)
