@@ -67,7 +67,7 @@ def _replicas(setup, drafter: str):
     spec = {"coordinator": {"enable": False}, "engine": {"max_batch": 8},
             "tail": {"consolidate": {"mode": "consolidate"}},  # the replicas publish their load
             # EAGLE at a fixed arm; the suffix drafter alone under the tuner (its arms and "off")
-            "speculation": {"arm": "4,1,4", "ngram": False} if drafter == "eagle" else {"ngram": True}}
+            "speculation": {"arm": "4,1,4", "suffix": False} if drafter == "eagle" else {"suffix": True}}
     if drafter == "eagle":
         spec["drafter"] = {"init_path": str(tmp / "drafter")}
     tlt = TLTConfig.from_mapping(spec).to_dict()

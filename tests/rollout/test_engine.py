@@ -100,7 +100,7 @@ def test_greedy_parity_eagle(setup, warm_drafters, method, batch):
 
 
 @pytest.mark.parametrize("arm", [Arm(4, 1, 4), Arm(4, 2, 8)], ids=str)
-def test_greedy_parity_ngram_with_siblings(setup, arm):
+def test_greedy_parity_suffix_with_siblings(setup, arm):
     model, prompts, params = setup
     # GRPO: 2 prompts x 4 samples each (greedy siblings are identical: later ones copy earlier ones).
     ps = [prompts[0]] * 4 + [prompts[1]] * 4

@@ -61,14 +61,19 @@ served = w.wait_connected(10)
 w.close()
 c.stop()
 trainer = False
-if importlib.util.find_spec("verl") is not None:
+if importlib.util.find_spec("verl") is not None:  # the trainer first: importing it imports verl, whose plugin imports it
     import tlt.integrations.verl.trainer
-    trainer = True
+    from tlt.integrations.verl.verl_checks import raise_if_registration_failed
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    raise_if_registration_failed()
+    trainer = TRAINER_REGISTRY.get("tlt") is tlt.integrations.verl.trainer.TLTTrainer
 print(json.dumps({{"tokens": [len(o) for o in out], "served": served, "trainer": trainer,
                   "standins": sorted(n for n in {CLASHING!r} if n in sys.modules)}}))
 """
     r = _run(code, tmp_path, pythonpath=str(standins))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "registering the verl plugin failed" not in r.stderr, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["tokens"] == [4, 4] and got["served"] and got["standins"] == []
     assert got["trainer"] == (importlib.util.find_spec("verl") is not None)

@@ -140,3 +140,53 @@ def test_replica_engine_on_a_gpu(dtype):
         assert third == again
     assert _near_tie_violations(model, prompts, third, ref) == []
     assert step.replays > replays
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("with_sink", [False, True], ids=["no-sink", "sink"])
+def test_the_room_kept_for_a_later_drafter_is_what_it_adds(method, with_sink):
+    """``drafter_room`` (what a pool sized by memory keeps for the drafter spot training will push)
+    equals what that drafter adds per position to the engine's blocks: its keys and values, and the
+    features it reads that nothing stored (a sink already stores the same drafter's)."""
+    import types
+
+    from tlt.rollout.eagle_proposer import EagleProposer
+    from tlt.rollout.engine import EngineConfig, RolloutEngine
+    from tlt.rollout.strategy import Arm
+    from tlt.integrations.verl.assembly import drafter_room
+
+    torch.manual_seed(0)
+    mc = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    target = TargetModel(mc).eval()
+    dc = DrafterConfig.for_target(mc, method)
+    drafter = Drafter(dc, target.embed_weight, target.lm_head.weight).eval()
+    sink = types.SimpleNamespace(aux_layers=dc.aux_layers, add=lambda *a: None) if with_sink else None
+    cfg = EngineConfig(max_batch=2, max_len=64, block_size=8, kv_bytes=1 << 20, arm=Arm(3, 1, 3))
+    before = RolloutEngine(target, cfg, sink=sink)
+    after = RolloutEngine(target, cfg, sink=sink, proposer=EagleProposer(drafter, max_batch=2, max_len=128))
+    assert (after.block_bytes() - before.block_bytes()) // 8 == drafter_room(target, dc, sink) > 0
+
+
+def test_a_refused_drafter_changes_nothing_in_the_replica_engine():
+    """The engine refuses a drafter (its memory has no room): the replica engine keeps its drafter,
+    its tuner and the tuner's statistics."""
+    torch.manual_seed(0)
+    mc = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = TargetModel(mc).eval()
+    drafter = Drafter(DrafterConfig.for_target(mc), model.embed_weight, model.lm_head.weight).eval()
+    rep = ReplicaEngine(model, TLTConfig.from_mapping({"engine": {"max_batch": 2}}), max_len=64, seed=0, rank=0,
+                        drafter=drafter)
+    tuner = rep.engine.tuner
+    for arm in tuner.arms(2):
+        tuner.record(2, arm, 0, 0.01)
+    best = tuner.best(2)
+
+    def refuse(proposers, tuner):
+        raise ValueError("no room")
+
+    rep.engine.set_proposers = refuse
+    with pytest.raises(ValueError, match="no room"):
+        rep.set_drafter(Drafter(DrafterConfig.for_target(mc), model.embed_weight, model.lm_head.weight))
+    assert rep.drafter is drafter and rep.engine.tuner is tuner and tuner.best(2) == best is not None

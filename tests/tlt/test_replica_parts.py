@@ -338,9 +338,9 @@ def test_a_replica_frees_its_kv_cache_between_generations_only():
 
 def test_a_generation_holds_the_serving_lock_from_its_first_step_to_its_last():
     """The replica's ``_serving`` (one function takes and releases the lock): every engine step runs
-    under the serving lock, training is stopped before the first, the statistics get the generation
-    after the lock is free; an agent that cannot stop fails the waiting requests and leaves the lock
-    free (a lock left held would stop every later generation, weight push and drafter swap)."""
+    under the serving lock, training is stopped before the first, the probe and the statistics get
+    the generation; an agent that cannot stop fails the waiting requests and leaves the lock free (a
+    lock left held would stop every later generation, weight push and drafter swap)."""
     from tlt.integrations.verl.config import TLTConfig
     from tlt.integrations.verl.replica_core import ReplicaCore
     from tlt.integrations.verl.server import TLTServer
@@ -381,3 +381,35 @@ def test_a_generation_holds_the_serving_lock_from_its_first_step_to_its_last():
     assert events[0] == ("busy", True) and len(steps) >= 5 and all(steps)  # 6 tokens: the prefill gives one
     assert ("probe", 1) in events and not server._idle_sent and not server._lock.locked()
     assert events[-1] == ("busy", True)  # the second generation never stepped
+
+
+def test_a_drafter_the_engine_refuses_leaves_the_previous_one_serving(monkeypatch):
+    """A pushed drafter the engine refuses (no room in its memory): the replica serves its drafter
+    on under the pushed version (so the push guard's read-back rejects the push), and the guard's
+    rollback serves that same drafter again."""
+    from tlt.integrations.verl import server as server_module
+    from tlt.integrations.verl.config import TLTConfig
+    from tlt.integrations.verl.replica_core import ReplicaCore
+    from tlt.integrations.verl.server import TLTServer
+
+    old, new, served = object(), object(), []
+
+    class Assembly:
+        proposer_name = "eagle"
+
+        def set_drafter(self, d):
+            if d is new:
+                raise ValueError("these proposers keep 512 bytes per block")
+            served.append(d)
+
+    server = object.__new__(TLTServer)
+    server._lock, server.rank, server.assembly = threading.Lock(), 0, Assembly()
+    server.spot_root, server.drafter_cfg = "", None
+    server.model = types.SimpleNamespace(embed_weight=None, lm_head=types.SimpleNamespace(weight=None))
+    server.core = ReplicaCore(TLTConfig.from_mapping({}), rank=0, seed=0, spot_root="")
+    server.core.drafters.served, server.core.drafters.version = old, 3
+    monkeypatch.setattr(server_module, "load_spot_drafter", lambda *a: (new, 7))
+    assert server._load_drafter(4, 7) == 4
+    assert server.core.drafters.served is old and server.core.drafters.version == 4
+    assert server._rollback_drafter(5) == 5 and served == [old] and server.core.drafters.served is old
+    assert server._rollback_drafter(6) == 5  # once only

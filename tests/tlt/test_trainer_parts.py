@@ -19,7 +19,7 @@ def _snapshot(steps: list[StepRecord], tokens: int) -> dict:
     st = StepStats()
     st.batch(types.SimpleNamespace(tokens=tokens, steps=steps), started=1.0, gen_s=0.5, requests=2,
              lifecycle={"evicted": 1})
-    # the server adds these to the statistics' snapshot (tlt.integrations.verl.server.step_stats)
+    # what the replica adds to the statistics' snapshot (ReplicaCore.step_stats and the server's fields)
     return {**st.snapshot(), "buffer": {"samples": 3}, "drift_top1": None, "proposer": "eagle"}
 
 

@@ -20,7 +20,6 @@ from tlt.sim.workloads import lognormal_lengths
 log = logging.getLogger(__name__)
 
 
-
 def _train_pass(drafter: Drafter, batches, ttt: TTTConfig, opt: torch.optim.Optimizer) -> None:
     for batch in batches:
         loss = ttt_forward(drafter, batch, ttt).loss(ttt)

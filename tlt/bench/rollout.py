@@ -1,4 +1,4 @@
-"""``tlt bench rollout``: a long-tail rollout under AR, static strategies, n-gram and BEG-MAB.
+"""``tlt bench rollout``: a long-tail rollout under AR, static strategies, the suffix drafter and BEG-MAB.
 
 The workload: 64 requests (16 arithmetic prompts x 4 GRPO samples) on the trained tiny target,
 with lognormal response lengths (the long tail), greedy so every variant must reproduce the AR

@@ -216,8 +216,6 @@ def grid_arms() -> tuple[Arm, ...]:
     return tuple(out)
 
 
-
-
 SCENARIOS = {"stationary": (0.8, 0.8), "shift_down": (0.8, 0.4), "shift_up": (0.4, 0.8)}
 
 

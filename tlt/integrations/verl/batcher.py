@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, ContextManager
+from typing import Any
 
 from tlt.rollout.engine import RolloutEngine, RolloutResult, StepRecord
 from tlt.rollout.request import Finished, RequestState
@@ -89,7 +89,7 @@ def _serving_alone() -> Iterator[Callable[[Generation], None]]:
 
 class RequestBatcher:
     def __init__(self, engine: Callable[[], RolloutEngine], *, window_s: float, max_batch: int,
-                 serving: Callable[[], ContextManager[Callable[[Generation], None]]] = _serving_alone,
+                 serving: Callable[[], contextlib.AbstractContextManager] = _serving_alone,
                  on_idle: Callable[[], None] = lambda: None, name: str = "replica", track_load: bool = False) -> None:
         """``engine()``: the engine to run (read at each generation's start); ``serving()``: a context
         the worker thread holds around each generation, yielding where the generation's record goes
@@ -284,8 +284,9 @@ class RequestBatcher:
                 log.exception("%s: emptying the engine after the failure failed too", self.name)
             for req in live.values():
                 loop.call_soon_threadsafe(self._answer, req, e)
-        steps = eng.steps_since(first)
-        eng.forget_steps(eng.steps_run)  # handed over with the generation: the engine keeps no history
+        finally:
+            steps = eng.steps_since(first)
+            eng.forget_steps(eng.steps_run)  # handed over with the generation: the engine keeps no history
         return Generation(done, steps, t0, time.monotonic() - t0, tokens,
                           dict(collections.Counter(eng.lifecycle) - counts))
 

@@ -317,6 +317,7 @@ class TLTConfig:
 # Keys renamed, old -> new: the old one is read, with a warning naming the new one, until the next
 # release (configs/tlt/default.yaml keeps it as null, so Hydra still takes an override of it).
 RENAMED = {"tlt.speculation.ngram": "suffix"}
+_WARNED: set[str] = set()
 
 
 def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
@@ -348,9 +349,11 @@ def _renamed(data: Mapping[str, Any], prefix: str, fields: dict) -> Mapping[str,
         if out.get(new, value) not in (value, fields[new].default):
             raise ValueError(f"tlt config: {old}={value!r} and {prefix}.{new}={out[new]!r}: {old} is the old name "
                              f"of {prefix}.{new}; give {prefix}.{new} only")
-        warnings.warn(f"tlt config: {old} is renamed {prefix}.{new}; the old name stops working in the next "
-                      "release", DeprecationWarning, stacklevel=2)
-        log.warning("tlt config: %s is renamed %s.%s; the old name stops working in the next release", old, prefix, new)
+        message = f"tlt config: {old} is renamed {prefix}.{new}; the old name stops working in the next release"
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        if old not in _WARNED:  # the log line once per process (the config is read in several places)
+            _WARNED.add(old)
+            log.warning(message)
         out[new] = value
     return out
 

@@ -32,10 +32,10 @@ def register() -> None:
     cpu_platform.install()
     RolloutReplicaRegistry.register("tlt", replica.load_replica)
     base._ROLLOUT_REGISTRY[("tlt", "async")] = "tlt.integrations.verl.replica.TLTRolloutAdapter"
-    # after the CPU platform: verl's trainer modules ask the platform for the device at import
-    from tlt.integrations.verl import trainer  # registers trainer_mode=tlt
-
-    trainer.trainer_class()
+    # after the CPU platform: verl's trainer modules ask the platform for the device at import. The
+    # import registers trainer_mode=tlt; a script that imported the trainer first (which imported
+    # verl, which runs this) gets a half-loaded module here, registered once it finishes loading
+    from tlt.integrations.verl import trainer  # noqa: F401
     _validate_in_driver()
 
 

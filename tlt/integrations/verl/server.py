@@ -141,7 +141,8 @@ class TLTServer:
                 if train and self.cfg.buffer.capture == "rollout" else None)
         self.assembly = ReplicaEngine(self.model, self.cfg, max_len=self.max_len, seed=seed, rank=replica_rank,
                                       drafter=drafters.served, sink=feed, device=self.device.type,
-                                      max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization)
+                                      max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
+                                      drafter_later=bool(train))
         self.history_file = Path(run_dir) / HISTORY_FILE if run_dir else None
         if self.stale and self.history_file is not None and self.history_file.is_file():
             self._reload_history()
@@ -301,7 +302,7 @@ class TLTServer:
         threading.Thread(target=self._idle_work, name=f"tlt-idle-{self.rank}", daemon=True).start()
 
     def _idle_work(self) -> None:
-        with self._lock:  # ordered with _run_batch's BUSY: a batch queued meanwhile keeps it busy
+        with self._lock:  # ordered with _serving's BUSY: a generation queued meanwhile keeps it busy
             with self._mu:  # ordered with reserve(): a move on its way here keeps it busy
                 now = time.monotonic()
                 self._expected = [t for t in self._expected if t > now]
@@ -410,7 +411,13 @@ class TLTServer:
         if got is None:
             return drafters.version
         with self._lock:  # never in the middle of a batch (hence of a verify)
-            self.assembly.set_drafter(got[0])  # refused (a ValueError): nothing changed
+            try:
+                self.assembly.set_drafter(got[0])
+            except ValueError as e:  # the engine refuses it (no room in its memory): the old one serves on
+                log.error("replica %d: drafter version %d refused, the previous one serves on: %s", self.rank,
+                          version, e)
+                drafters.push(drafters.served, version)  # the guard's read-back differs: the push is rejected
+                return version
             drafters.push(got[0], version)  # the previous one: the push guard's rollback
         if self.core.agent is not None:  # the next one-rank session here resumes from memory
             spot = spot_config(self.cfg, self.seed)

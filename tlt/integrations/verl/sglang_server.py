@@ -280,9 +280,9 @@ class TLTSGLangServer(SGLangHttpServer):
         drafters = self.core.drafters
         if drafters.previous is None or drafters.previous[0] is None:  # (SGLang's own drafter: no source to push)
             return drafters.version
-        source = drafters.previous[0]
+        drafters.rollback(version)  # before the push's await: a push meanwhile follows this one
+        source = drafters.served
         await self._push(source, version)
-        drafters.rollback(version)
         log.warning("replica %d: drafter rolled back (%s)", self.rank, source)
         return version
 
