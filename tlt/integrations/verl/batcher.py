@@ -18,9 +18,9 @@ Load (:meth:`load`): after each step the worker publishes the running requests' 
 step's cost by batch size, which the tail policy reads (:mod:`tlt.coordinator.tail`).
 
 Threads and ownership: the event loop owns the futures, the gate and the ``_serving`` flag; a
-generation runs in one worker thread, which owns the engine from its first step to its last
-(inside ``serving()``, e.g. the replica's serving lock, taken and released in one function). The two meet only in
-``_mu``-guarded fields: ``_pending`` (event loop appends, worker takes), the abort and leave requests
+generation runs in one worker thread, which owns the engine from its first step to its last, inside
+``serving()`` (e.g. the replica's serving lock, taken and released in one function). The two meet
+only in ``_mu``-guarded fields: ``_pending`` (event loop appends, worker takes), the abort and leave requests
 (event loop posts, worker serves), and the published load (worker writes, anyone reads). A result is
 handed to the event loop with ``call_soon_threadsafe`` (FIFO with the worker's end, so every answer
 is delivered, and counted out of the in-flight count, before the event loop sees the generation
