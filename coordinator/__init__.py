@@ -11,12 +11,18 @@ else of ours (tests/tlt/test_integration_layout.py enforces it).
     driver     DriverClient: ``step_begin`` / ``rollout_done`` for the RL step controller
 """
 
-from tlt.coordinator.broker import Coordinator, CoordinatorConfig
-from tlt.coordinator.cli import main
-from tlt.coordinator.driver import DriverClient, RolloutOutcome
-from tlt.coordinator.policy import Event, PolicyConfig
-from tlt.coordinator.protocol import ProtocolError, WorkerState
-from tlt.coordinator.worker import WorkerClient, WorkerConfig
+import importlib
 
-__all__ = ["Coordinator", "CoordinatorConfig", "DriverClient", "Event", "PolicyConfig",
-           "ProtocolError", "RolloutOutcome", "WorkerClient", "WorkerConfig", "WorkerState", "main"]
+# name -> the submodule that defines it. Imported on first use (PEP 562), so that the pure parts
+# (``tlt.coordinator.tail``, ``policy``, ``states``) load without ZeroMQ: the rollout benches and the
+# tail simulator read them on machines that have no pyzmq.
+_EXPORTS = {"Coordinator": "broker", "CoordinatorConfig": "broker", "main": "cli", "DriverClient": "driver",
+            "RolloutOutcome": "driver", "Event": "policy", "PolicyConfig": "policy", "ProtocolError": "protocol",
+            "WorkerState": "protocol", "WorkerClient": "worker", "WorkerConfig": "worker"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
