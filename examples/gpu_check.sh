@@ -16,7 +16,7 @@
 #     paged      the 32K step at batch 1 and 8 on a paged KV cache of 16-position blocks
 #     memory     64 requests of 32K budgets for 60 s each on a paged and a static cache sized for 80 GB
 #     arms       every speculative path at 32K (chain and tree, EAGLE and EAGLE-3, greedy and sampled)
-#     tests      `pytest -m gpu`, twice in a row
+#     tests      `pytest -m gpu`, twice in a row (a test past 100 s dumps every thread's stack to its log)
 #     rollout    the demo target's SD/AR and tuner rollouts (tlt bench rollout)
 #     shapes     the short-context step-cost rows and the graph-memory bench
 # (The parts run in the order listed here, whatever the order in PARTS.)
@@ -103,7 +103,7 @@ if has arms; then
 fi
 if has tests; then
   for i in 1 2; do
-    part "pytest-gpu-$i" 240 python -m pytest -q -m gpu -p no:cacheprovider tests/rollout tests/drafter tests/tlt/test_replica_engine.py
+    part "pytest-gpu-$i" 240 python -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=100 tests/rollout tests/drafter tests/tlt/test_replica_engine.py
   done
 fi
 if has rollout; then

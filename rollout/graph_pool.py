@@ -1,16 +1,16 @@
 """Capture and replay of the planned CUDA graphs (CUDA only), and when and how safely to capture.
 
 Owns :class:`CaptureGate` (a shape is captured at its ``after``-th use), :func:`capturing` (below)
-and :class:`CudaGraphPool`: warm-up on a side stream, capture into one shared graph-memory pool
-per policy, replay with inputs copied into the static buffers, and the measured memory of each
-graph. It is model-agnostic: the engine hands it a factory ``make_step(key) -> (static_inputs, fn)``
+with its :class:`FairLock`, and :class:`CudaGraphPool`: warm-up on a side stream, capture into one
+shared graph-memory pool per policy, replay with inputs copied into the static buffers, and the
+measured memory of each graph. It is model-agnostic: the engine hands it a factory ``make_step(key) -> (static_inputs, fn)``
 for the keys of :mod:`tlt.rollout.graphs` (or whole plans of :func:`tlt.bench.graph_plan.plan_graphs`).
 
 A capture is safe by construction against the two things that invalidated one
 (``cudaErrorStreamCaptureInvalidated``, "operation not permitted when stream is capturing"): the
 garbage collector, which could free a dropped engine's graphs mid-capture, is collected before and
 disabled during the warm-up and capture; and other threads' device work (a replica's drift probe)
-takes :data:`CAPTURE_LOCK`, which a capture holds throughout.
+takes :data:`CAPTURE_LOCK`, which a capture holds throughout and gets in its turn.
 """
 
 from __future__ import annotations
@@ -32,8 +32,52 @@ log = logging.getLogger(__name__)
 # graphs by the plan policy that captured them, each policy its own memory pool (the engine captures
 # "bucketed"; the benches compare it with "naive", :mod:`tlt.bench.graph_plan`)
 POLICIES = ("bucketed", "naive")
+
+
+class FairLock:
+    """A reentrant lock granted in the order it was asked for. A capture waits for at most the
+    holders that asked before it: a thread that releases and at once asks again (a drift probe's
+    forwards back to back) queues behind the capture, where a plain lock lets it take the lock again
+    before the woken waiter runs, and a capture could wait behind any number of forwards."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._tickets = 0  # tickets handed out
+        self._serving = 0  # the ticket whose turn it is
+        self._owner: int | None = None
+        self._depth = 0
+
+    def acquire(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return
+            ticket = self._tickets
+            self._tickets += 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+            self._owner, self._depth = me, 1
+
+    def release(self) -> None:
+        with self._cond:
+            if self._owner != threading.get_ident():
+                raise RuntimeError("released by a thread that does not hold it")
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._serving += 1
+                self._cond.notify_all()
+
+    def __enter__(self) -> FairLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 # Held by every capture; device work on any other thread of the process takes it too.
-CAPTURE_LOCK = threading.RLock()
+CAPTURE_LOCK = FairLock()
 
 
 @contextlib.contextmanager

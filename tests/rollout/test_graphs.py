@@ -288,3 +288,39 @@ def test_pool_replay_matches_eager_and_bucketed_uses_less_memory():
         assert rep["ratio_pool_bytes"] > 1
     finally:
         pool.close()
+
+
+def test_a_capture_waits_for_at_most_the_holder_before_it():
+    """A thread taking CAPTURE_LOCK back to back (a drift probe's forwards in a loop, holding the GIL
+    between them) must not starve a capture: each time the main thread asks, it holds the lock after at
+    most the section in progress and one that asked just before it. (A plain RLock let dozens pass.)"""
+    import threading
+    import time
+
+    from tlt.rollout.graph_pool import CAPTURE_LOCK
+
+    stop, sections = threading.Event(), [0]
+
+    def busy():
+        while not stop.is_set():
+            with CAPTURE_LOCK:
+                sum(range(20000))  # Python work: the GIL is held, as between a forward's launches
+            sections[0] += 1
+
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    while sections[0] < 3:
+        time.sleep(0.001)
+    passed = []
+    try:
+        for _ in range(20):
+            before = sections[0]
+            with CAPTURE_LOCK, CAPTURE_LOCK:  # reentrant for its holder
+                passed.append(sections[0] - before)
+            time.sleep(0.002)
+    finally:
+        stop.set()
+        thread.join()
+    assert max(passed) <= 2, passed
+    with pytest.raises(RuntimeError, match="does not hold"):
+        CAPTURE_LOCK.release()
