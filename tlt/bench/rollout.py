@@ -20,10 +20,12 @@ variant one engine, as a replica keeps its engine and tuner across RL steps.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import platform
 import random
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -101,43 +103,66 @@ def run(args: argparse.Namespace) -> dict:
         return _run(args)
 
 
-def _run(args: argparse.Namespace) -> dict:
-    quick = bool(args.quick)
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The rollout every variant runs: the trained target, its warm-up drafter, and 64 requests (16
+    prompts x 4 samples) with lognormal lengths (4 x 4, shorter, with --quick)."""
+
+    model: TargetModel
+    drafter: Drafter
+    target_dir: Path
+    drafter_dir: Path
+    prompts: list[list[int]]
+    groups: list[int]
+    params: list[SamplingParams]
+    n_prompts: int
+    n_samples: int
+    cap: int  # the longest response a request may get
+
+    @property
+    def max_len(self) -> int:
+        return max(len(p) for p in self.prompts) + self.cap + 1
+
+
+def _workload(quick: bool, seed: int) -> Workload:
     target_dir = ensure_target((QUICK if quick else DEFAULT).target, progress=False)
     drafter_dir = demo_drafter(target_dir, 20 if quick else 150, quick)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CUDA: static shapes + graphs by default
     model = TargetModel.from_pretrained(target_dir, device=device)
     tok = TextTokenizer.from_pretrained(target_dir)
     drafter = Drafter.load(drafter_dir, model.embed_weight, model.lm_head.weight)
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     n_prompts, n_samples, median, cap = (4, 4, 24, 64) if quick else (16, 4, 96, 512)
-    corpus = make_corpus(n_prompts, CorpusConfig(seed=args.seed + 4242))
+    corpus = make_corpus(n_prompts, CorpusConfig(seed=seed + 4242))
     prompts, groups, params = [], [], []
     lengths = iter(lognormal_lengths(n_prompts * n_samples, rng, median, 1.0, lo=8, hi=cap))
     for g, p in enumerate(corpus):
         ids = tok.chat_prompt([{"role": "user", "content": p.prompt}])
         for _ in range(n_samples):
-            length = next(lengths)
             prompts.append(ids)
             groups.append(g)
-            params.append(SamplingParams(max_new_tokens=length))  # no stop id: lengths are the tail
-    max_len = max(len(p) for p in prompts) + cap + 1
-    bs = len(prompts)
+            params.append(SamplingParams(max_new_tokens=next(lengths)))  # no stop id: lengths are the tail
+    return Workload(model, drafter, target_dir, drafter_dir, prompts, groups, params, n_prompts, n_samples, cap)
+
+
+def _variants(w: Workload, seed: int) -> tuple[dict[str, RolloutEngine], int]:
+    """One engine (and tuner) per variant, built once and reused by every rollout, as a replica keeps
+    its engine and tuner across RL steps: buffers are allocated and first touched outside the timed
+    runs. A second, identical AR engine: its paired ratio to AR is the run's noise floor. Also the
+    blocks of the paged variant kept at half of plain decoding's peak."""
+    model, bs, max_len = w.model, len(w.prompts), w.max_len
 
     def engine(arm=None, proposer=None, tuner=None, threshold=None, **paged):
         return RolloutEngine(model, EngineConfig(max_batch=bs, max_len=max_len, arm=arm,
-                                                 elastic_threshold=threshold, seed=args.seed, **paged),
+                                                 elastic_threshold=threshold, seed=seed, **paged),
                              proposer=proposer, tuner=tuner)
 
-    def eagle():
+    def eagle(drafter=w.drafter):
         return EagleProposer(drafter, max_batch=bs, max_len=max_len + 64)
 
     def mab() -> BegMab:
-        return BegMab(TunerConfig.for_device(model.embed_weight.device.type, seed=args.seed))
+        return BegMab(TunerConfig.for_device(model.embed_weight.device.type, seed=seed))
 
-    # One engine (and tuner) per variant, built once and reused by every rollout, as a replica keeps
-    # its engine and tuner across RL steps: buffers are allocated and first touched outside the
-    # timed runs. A second, identical AR engine: its paired ratio to AR is the run's noise floor.
     engines = {"AR": engine(), "AR again (control)": engine()}
     for arm in STATIC_ARMS:
         engines[f"EAGLE static {arm}"] = engine(arm=arm, proposer=eagle())
@@ -145,27 +170,33 @@ def _run(args: argparse.Namespace) -> dict:
     engines["EAGLE + BEG-MAB"] = engine(proposer=eagle(), tuner=mab())
     # the cost of the drafter being there at all: attached, speculation never on
     engines["EAGLE proposer, SD off"] = engine(arm=Arm.off(), proposer=eagle())
-    torch.manual_seed(args.seed)
-    untrained = Drafter(drafter.config, model.embed_weight, model.lm_head.weight).to(device)
-    engines["random drafter + BEG-MAB"] = engine(
-        proposer=EagleProposer(untrained, max_batch=bs, max_len=max_len + 64), tuner=mab())
+    torch.manual_seed(seed)
+    untrained = Drafter(w.drafter.config, model.embed_weight, model.lm_head.weight).to(model.embed_weight.device)
+    engines["random drafter + BEG-MAB"] = engine(proposer=eagle(untrained), tuner=mab())
     engines["EAGLE + BEG-MAB, fixed elastic 32"] = engine(proposer=eagle(), tuner=mab(), threshold=32)
     # memory: a paged cache of 16-position blocks, roomy, and at half of plain decoding's peak (every
     # length is its budget here, so the peak is known before the run), where requests are evicted
-    peak = paged_peak([len(p) for p in prompts], [p.max_new_tokens for p in params], BLOCK)
+    peak = paged_peak([len(p) for p in w.prompts], [p.max_new_tokens for p in w.params], BLOCK)
     engines["AR, paged"] = engine(block_size=BLOCK)
     half = max(peak // 2, -(-(max_len + EngineConfig().max_draft_tokens) // BLOCK))
     engines["AR, paged, half its peak"] = engine(block_size=BLOCK, kv_blocks=half)
-    rows, ref = {}, None
-    repeats = args.repeats or (1 if quick else 5)
+    return engines, half
+
+
+def _timed_rollouts(w: Workload, engines: dict[str, RolloutEngine], repeats: int, seed: int) -> dict[str, dict]:
+    """Every variant's rollouts, each between two AR rollouts and paired with their mean (the
+    machine's speed drifts by tens of percent over tens of seconds, and the flanks cancel a linear
+    drift within ~4 s), after an untimed warm-up of every variant; a row per variant."""
     for e in engines.values():  # warm-up, not timed: allocator and caches; each tuner's first rollout
-        e.generate(prompts, params, groups)
+        e.generate(w.prompts, w.params, w.groups)
+    rows: dict[str, dict] = {}
     times: dict[str, list[float]] = {name: [] for name in engines}
     flank: dict[str, list[float]] = {name: [] for name in engines}  # per repeat: AR just before + after
+    ref = None
 
     def timed(name: str) -> float:  # one rollout, checked against AR's tokens; its seconds
         nonlocal ref
-        res = engines[name].generate(prompts, params, groups)
+        res = engines[name].generate(w.prompts, w.params, w.groups)
         if ref is None:
             ref = res.outputs
         elif res.outputs != ref:
@@ -180,8 +211,6 @@ def _run(args: argparse.Namespace) -> dict:
         log.info("%s: %.1fs", name, res.seconds)
         return res.seconds
 
-    # Every variant runs between two AR rollouts and is paired with their mean: the machine's speed
-    # drifts by tens of percent over tens of seconds, and the flanks cancel a linear drift within ~4 s.
     others = [name for name in engines if name != "AR"]
     for rep in range(repeats):
         before = timed("AR")
@@ -200,38 +229,67 @@ def _run(args: argparse.Namespace) -> dict:
         r["speedup_vs_ar"] = r["tokens_per_s"] / ar
         # per repeat, over the flanking AR rollouts (paired: slow phases of the machine cancel)
         r["paired_vs_ar"] = statistics.median(a / t for a, t in zip(flank[name], times[name]))
-        r["paired_vs_ar_ci90"] = paired_ci90(flank[name], times[name], args.seed)
-    best_static = max((k for k in rows if k.startswith("EAGLE static")), key=lambda k: rows[k]["paired_vs_ar"])
+        r["paired_vs_ar_ci90"] = paired_ci90(flank[name], times[name], seed)
+    return rows
 
-    chain = Arm(5, 1, 5)
-    by_batch = {b: fixed_batch(model, drafter, [prompts[(i * n_samples) % bs] for i in range(b)],
-                                32 if quick else 128, chain, max_len, repeats)
-                for b in ((1, 4) if quick else (1, 4, 8, 32))}
-    transfers = {}  # batch 8, 64 new tokens, log-probs included: the most any step made (prefill excluded)
+
+def _transfers(w: Workload) -> dict[str, int]:
+    """Host <-> device transfers, the most any step made (prefill excluded): batch 8, 64 new tokens,
+    log-probs included, plain, greedy speculative and sampled speculative."""
+    out = {}
     for name, arm, temp in (("ar", None, 0.0), ("sd", Arm(3, 1, 3), 0.0), ("sampled", Arm(3, 1, 3), 1.0)):
-        eng = RolloutEngine(model, EngineConfig(max_batch=8, max_len=max_len, arm=arm, elastic_threshold=8),
-                            proposer=EagleProposer(drafter, max_batch=8, max_len=max_len + 64) if arm else None)
-        eng.generate(prompts[:8], [SamplingParams(max_new_tokens=64, temperature=temp)] * 8)  # CUDA: captures
+        eng = RolloutEngine(w.model, EngineConfig(max_batch=8, max_len=w.max_len, arm=arm, elastic_threshold=8),
+                            proposer=EagleProposer(w.drafter, max_batch=8, max_len=w.max_len + 64) if arm else None)
+        params = [SamplingParams(max_new_tokens=64, temperature=temp)] * 8
+        eng.generate(w.prompts[:8], params)  # CUDA: captures
         with count_per_call(eng, "_step", eng.device) as calls:  # the steady state: graphs replayed
-            eng.generate(prompts[:8], [SamplingParams(max_new_tokens=64, temperature=temp)] * 8)
-        transfers[name] = max(c.total for c in calls)
+            eng.generate(w.prompts[:8], params)
+        out[name] = max(c.total for c in calls)
+    return out
+
+
+def _run(args: argparse.Namespace) -> dict:
+    quick = bool(args.quick)
+    w = _workload(quick, args.seed)
+    repeats = args.repeats or (1 if quick else 5)
+    engines, half = _variants(w, args.seed)
+    rows = _timed_rollouts(w, engines, repeats, args.seed)
+    best_static = max((k for k in rows if k.startswith("EAGLE static")), key=lambda k: rows[k]["paired_vs_ar"])
+    chain, bs = Arm(5, 1, 5), len(w.prompts)
+    by_batch = {b: fixed_batch(w.model, w.drafter, [w.prompts[(i * w.n_samples) % bs] for i in range(b)],
+                                32 if quick else 128, chain, w.max_len, repeats)
+                for b in ((1, 4) if quick else (1, 4, 8, 32))}
+    transfers = _transfers(w)
     workloads = {"long_tail": "EAGLE + BEG-MAB", "ngram_siblings": "n-gram + BEG-MAB",
                  "random_drafter": "random drafter + BEG-MAB"}
-    workloads = {w: {"variant": v, "adaptive_vs_ar": rows[v]["speedup_vs_ar"],
+    workloads = {k: {"variant": v, "adaptive_vs_ar": rows[v]["speedup_vs_ar"],
                      "adaptive_vs_ar_paired": rows[v]["paired_vs_ar"],
-                     "adaptive_vs_ar_paired_ci90": rows[v]["paired_vs_ar_ci90"]} for w, v in workloads.items()}
+                     "adaptive_vs_ar_paired_ci90": rows[v]["paired_vs_ar_ci90"]} for k, v in workloads.items()}
+    workloads["long_tail"]["adaptive_vs_best_static"] = (rows["EAGLE + BEG-MAB"]["paired_vs_ar"]
+                                                         / rows[best_static]["paired_vs_ar"])
+    static = bs * engines["AR"].cfg.slots
+    ctl = rows["AR again (control)"]
+    return {"bench": "rollout", "quick": quick, "requests": bs, "repeats": repeats, "variants": rows, "best_static": best_static,
+            "by_batch": by_batch, "workloads": workloads, "control_paired_vs_ar": ctl["paired_vs_ar"],
+            "control_paired_vs_ar_ci90": ctl["paired_vs_ar_ci90"],
+            "transfers_per_step_max": transfers, "kv": {"block_size": BLOCK, "static_positions": static,
+                                                        "half_blocks": half}, "target": str(w.target_dir), "drafter": str(w.drafter_dir),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+            "summary": _summary(w, rows, best_static, by_batch, workloads, transfers, chain, static, half, repeats)}
 
+
+def _summary(w: Workload, rows: dict, best_static: str, by_batch: dict, workloads: dict, transfers: dict,
+             chain: Arm, static: int, half: int, repeats: int) -> list[str]:
     def vs(a: str, b: str) -> float:  # variant a over variant b, each relative to its flanking AR rollouts
         return rows[a]["paired_vs_ar"] / rows[b]["paired_vs_ar"]
 
     tuned = "EAGLE + BEG-MAB"
-    workloads["long_tail"]["adaptive_vs_best_static"] = vs(tuned, best_static)
     lines = [f"rollout bench ({repeats} repeats after an untimed warm-up of every variant, each variant between "
              "two AR rollouts and paired with their mean, medians; "
-             f"each variant keeps its engine and tuner across rollouts, as across RL steps): {bs} requests "
-             f"({n_prompts} prompts x {n_samples}), response lengths "
-             f"{min(p.max_new_tokens for p in params)}..{max(p.max_new_tokens for p in params)} (lognormal), "
-             f"greedy, {torch.get_num_threads()} torch thread(s), target {target_dir.name}; every variant "
+             f"each variant keeps its engine and tuner across rollouts, as across RL steps): {len(w.prompts)} requests "
+             f"({w.n_prompts} prompts x {w.n_samples}), response lengths "
+             f"{min(p.max_new_tokens for p in w.params)}..{max(p.max_new_tokens for p in w.params)} (lognormal), "
+             f"greedy, {torch.get_num_threads()} torch thread(s), target {w.target_dir.name}; every variant "
              "reproduced the AR tokens exactly"]
     for k, r in rows.items():
         al = f"AL {r['mean_accept_length']:.2f}" if r["mean_accept_length"] else "        "
@@ -246,13 +304,12 @@ def _run(args: argparse.Namespace) -> dict:
     lines.append(f"  noise floor: an identical AR engine measured {ctl['paired_vs_ar']:.2f}x paired (90% CI "
                  f"{ctl['paired_vs_ar_ci90'][0]:.2f}-{ctl['paired_vs_ar_ci90'][1]:.2f})")
     lines.append("  adaptive vs AR: " + ", ".join(
-        f"{w} {r['adaptive_vs_ar']:.2f}x (paired {r['adaptive_vs_ar_paired']:.2f}x, 90% CI "
-        f"{r['adaptive_vs_ar_paired_ci90'][0]:.2f}-{r['adaptive_vs_ar_paired_ci90'][1]:.2f})" for w, r in workloads.items())
+        f"{k} {r['adaptive_vs_ar']:.2f}x (paired {r['adaptive_vs_ar_paired']:.2f}x, 90% CI "
+        f"{r['adaptive_vs_ar_paired_ci90'][0]:.2f}-{r['adaptive_vs_ar_paired_ci90'][1]:.2f})" for k, r in workloads.items())
                  + f"; host<->device transfers per step (most): plain {transfers['ar']}, speculative "
                  f"{transfers['sd']} (greedy), sampled speculative {transfers['sampled']} (T=1, shared-noise drafts)")
-    static = bs * engines["AR"].cfg.slots
     pg, hf = rows["AR, paged"], rows["AR, paged, half its peak"]
-    lines.append(f"  KV memory: a static cache of {bs} rows holds {static:,} positions; plain decoding's peak held "
+    lines.append(f"  KV memory: a static cache of {len(w.prompts)} rows holds {static:,} positions; plain decoding's peak held "
                  f"{rows['AR']['kv_peak_positions']:,} ({100 * rows['AR']['kv_peak_positions'] / static:.0f}%); paged "
                  f"({BLOCK}-position blocks): peak {pg['kv_peak_blocks']:,} blocks = "
                  f"{100 * pg['kv_peak_blocks'] * BLOCK / static:.0f}% of the static cache, paired "
@@ -265,10 +322,4 @@ def _run(args: argparse.Namespace) -> dict:
                      f"{r['sd_step_ms']:.2f} ms = draft {r['draft_ms']:.2f} + verify {r['verify_ms']:.2f}, host "
                      f"{r['ar_host_ms']:.2f} / {r['sd_host_ms']:.2f} ms; "
                      f"step-level limit AL x plain / speculative = {r['step_limit']:.2f}x; lossless {r['lossless']})")
-    return {"bench": "rollout", "quick": quick, "requests": bs, "repeats": repeats, "variants": rows, "best_static": best_static,
-            "by_batch": by_batch, "workloads": workloads, "control_paired_vs_ar": ctl["paired_vs_ar"],
-            "control_paired_vs_ar_ci90": ctl["paired_vs_ar_ci90"],
-            "transfers_per_step_max": transfers, "kv": {"block_size": BLOCK, "static_positions": static,
-                                                        "half_blocks": half}, "target": str(target_dir), "drafter": str(drafter_dir),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "summary": lines}
+    return lines
