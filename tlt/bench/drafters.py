@@ -96,6 +96,51 @@ def structure_ceiling(outputs: list[list[int]], digits: set[int], depth: int) ->
     return committed / verifies if verifies else 1.0
 
 
+def _proposers(name: str, drafter: Drafter, batch: int, max_len: int) -> tuple[dict, ResponseHistory | None]:
+    """Fresh proposers (by engine name) of variant ``name`` and the history they read."""
+    def suffix(history: bool, global_pool: bool) -> tuple[SuffixProposer, ResponseHistory | None]:
+        hist = ResponseHistory(HistoryConfig(global_tokens=8192 if global_pool else 0)) if history else None
+        return SuffixProposer(history=hist), hist
+
+    def eagle() -> EagleProposer:
+        return EagleProposer(drafter, max_batch=batch, max_len=max_len + 32)
+
+    if name == "EAGLE (warm-up)":
+        return {"": eagle()}, None
+    if name == "BEG-MAB: EAGLE + suffix":
+        prop, hist = suffix(True, True)
+        return {"": eagle(), "suffix": prop}, hist
+    if name == UNION:
+        prop, hist = suffix(True, True)
+        return {"": UnionProposer(eagle(), prop)}, hist
+    prop, hist = suffix("history" in name, "global" in name)
+    return {"": prop}, hist
+
+
+def _measure(name: str, eng: RolloutEngine, props: dict, hist: ResponseHistory | None, reqs: list[list[int]],
+             groups: list[int], params: SamplingParams, epochs: int, seed: int, ref: list) -> dict:
+    """``epochs`` rollouts of the same requests (new seeds each), the history fed after each; every
+    epoch's outputs checked against the first variant's (``ref``, filled by it)."""
+    committed = verifies = 0
+    for epoch in range(epochs):
+        seeds = [derive(seed, epoch * 10_007 + i) for i in range(len(reqs))]
+        res = eng.generate(reqs, params, groups, seeds)
+        if len(ref) == epoch:
+            ref.append(res.outputs)
+        if res.outputs != ref[epoch]:
+            raise AssertionError(f"{name}: epoch {epoch}'s outputs differ from the other variants' (not lossless)")
+        if epoch > 0:  # epoch 0 has no history: the figures are over the recurring epochs
+            committed += sum(res.accept_lengths)
+            verifies += len(res.accept_lengths)
+        if hist is not None:
+            hist.add(epoch, list(zip(reqs, res.outputs)))
+    us = {k or "main": 1e6 * p.seconds / max(1, p.requests) for k, p in props.items()}
+    catch_up = {k or "main": 1e6 * p.catch_up / max(1, p.requests) for k, p in props.items()}
+    return {"accept_length": committed / verifies if verifies else None, "verifies": verifies,
+            "us_per_propose_per_request": us, "us_catch_up_per_request": catch_up,
+            "history": hist.stats() if hist is not None else None}
+
+
 def run(args: argparse.Namespace) -> dict:
     quick = bool(args.quick)
     size = QUICK if quick else DEFAULT
@@ -118,27 +163,6 @@ def run(args: argparse.Namespace) -> dict:
                             stop_ids=tuple(model.config.eos_ids or (tok.eos_id,)))
     max_len = max(map(len, reqs)) + size.max_response + 1
     cfg = EngineConfig(max_batch=len(reqs), max_len=max_len, max_draft_tokens=16)
-
-    def suffix(history: bool, global_pool: bool) -> tuple[SuffixProposer, ResponseHistory | None]:
-        hist = ResponseHistory(HistoryConfig(global_tokens=8192 if global_pool else 0)) if history else None
-        return SuffixProposer(history=hist), hist
-
-    def eagle() -> EagleProposer:
-        return EagleProposer(drafter, max_batch=len(reqs), max_len=max_len + 32)
-
-    def variant(name: str) -> tuple[dict, ResponseHistory | None]:
-        """Fresh proposers (by engine name) and the history they read, for one measurement."""
-        if name == "EAGLE (warm-up)":
-            return {"": eagle()}, None
-        if name == "BEG-MAB: EAGLE + suffix":
-            prop, hist = suffix(True, True)
-            return {"": eagle(), "suffix": prop}, hist
-        if name == UNION:
-            prop, hist = suffix(True, True)
-            return {"": UnionProposer(eagle(), prop)}, hist
-        prop, hist = suffix("history" in name, "global" in name)
-        return {"": prop}, hist
-
     names = ("suffix, siblings only", "suffix + history", "suffix + history + global", "EAGLE (warm-up)",
              "BEG-MAB: EAGLE + suffix", UNION)
     arms = {"chain": Arm(6, 1, 6), "tree": Arm(6, 2, 12)}
@@ -148,38 +172,34 @@ def run(args: argparse.Namespace) -> dict:
         for shape_name, arm in arms.items():
             if name == UNION and arm.topk < 2:
                 continue  # a union has two paths at least
-            inner, hist = variant(name)
+            inner, hist = _proposers(name, drafter, len(reqs), max_len)
             props = {k: _Timed(p) for k, p in inner.items()}
             tuned = len(props) > 1
             tuner = BegMab(TunerConfig.for_device("cpu", proposers=("", "suffix"), seed=args.seed)) if tuned else None
             eng = RolloutEngine(model, dataclasses.replace(cfg, arm=None if tuned else arm), proposers=props,
                                 tuner=tuner)
-            committed = verifies = 0
-            for epoch in range(epochs):
-                seeds = [derive(args.seed, epoch * 10_007 + i) for i in range(len(reqs))]
-                res = eng.generate(reqs, params, groups, seeds)
-                if len(ref) == epoch:
-                    ref.append(res.outputs)
-                if res.outputs != ref[epoch]:
-                    raise AssertionError(f"{name}: epoch {epoch}'s outputs differ from the other variants' (not lossless)")
-                if epoch > 0:  # epoch 0 has no history: the figures are over the recurring epochs
-                    committed += sum(res.accept_lengths)
-                    verifies += len(res.accept_lengths)
-                if hist is not None:
-                    hist.add(epoch, list(zip(reqs, res.outputs)))
-            us = {k or "main": 1e6 * p.seconds / max(1, p.requests) for k, p in props.items()}
-            catch_up = {k or "main": 1e6 * p.catch_up / max(1, p.requests) for k, p in props.items()}
-            table.setdefault(name, {})[shape_name] = {
-                "accept_length": committed / verifies if verifies else None, "verifies": verifies,
-                "us_per_propose_per_request": us, "us_catch_up_per_request": catch_up, "history": hist.stats() if hist is not None else None}
-            log.info("%s %s: AL %.2f", name, shape_name, committed / max(1, verifies))
+            row = table.setdefault(name, {})[shape_name] = _measure(name, eng, props, hist, reqs, groups, params,
+                                                                    epochs, args.seed, ref)
+            log.info("%s %s: AL %.2f", name, shape_name, row["accept_length"] or 0.0)
     base = table["suffix, siblings only"]
     digits = {t for t in range(tok.vocab_size) if any(c.isdigit() for c in tok.decode([t]))}
     ceiling = {s: structure_ceiling([o for outs in ref[1:] for o in outs], digits, arms[s].depth) for s in arms}
     lines = [f"drafters: {n_prompts} prompts x {n} samples of the demo's task at temperature 1, {epochs} epochs "
              f"(the same prompts each epoch, new seeds), target {target.name}, {torch.get_num_threads()} thread(s); "
              f"accept length over epochs 2..{epochs} (tokens per verify, bonus included); chain {arms['chain']}, "
-             f"tree {arms['tree']} (BEG-MAB picks its own arms)"]
+             f"tree {arms['tree']} (BEG-MAB picks its own arms)"] + _table_lines(table, ceiling)
+    return {"bench": "drafters", "quick": quick, "target": str(target), "prompts": n_prompts, "samples": n,
+            "epochs": epochs, "arms": {k: str(v) for k, v in arms.items()}, "variants": table,
+            "history_over_siblings": {s: table["suffix + history"][s]["accept_length"] / base[s]["accept_length"]
+                                      for s in arms},
+            "text_ceiling": ceiling,
+            "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                        "threads": torch.get_num_threads()}, "summary": lines}
+
+
+def _table_lines(table: dict[str, dict[str, dict]], ceiling: dict[str, float]) -> list[str]:
+    base = table["suffix, siblings only"]
+    lines = []
     for name, row in table.items():
         cells = []
         for shape_name, r in row.items():
@@ -197,10 +217,4 @@ def run(args: argparse.Namespace) -> dict:
         lines.append("  arctic-inference is installed: its SuffixDecodingCache is not wired into this bench yet")
     except ImportError:
         lines.append("  arctic-inference is not installed here (its sdist needs --no-build-isolation): no comparison line")
-    return {"bench": "drafters", "quick": quick, "target": str(target), "prompts": n_prompts, "samples": n,
-            "epochs": epochs, "arms": {k: str(v) for k, v in arms.items()}, "variants": table,
-            "history_over_siblings": {s: table["suffix + history"][s]["accept_length"] / base[s]["accept_length"]
-                                      for s in arms},
-            "text_ceiling": ceiling,
-            "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                        "threads": torch.get_num_threads()}, "summary": lines}
+    return lines
