@@ -164,15 +164,28 @@ def _run(args: argparse.Namespace) -> dict:
         log.info("mixed lengths %s", lens)
         mixed_row = {"lengths": lens, **one_engine_at_a_time(model, drafter, prompts, new_tokens, chain,
                                                               max(lens) + new_tokens + 8, baseline, block_size)}
+    how = (f"one engine at a time, medians over steps {WARM_STEPS + 1}+ of one rollout" if long else
+           f"medians over {repeats} alternating repeats")
+    setup = (f"{prompt_len}-token prompts, {new_tokens} new tokens, chain {chain} by an untrained EAGLE drafter; {how}"
+             + (f"; a paged KV cache of {block_size}-position blocks" if block_size else ""))
+    lines = _summary(model, shape, dtype, setup, chain, by_batch, mixed_row)
+    return {"bench": "step-cost", "quick": quick, "shape": shape, "config": fields, "dtype": str(dtype),
+            "device": str(dev), "chain": str(chain), "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "block_size": block_size, "by_batch": by_batch, "mixed": mixed_row,
+            "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                        "gpu": torch.cuda.get_device_name() if cuda else None}, "summary": lines}
+
+
+def _summary(model: TargetModel, shape: str, dtype: torch.dtype, setup: str, chain: Arm, by_batch: dict,
+             mixed_row: dict | None) -> list[str]:
+    """The bench's lines; fails in fp32 (not in bf16, where near ties round apart) if a row's
+    speculative tokens left plain decoding's."""
+    cuda = torch.cuda.is_available()
     n = sum(p.numel() for p in model.parameters())
     size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
     where = torch.cuda.get_device_name() if cuda else platform.processor() or "CPU"
-    how = (f"one engine at a time, medians over steps {WARM_STEPS + 1}+ of one rollout" if long else
-           f"medians over {repeats} alternating repeats")
     lines = [f"step cost: random-weight {shape} target ({size} parameters, {dtype}) on {where}, "
-             f"{torch.get_num_threads()} torch thread(s); {prompt_len}-token prompts, {new_tokens} new tokens, "
-             f"chain {chain} by an untrained EAGLE drafter; {how}"
-             + (f"; a paged KV cache of {block_size}-position blocks" if block_size else "")]
+             f"{torch.get_num_threads()} torch thread(s); {setup}"]
     rows = [(f"batch {b:2d}", r) for b, r in by_batch.items()]
     rows += [(f"mixed {mixed_row['lengths'][0]}..{max(mixed_row['lengths'])}", mixed_row)] if mixed_row else []
     for label, r in rows:
@@ -194,8 +207,4 @@ def _run(args: argparse.Namespace) -> dict:
         # plain step (1 token); the timings stand, token identity is the fp32 suites' to prove
         lines.append(f"  {dtype}: tokens differ from plain decoding at a near tie (the step's shapes round "
                      "differently); the fp32 runs and the losslessness suites prove token identity")
-    return {"bench": "step-cost", "quick": quick, "shape": shape, "config": fields, "dtype": str(dtype),
-            "device": str(dev), "chain": str(chain), "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "block_size": block_size, "by_batch": by_batch, "mixed": mixed_row,
-            "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                        "gpu": torch.cuda.get_device_name() if cuda else None}, "summary": lines}
+    return lines
