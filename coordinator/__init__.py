@@ -11,7 +11,7 @@ else of ours (tests/tlt/test_integration_layout.py enforces it).
     driver     DriverClient: ``step_begin`` / ``rollout_done`` for the RL step controller
 """
 
-import importlib
+import importlib as _importlib
 
 # name -> the submodule that defines it. Imported on first use (PEP 562), so that the pure parts
 # (``tlt.coordinator.tail``, ``policy``, ``states``) load without ZeroMQ: the rollout benches and the
@@ -25,4 +25,8 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    return getattr(_importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

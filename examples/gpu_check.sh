@@ -103,7 +103,7 @@ if has arms; then
 fi
 if has tests; then
   for i in 1 2; do
-    part "pytest-gpu-$i" 240 python -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=100 tests/rollout tests/drafter tests/tlt/test_replica_engine.py
+    part "pytest-gpu-$i" 300 python -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=100 tests/rollout tests/drafter tests/tlt/test_replica_engine.py
   done
 fi
 if has rollout; then

@@ -3,8 +3,9 @@
 Owns :class:`CaptureGate` (a shape is captured at its ``after``-th use), :func:`capturing` (below)
 with its :class:`FairLock`, and :class:`CudaGraphPool`: warm-up on a side stream, capture into one
 shared graph-memory pool per policy, replay with inputs copied into the static buffers, and the
-measured memory of each graph. It is model-agnostic: the engine hands it a factory ``make_step(key) -> (static_inputs, fn)``
-for the keys of :mod:`tlt.rollout.graphs` (or whole plans of :func:`tlt.bench.graph_plan.plan_graphs`).
+measured memory of each graph. It is model-agnostic: the engine hands it a factory
+``make_step(key) -> (static_inputs, fn)`` for the keys of :mod:`tlt.rollout.graphs` (or whole plans
+of :func:`tlt.bench.graph_plan.plan_graphs`).
 
 A capture is safe by construction against the two things that invalidated one
 (``cudaErrorStreamCaptureInvalidated``, "operation not permitted when stream is capturing"): the
@@ -38,25 +39,33 @@ class FairLock:
     """A reentrant lock granted in the order it was asked for. A capture waits for at most the
     holders that asked before it: a thread that releases and at once asks again (a drift probe's
     forwards back to back) queues behind the capture, where a plain lock lets it take the lock again
-    before the woken waiter runs, and a capture could wait behind any number of forwards."""
+    before the woken waiter runs, and a capture could wait behind any number of forwards. A waiter
+    interrupted by an exception gives its turn up."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._tickets = 0  # tickets handed out
         self._serving = 0  # the ticket whose turn it is
+        self._given_up: set[int] = set()  # tickets whose waiter left before its turn
         self._owner: int | None = None
         self._depth = 0
 
-    def acquire(self) -> None:
+    def acquire(self) -> bool:
         me = threading.get_ident()
         with self._cond:
             if self._owner == me:
                 self._depth += 1
-                return
+                return True
             ticket = self._tickets
             self._tickets += 1
-            self._cond.wait_for(lambda: self._serving == ticket)
+            try:
+                self._cond.wait_for(lambda: self._serving == ticket)
+            except BaseException:
+                self._given_up.add(ticket)
+                self._next_turn()
+                raise
             self._owner, self._depth = me, 1
+            return True
 
     def release(self) -> None:
         with self._cond:
@@ -66,7 +75,14 @@ class FairLock:
             if self._depth == 0:
                 self._owner = None
                 self._serving += 1
-                self._cond.notify_all()
+                self._next_turn()
+
+    def _next_turn(self) -> None:
+        """Skip the turns given up (under the condition's lock) and wake the waiters."""
+        while self._owner is None and self._serving in self._given_up:
+            self._given_up.discard(self._serving)
+            self._serving += 1
+        self._cond.notify_all()
 
     def __enter__(self) -> FairLock:
         self.acquire()

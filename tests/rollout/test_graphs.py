@@ -4,11 +4,13 @@ capture/replay parity and memory (GPU)."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
 
-from tlt.rollout.graph_pool import CudaGraphPool
+from tlt.rollout.graph_pool import CAPTURE_LOCK, CudaGraphPool, FairLock
 from tlt.bench.graph_plan import DEFAULT_BUCKETS, DraftGraphKey, GraphPlanConfig, GraphSet, plan_graphs
 from tlt.rollout.graphs import CaptureSizes, DraftLoopGraphKey, TargetGraphKey
 from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_bytes, estimate_parts, memory_report
@@ -294,11 +296,6 @@ def test_a_capture_waits_for_at_most_the_holder_before_it():
     """A thread taking CAPTURE_LOCK back to back (a drift probe's forwards in a loop, holding the GIL
     between them) must not starve a capture: each time the main thread asks, it holds the lock after at
     most the section in progress and one that asked just before it. (A plain RLock let dozens pass.)"""
-    import threading
-    import time
-
-    from tlt.rollout.graph_pool import CAPTURE_LOCK
-
     stop, sections = threading.Event(), [0]
 
     def busy():
@@ -324,3 +321,38 @@ def test_a_capture_waits_for_at_most_the_holder_before_it():
     assert max(passed) <= 2, passed
     with pytest.raises(RuntimeError, match="does not hold"):
         CAPTURE_LOCK.release()
+
+
+def test_a_waiter_interrupted_gives_its_turn_up():
+    """An exception in a waiter must not leave the lock to a turn nobody takes: when the holder
+    releases, the next waiter gets it."""
+    lock = FairLock()
+    lock.acquire()
+    real_wait, errors = lock._cond.wait_for, []
+
+    def interrupted(predicate):
+        raise KeyboardInterrupt
+
+    def ask():
+        try:
+            lock.acquire()
+        except KeyboardInterrupt as e:
+            errors.append(e)
+
+    lock._cond.wait_for = interrupted
+    first = threading.Thread(target=ask)
+    first.start()
+    first.join(5)
+    lock._cond.wait_for = real_wait
+    assert len(errors) == 1  # it took a ticket and left while the holder held
+    got = threading.Event()
+    second = threading.Thread(target=lambda: (lock.acquire(), got.set(), lock.release()), daemon=True)
+    second.start()
+    time.sleep(0.05)
+    assert not got.is_set()  # the holder still holds it
+    lock.release()
+    second.join(5)
+    assert got.is_set()
+    assert lock.acquire() and lock.acquire()  # reentrant, True as a threading lock returns
+    lock.release()
+    lock.release()
