@@ -310,9 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mixed", action="store_true",
                    help="step-cost: add a batch of mixed lengths (1K to 32K) on a 32K cache")
     s.add_argument("--from", dest="runs_from", nargs="+", metavar="DIR",
-                   help="consolidation, demo: aggregate these `tlt demo` output directories (consolidation: "
-                   "`--arms BCE` runs) instead of running the demo --repeats times (default 3); tail-batching: "
-                   "the one `tlt demo --arms ABCFGH` directory to read")
+                   help="demo: summarize these `tlt demo` output directories, each view where every run holds "
+                   "its arms (ABC the main job, BCE tail consolidation, A and F tail batching) instead of running "
+                   "the demo --repeats times (default 3); consolidation: that view alone (`--arms BCE` runs); "
+                   "tail-batching: the one `tlt demo --arms ABCFGH` directory to read")
     s.add_argument("--validate", action="store_true",
                    help="tail: predict a demo run's per-step rollout time (--from FIT_RUN PREDICT_RUN: step costs "
                    "from the first, lengths and measured times from the second) and report the error")

@@ -6,7 +6,8 @@ the stale reference both arms' spot vs stale accept length is measured against. 
 (coupled sampling), so each RL step is a paired comparison. ``--from DIR ...`` aggregates runs made
 before (their step and response records) instead of running the demo.
 
-The record gives, per run and pooled over the runs' steps (start-up step left out), with 90%
+This is one view of ``tlt bench demo`` (:mod:`tlt.bench.demo_runs`), which shows it for any runs
+holding these arms. The record gives, per run and pooled over the runs' steps (start-up step left out), with 90%
 intervals from resampling steps: the rollout and step time ratios E / C (off / on), the
 spot-training replica-seconds ratio C / E, each arm's spot vs stale accept length, the share of identical
 responses and the requests moved per step.
@@ -80,6 +81,35 @@ def aggregate(runs: list[Path]) -> dict:
     return {"runs": per_run, "across_runs": spread, "pooled": pooled(runs)}
 
 
+def lines(agg: dict) -> list[str]:
+    """The summary of :func:`aggregate`'s record."""
+    p = agg["pooled"]
+
+    def ci(k):
+        iv = p.get(f"{k}_ci90")
+        return f" (90% CI {iv[0]:.2f}-{iv[1]:.2f})" if iv else ""
+
+    def f(x):
+        return "n/a" if x is None else f"{x:.2f}"
+
+    same = [r["identical_share_c_e"] for r in agg["runs"]]
+    out = [f"{len(agg['runs'])} paired runs (tlt demo --arms BCE), {p['steps']} RL steps pooled (steps 2+ of each)",
+           "identical responses C vs E: " + ", ".join("n/a" if x is None else f"{100 * x:.1f}%" for x in same),
+           f"rollout time E / C (off / on) {f(p['rollout_time_ratio_e_over_c'])}x"
+           f"{ci('rollout_time_ratio_e_over_c')}; step time {f(p['step_time_ratio_e_over_c'])}x"
+           f"{ci('step_time_ratio_e_over_c')}"]
+    train = p.get("spot_training_s_per_step") or {}
+    out.append(f"spot-training replica-seconds per RL step C {f(train.get('C'))}, E {f(train.get('E'))}: C / E "
+               f"{f(p['spot_training_ratio_c_over_e'])}x{ci('spot_training_ratio_c_over_e')}; requests moved "
+               f"per step (C) {f(p['moves_per_step_c'])}")
+    out.append(f"spot vs stale accept length: C {f(p['accept_length_ratio_spot_vs_stale'])}x"
+               f"{ci('accept_length_ratio_spot_vs_stale')}, E {f(p['accept_length_ratio_spot_vs_stale_e'])}x"
+               f"{ci('accept_length_ratio_spot_vs_stale_e')}")
+    for k, v in agg["across_runs"].items():
+        out.append(f"  {k}: mean {v['mean']:.2f}, range {v['min']:.2f}-{v['max']:.2f} over {v['runs']} runs")
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     from tlt.demo.job import run_demo
 
@@ -91,29 +121,5 @@ def run(args: argparse.Namespace) -> dict:
             run_demo(root / f"run-{i + 1}", quick=args.quick, progress=True, arms=ARMS)
             runs.append(root / f"run-{i + 1}")
     rec = {"bench": "consolidation", "quick": bool(args.quick), **aggregate(runs)}
-    p, lines = rec["pooled"], []
-
-    def ci(k):
-        iv = p.get(f"{k}_ci90")
-        return f" (90% CI {iv[0]:.2f}-{iv[1]:.2f})" if iv else ""
-
-    def f(x):
-        return "n/a" if x is None else f"{x:.2f}"
-
-    same = [r["identical_share_c_e"] for r in rec["runs"]]
-    lines.append(f"{len(runs)} paired runs (tlt demo --arms BCE), {p['steps']} RL steps pooled (steps 2+ of each)")
-    lines.append("identical responses C vs E: " + ", ".join("n/a" if x is None else f"{100 * x:.1f}%" for x in same))
-    lines.append(f"rollout time E / C (off / on) {f(p['rollout_time_ratio_e_over_c'])}x"
-                 f"{ci('rollout_time_ratio_e_over_c')}; step time {f(p['step_time_ratio_e_over_c'])}x"
-                 f"{ci('step_time_ratio_e_over_c')}")
-    train = p.get("spot_training_s_per_step") or {}
-    lines.append(f"spot-training replica-seconds per RL step C {f(train.get('C'))}, E {f(train.get('E'))}: C / E "
-                 f"{f(p['spot_training_ratio_c_over_e'])}x{ci('spot_training_ratio_c_over_e')}; requests moved "
-                 f"per step (C) {f(p['moves_per_step_c'])}")
-    lines.append(f"spot vs stale accept length: C {f(p['accept_length_ratio_spot_vs_stale'])}x"
-                 f"{ci('accept_length_ratio_spot_vs_stale')}, E {f(p['accept_length_ratio_spot_vs_stale_e'])}x"
-                 f"{ci('accept_length_ratio_spot_vs_stale_e')}")
-    for k, v in rec["across_runs"].items():
-        lines.append(f"  {k}: mean {v['mean']:.2f}, range {v['min']:.2f}-{v['max']:.2f} over {v['runs']} runs")
-    rec["summary"] = lines
+    rec["summary"] = lines(rec)
     return rec

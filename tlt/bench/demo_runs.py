@@ -1,16 +1,19 @@
-"""``tlt bench demo``: the main job's headline figures over several ``tlt demo`` runs.
+"""``tlt bench demo``: what a set of ``tlt demo`` runs shows, by the arms they hold.
 
-Owns the record README's results table reads (``docs/bench/demo_runs.json``). ``--from DIR ...``
-aggregates runs made before: each DIR is a ``tlt demo`` output directory. Its summary is computed
-again from the arms' step and response records, with this code, so every run is read the same way.
-Without ``--from`` it runs the default demo ``--repeats`` times (default 3) into a temporary
-directory.
+Owns the record README's results table reads (``docs/bench/demo_runs.json``) and the views of a
+set of runs. ``--from DIR ...`` reads runs made before: each DIR is a ``tlt demo`` output
+directory, and its figures are computed again from the arms' step and response records, with this
+code, so every run is read the same way. Without ``--from`` it runs the default demo ``--repeats``
+times (default 3) into a temporary directory.
 
-Per run, and as mean, range and count across runs:
-- rollout and RL step time, AR / TLT (arm A over arm C);
-- spot vs stale accept length (arm C over arm B);
-- the share of responses token-identical between the arms;
-- arm A's reward, last step over first.
+Each view reads the arms it compares, where every run holds them:
+- the main job (arms A, B, C), per run and as mean, range and count across runs: rollout and RL
+  step time AR / TLT (arm A over arm C), spot vs stale accept length (arm C over arm B), the share
+  of responses token-identical between the arms, arm A's reward, last step over first;
+- tail consolidation (arms B, C, E): :mod:`tlt.bench.consolidation` (``tlt bench consolidation``
+  is this view alone);
+- tail batching (arms A and F; G against C and H against B where present), per run:
+  :mod:`tlt.bench.tail_batching` (``tlt bench tail-batching`` is this view of one run, plotted).
 """
 
 from __future__ import annotations
@@ -60,6 +63,48 @@ def aggregate(runs: list[Path]) -> dict:
     return {"runs": per_run, "across_runs": across}
 
 
+VIEWS = {"main job": "ABC", "consolidation": "BCE", "tail batching": "AF"}  # view -> the arms it reads
+
+
+def arms_of(run: Path) -> set[str]:
+    """The arms a ``tlt demo`` output directory holds step records of."""
+    return {p.name.removeprefix("arm-") for p in Path(run).glob("arm-*") if (p / "tlt_steps.jsonl").is_file()}
+
+
+def main_job_lines(rec: dict) -> list[str]:
+    names = {"rollout_time_ratio_ar_over_tlt": "rollout time AR / TLT", "step_time_ratio_ar_over_tlt":
+             "RL step time AR / TLT", "accept_length_ratio_spot_vs_stale": "spot vs stale accept length",
+             "reward_rise_a": "arm A reward, last / first step", "seconds": "demo seconds",
+             "identical_share_ab": "identical responses A-B", "identical_share_ac": "identical responses A-C"}
+    return [f"  {names[k]}: mean {v['mean']:.2f}, range {v['min']:.2f}-{v['max']:.2f} over {v['runs']} runs"
+            for k, v in rec["across_runs"].items()]
+
+
+def views(runs: list[Path]) -> tuple[dict, list[str]]:
+    """Every view whose arms all the runs hold: the record's fields (the main job's at the top, as
+    the results table reads them; the others under their names) and the summary's lines."""
+    from tlt.bench import consolidation, tail_batching
+
+    common = set.intersection(*(arms_of(r) for r in runs))
+    shown = [v for v, arms in VIEWS.items() if set(arms) <= common]
+    if not shown:
+        raise ValueError(f"--from: the runs hold arms {''.join(sorted(common)) or 'none'} in common; the demo "
+                         "bench reads arms ABC (the main job: `tlt demo`), BCE (tail consolidation: `tlt demo "
+                         "--arms BCE`) or A and F (tail batching: `tlt demo --arms ABCFGH`)")
+    rec: dict = {"arms": "".join(sorted(common)), "views": shown}
+    lines = [f"{len(runs)} `tlt demo` runs, arms {rec['arms']}: " + ", ".join(shown)]
+    if "main job" in shown:
+        rec.update(aggregate(runs))
+        lines += main_job_lines(rec)
+    if "consolidation" in shown:
+        rec["consolidation"] = consolidation.aggregate(runs)
+        lines += consolidation.lines(rec["consolidation"])
+    if "tail batching" in shown:
+        rec["tail_batching"] = [tail_batching.compare(r) for r in runs]
+        lines += [line for tb in rec["tail_batching"] for line in tail_batching.lines(tb)]
+    return rec, lines
+
+
 def run(args: argparse.Namespace) -> dict:
     from tlt.demo.job import run_demo
 
@@ -69,16 +114,9 @@ def run(args: argparse.Namespace) -> dict:
         for i in range(args.repeats or 3):
             run_demo(root / f"run-{i + 1}", quick=args.quick, progress=True, arms=ARMS)
             runs.append(root / f"run-{i + 1}")
-    rec = {"bench": "demo", "quick": bool(args.quick), **aggregate(runs),
-           "machine": {"cpus": os.cpu_count(), "processor": platform.machine(), "python": platform.python_version()},
-           "date": datetime.date.today().isoformat(),
-           "command": "tlt demo (README command 1), aggregated by `tlt bench demo --from DIR ...`"}
-    lines = [f"{len(runs)} `tlt demo` runs"]
-    names = {"rollout_time_ratio_ar_over_tlt": "rollout time AR / TLT", "step_time_ratio_ar_over_tlt":
-             "RL step time AR / TLT", "accept_length_ratio_spot_vs_stale": "spot vs stale accept length",
-             "reward_rise_a": "arm A reward, last / first step", "seconds": "demo seconds",
-             "identical_share_ab": "identical responses A-B", "identical_share_ac": "identical responses A-C"}
-    for k, v in rec["across_runs"].items():
-        lines.append(f"  {names[k]}: mean {v['mean']:.2f}, range {v['min']:.2f}-{v['max']:.2f} over {v['runs']} runs")
-    rec["summary"] = lines
-    return rec
+    found, lines = views(runs)
+    return {"bench": "demo", "quick": bool(args.quick), **found,
+            "machine": {"cpus": os.cpu_count(), "processor": platform.machine(), "python": platform.python_version()},
+            "date": datetime.date.today().isoformat(),
+            "command": "tlt demo (README command 1), aggregated by `tlt bench demo --from DIR ...`",
+            "summary": lines}

@@ -15,7 +15,9 @@ seeds. From the arms' step and response records:
 - the reward curve of arm F against arm A's.
 
 Ratios of totals over steps 2+ (step 1 also pays verl's lazy start) with a bootstrap 90% interval
-over steps, computed by the demo's own summary code (:func:`tlt.demo.summary.summarize`).
+over steps, computed by the demo's own summary code (:func:`tlt.demo.summary.summarize`). This is
+one view of ``tlt bench demo`` (:mod:`tlt.bench.demo_runs`), which shows it for every run holding
+arms A and F.
 """
 
 from __future__ import annotations

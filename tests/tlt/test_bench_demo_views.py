@@ -1,0 +1,59 @@
+"""``tlt bench demo --from``: one bench over any set of demo runs, each view where the runs hold
+its arms, with the same figures as the view's own bench (hand-made records)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tlt.bench import consolidation, tail_batching
+from tlt.bench.demo_runs import views
+from tlt.cli import main
+
+
+def _arm(run, arm, rollout, train, al, tb=None, length=40):
+    d = run / f"arm-{arm}"
+    d.mkdir(parents=True)
+    rows = [{"step": s, "tlt/rollout_s": rollout, "timing_s/step": rollout + 1.0, "replica_train_s": [train, 0.0],
+             "tlt/drafter_version": float(s), "tlt/spec_verifies": 10.0, "tlt/spec_committed": 10.0 * al,
+             "tlt/tail_moves": 2.0 if arm == "C" else 0.0, "critic/score/mean": 0.1 * s,
+             **({"tail_batching": tb} if tb else {})} for s in range(1, 5)]
+    (d / "tlt_steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "tlt_responses.jsonl").write_text("".join(
+        json.dumps({"step": s, "index": k, "sample": 0, "sha1": f"{s}-{k}", "length": length}) + "\n"
+        for s in range(1, 5) for k in range(4)))
+
+
+def _run(root, i, arms):
+    run = root / f"run-{i}"
+    figures = {"A": (4.0, 0.0, 1.0), "B": (3.0, 0.0, 1.5), "C": (2.0, 1.0 + i, 2.0), "E": (2.0 * i, 0.5, 2.5),
+               "F": (3.5, 0.0, 1.0)}
+    long_round = {"round": "long"}
+    for arm in arms:
+        _arm(run, arm, *figures[arm], tb=long_round if arm == "F" else None)
+    return run
+
+
+def test_every_view_the_runs_hold_with_its_own_benchs_figures(tmp_path, capsys):
+    runs = [_run(tmp_path, i, "ABCEF") for i in (1, 2)]
+    out = tmp_path / "rec.json"
+    assert main(["-q", "bench", "demo", "--from", *map(str, runs), "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["arms"] == "ABCEF" and rec["views"] == ["main job", "consolidation", "tail batching"]
+    assert rec["across_runs"]["rollout_time_ratio_ar_over_tlt"]["mean"] == pytest.approx(4.0 / 2.0)  # A over C
+    assert rec["consolidation"] == json.loads(json.dumps(consolidation.aggregate(runs)))
+    assert rec["tail_batching"] == [json.loads(json.dumps(tail_batching.compare(r))) for r in runs]
+    text = capsys.readouterr().out
+    assert "2 paired runs (tlt demo --arms BCE)" in text and "F vs A: rollout time A/F" in text
+
+
+def test_runs_of_one_view_show_that_view_alone(tmp_path):
+    runs = [_run(tmp_path, i, "BCE") for i in (1, 2)]
+    out = tmp_path / "rec.json"
+    assert main(["-q", "bench", "demo", "--from", *map(str, runs), "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["views"] == ["consolidation"] and "across_runs" not in rec
+    mixed = [_run(tmp_path / "x", 1, "ABC"), _run(tmp_path / "x", 2, "BCE")]  # in common: B, C
+    with pytest.raises(ValueError, match="hold arms BC in common"):
+        views(mixed)
