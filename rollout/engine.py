@@ -1,6 +1,7 @@
 """The reference rollout engine: batched generation with elastic, tuned speculative decoding.
 
-Owns the step loop over the running requests and their lifecycle. Requests join between steps
+Owns the step loop over the running requests and their lifecycle; the queue, admission and
+eviction order are its :class:`~tlt.rollout.scheduler.Scheduler`'s. Requests join between steps
 (:meth:`RolloutEngine.add`: prefilled, right-padded, into the free KV rows after the running ones,
 possibly with tokens they made elsewhere), each step runs one target pass over ``[last committed
 token] + draft tree`` per running request on the static KV cache, verifies losslessly and compacts
@@ -57,11 +58,12 @@ from tlt.rollout.generate import SamplingParams
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, CaptureSizes
 from tlt.rollout.attention import KERNELS, AttnMeta, default_splits, physical
 from tlt.rollout.blocks import BlockPool
-from tlt.rollout.eviction import RULES, Candidate, choose_victims
+from tlt.rollout.eviction import RULES
 from tlt.rollout.kv_cache import StaticKVCache, compact_rows, swap_remove, tree_ancestors
 from tlt.rollout.request import Finished, RequestState
 from tlt.rollout.row_state import RowState
 from tlt.rollout.sampling import RowSampling, sample
+from tlt.rollout.scheduler import Scheduler
 from tlt.rollout.static_step import StaticTargetStep
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
@@ -268,8 +270,7 @@ class RolloutEngine:
         # [blocks, block_size, F] (rows layout: [max_batch, slots, F]), allocated on first use
         self._features_buf: torch.Tensor | None = None
         self._generation = 0  # bumped when requests arrive at an idle engine (proposers start over)
-        self._next_rid = 0
-        self._queue: list[tuple[int, RequestState]] = []  # waiting for a row, in arrival order
+        self.sched = Scheduler(cfg.max_batch, self.pool, cfg.eviction)  # the queue and admission
         self._rows: list[int] = []  # request id per running cache row
         self._state: RowState | None = None  # the running rows' device state
         # this generation's requests (running, and finished ones: the proposers' siblings), by id
@@ -283,12 +284,6 @@ class RolloutEngine:
         self._steps: list[StepRecord] = []
         self._accept: list[list[int]] = []  # per kept step: committed tokens per request (speculative steps)
         self._forgotten = 0  # steps before this one were dropped
-        self.lifecycle: collections.Counter[str] = collections.Counter()  # joined, left, aborted, evicted requests
-        self._admitted = 0  # admissions so far (the eviction rule's age)
-        self._admitted_at: dict[int, int] = {}  # running request -> its admission number
-        self._evicted_now = 0  # evictions before the next step's record
-        self._recomputed_now = 0  # tokens re-prefilled for evicted requests, for the next step's record
-        self._evicted_rids: set[int] = set()  # evicted requests waiting to come back
         # hand-overs to the sink, by why the request left (finished, aborted, left, evicted: an evicted
         # request hands over again, its later positions, when it leaves for good)
         self.fed: collections.Counter[str] = collections.Counter()
@@ -353,7 +348,7 @@ class RolloutEngine:
         if seeds is not None and len(seeds) != n:
             raise ValueError("seeds must have one entry per prompt")
         if self.active:
-            raise RuntimeError(f"generate needs an idle engine: {self.running} requests run, {len(self._queue)} "
+            raise RuntimeError(f"generate needs an idle engine: {self.running} requests run, {len(self.sched.queue)} "
                                "wait (step them, or abort them)")
         seeds = list(seeds) if seeds is not None else [derive(self.cfg.seed, i) for i in range(n)]
         t_start = time.perf_counter()
@@ -376,12 +371,9 @@ class RolloutEngine:
         to never having stopped). Returns their ids, in order. All are checked before any is queued."""
         for i, st in enumerate(requests):
             self.check(st, f"request {i}")
-        rids = list(range(self._next_rid, self._next_rid + len(requests)))
-        self._next_rid += len(requests)
         if requests:
             self.restore_memory()
-        self._queue.extend(zip(rids, requests))
-        return rids
+        return self.sched.add(requests)
 
     def check(self, st: RequestState, name: str = "the request") -> None:
         """ValueError if this engine cannot run ``st`` (what :meth:`add` checks)."""
@@ -413,7 +405,12 @@ class RolloutEngine:
     @property
     def active(self) -> bool:
         """Requests run or wait for a row."""
-        return bool(self._rows or self._queue)
+        return bool(self._rows or self.sched.queue)
+
+    @property
+    def lifecycle(self) -> collections.Counter[str]:
+        """Requests that joined a running batch, left, were aborted or evicted, so far."""
+        return self.sched.lifecycle
 
     @torch.no_grad()
     def step(self) -> list[Finished]:
@@ -429,10 +426,9 @@ class RolloutEngine:
             inp = ProposerInput(self._generation, tuple(self._rows), self._seqs, self._plens, self._groups, None,
                                 Arm.off(), self._state.sampling, self._state, upload)
             tokens, lps, rec, acc = self._step(inp, arm)
-            rec.evicted, rec.recomputed = self._evicted_now, self._recomputed_now
+            rec.evicted, rec.recomputed = self.sched.step_counts()
             rec.positions = sum(len(self._seqs[r]) for r in inp.rows) - len(inp.rows)  # (pending tokens: no KV yet)
             rec.blocks = self.pool.used if self.pool is not None else 0
-            self._evicted_now = self._recomputed_now = 0
             self._steps.append(rec)
             self._accept.append(acc)
             if len(self._steps) > self.MAX_STEP_HISTORY:
@@ -449,21 +445,14 @@ class RolloutEngine:
         """Abort requests (None: every one, running or waiting) between steps: their KV rows are
         freed and each returns its partial output (reason ``aborted``)."""
         if rids is None:
-            rids = list(self._rows) + [r for r, _ in self._queue]
+            rids = list(self._rows) + [r for r, _ in self.sched.queue]
         return self._remove(rids, "aborted")
 
     def _remove(self, rids: Sequence[int], reason: str) -> list[Finished]:
         rids = list(rids)
-        here = set(self._rows) | {r for r, _ in self._queue}
-        unknown = [r for r in rids if r not in here]
-        if unknown or len(set(rids)) != len(rids):
-            raise ValueError(f"requests {unknown or rids}: not running or waiting here, or given twice")
-        out = [Finished(r, st, reason) for r, st in self._queue if r in rids]
-        self._queue = [(r, st) for r, st in self._queue if r not in rids]
+        out = self.sched.remove(rids, self._rows, reason)
         row = {r: k for k, r in enumerate(self._rows)}
         self._retire({row[r]: reason for r in rids if r in row}, out)
-        self._evicted_rids -= set(rids)
-        self.lifecycle[reason] += len(rids)
         return out
 
     @property
@@ -498,38 +487,23 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ internals: rows
     def _admit(self, out: list[Finished]) -> None:
-        """Prefill waiting requests into the free rows after the running ones (a paged cache: as many
-        of the queue's first as its free blocks hold, sparing each running row a block to grow into)."""
-        free = self.cfg.max_batch - len(self._rows)
-        if not self._queue or free <= 0:
+        """Prefill the requests the scheduler admits into the free rows after the running ones."""
+        n = self.sched.admissible(len(self._rows))
+        if not n:
             return
-        if self.pool is not None:
-            spare, free = self.pool.free - len(self._rows), min(free, len(self._queue))
-            for k, (_, st) in enumerate(self._queue[:free]):
-                spare -= self.pool.blocks_for(len(st.prompt) + len(st.output) + 1) + 1
-                if spare < 0 and (k or self._rows):  # (an idle pool holds any one request: add() checked)
-                    free = k
-                    break
-            if not free:
-                return
-        if not self._rows and not self._evicted_rids:  # an idle engine: a new generation (proposers start over)
+        if not self._rows and not self.sched.holds_evicted:  # an idle engine: a new generation (proposers start over)
             self._generation += 1
             self._last_proposer = None
             self._reqs.clear()
             self._seqs.clear()
             self._plens.clear()
             self._groups.clear()
-        batch, self._queue = self._queue[:free], self._queue[free:]
-        b0, back = len(self._rows), set()
+        b0 = len(self._rows)
+        batch = self.sched.take(n, b0)
         for rid, st in batch:
             self._reqs[rid] = _Live(st, list(st.prompt) + list(st.output), list(st.logprobs), st.handed_over)
             self._seqs[rid], self._plens[rid] = self._reqs[rid].seq, len(st.prompt)
             self._groups[rid] = st.group if st.group is not None else ("request", self._generation, rid)
-            self._admitted_at[rid], self._admitted = self._admitted, self._admitted + 1
-            if rid in self._evicted_rids:  # back from an eviction: its tokens are prefilled again
-                self._evicted_rids.discard(rid)
-                back.add(rid)
-                self._recomputed_now += len(st.prompt) + len(st.output) - 1
         with intended_sync(self.device):  # prefill: uploads the requests, reads the first tokens
             tables = None
             if self.pool is not None:  # blocks for each prompt and the pending token's slot
@@ -540,7 +514,6 @@ class RolloutEngine:
             first, first_lp, state = self._prefill([self._reqs[rid] for rid, _ in batch], b0, tables)
         self._state = state if self._state is None or not self._rows else self._state.cat(state)
         self._rows += [rid for rid, _ in batch]
-        self.lifecycle["joined"] += sum(rid not in back for rid, _ in batch) if b0 else 0  # (not evicted ones back)
         fresh = [(k, [tok], [lp]) for k, (tok, lp, (_, st)) in enumerate(zip(first, first_lp, batch)) if not st.output]
         self._commit([t for _, t, _ in fresh], [x for _, _, x in fresh], [b0 + k for k, _, _ in fresh], out)
 
@@ -556,9 +529,7 @@ class RolloutEngine:
             arm = Arm.off()  # first shrink the draft
         short = self.pool.shortfall(need(arm))
         if short:
-            cands = [Candidate(rid, len(self.pool.held(rid)), len(self._seqs[rid]), self._admitted_at[rid])
-                     for rid in self._rows]
-            self._evict(choose_victims(cands, short, self.cfg.eviction))
+            self._evict(self.sched.victims(self._rows, {rid: len(self._seqs[rid]) for rid in self._rows}, short))
         grown = [k for k, (rid, n) in enumerate(need(arm).items()) if self.pool.grow(rid, n)]
         if grown:  # [N, 1 + C]: each grown row's index, then its table
             table = self.pool.table([self._rows[k] for k in grown], self.table_width)
@@ -572,10 +543,7 @@ class RolloutEngine:
         row = {r: k for k, r in enumerate(self._rows)}
         left: list[Finished] = []
         self._retire({row[r]: "evicted" for r in rids}, left)
-        self._queue[:0] = [(f.rid, f.state) for f in left]
-        self._evicted_rids |= set(rids)
-        self._evicted_now += len(rids)
-        self.lifecycle["evicted"] += len(rids)
+        self.sched.evicted(left)
         for p in self.proposers.values():  # what they kept of these requests (a drafter's KV) went with the blocks
             p.forget(rids)
 
@@ -619,7 +587,7 @@ class RolloutEngine:
         for k in gone:
             if self.pool is not None:
                 self.pool.release(self._rows[k])
-            self._admitted_at.pop(self._rows[k], None)
+            self.sched.left_row(self._rows[k])
         self._rows = [self._rows[k] for k in keep]
 
     def close(self) -> None:
@@ -638,7 +606,7 @@ class RolloutEngine:
         :meth:`add`, allocates them again; graphs are captured again as shapes come back."""
         if self.active:
             raise RuntimeError(f"release_memory needs an idle engine: {self.running} requests run, "
-                               f"{len(self._queue)} wait (let them finish, or abort them)")
+                               f"{len(self.sched.queue)} wait (let them finish, or abort them)")
         freed = 0 if self.cache.released else self.cache.release()
         if self._features_buf is not None:
             freed += self._features_buf.nbytes
