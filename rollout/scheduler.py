@@ -74,8 +74,8 @@ class Scheduler:
         return batch
 
     def victims(self, running: Sequence[int], tokens: Mapping[int, int], short: int) -> list[int]:
-        """Running requests to evict, by the configured rule, to free ``short`` blocks (never the
-        last one); ``tokens``: each one's prompt and tokens so far."""
+        """Running requests to evict, by the configured rule, to free ``short`` blocks of the paged
+        cache (never the last one); ``tokens``: each one's prompt and tokens so far."""
         cands = [Candidate(rid, len(self.pool.held(rid)), tokens[rid], self._admitted_at[rid]) for rid in running]
         return choose_victims(cands, short, self.eviction)
 

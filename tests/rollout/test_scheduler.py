@@ -55,6 +55,9 @@ def test_evicted_requests_wait_at_the_front_and_count_their_recompute():
     assert [rid for rid, _ in s.take(2, 2)] == [2, 3]
     assert s.step_counts() == (0, 5 + 3 - 1)  # its prompt and tokens, but the pending one, prefilled again
     assert s.lifecycle == {"evicted": 1, "joined": 1} and not s.holds_evicted
+    s.evicted([Finished(3, _req(5, out=1), "evicted")])
+    assert s.holds_evicted and s.remove([3], running=[0, 1, 2], reason="aborted")[0].rid == 3
+    assert not s.holds_evicted  # an evicted request aborted while it waits no longer holds its generation
 
 
 def test_removal_names_running_or_waiting_requests_once():

@@ -3,6 +3,7 @@ its arms, with the same figures as the view's own bench (hand-made records)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -42,10 +43,16 @@ def test_every_view_the_runs_hold_with_its_own_benchs_figures(tmp_path, capsys):
     rec = json.loads(out.read_text())
     assert rec["arms"] == "ABCEF" and rec["views"] == ["main job", "consolidation", "tail batching"]
     assert rec["across_runs"]["rollout_time_ratio_ar_over_tlt"]["mean"] == pytest.approx(4.0 / 2.0)  # A over C
-    assert rec["consolidation"] == json.loads(json.dumps(consolidation.aggregate(runs)))
-    assert rec["tail_batching"] == [json.loads(json.dumps(tail_batching.compare(r))) for r in runs]
+    # each view's own figures: E over C is 1.0 in run 1 and 2.0 in run 2; A over F 4.0 / 3.5 in each
+    assert rec["consolidation"]["across_runs"]["rollout_time_ratio_e_over_c"]["mean"] == pytest.approx(1.5)
+    assert [tb["by_arm"]["F"]["rollout_time_ratio_default_over_tb"] for tb in rec["tail_batching"]] == \
+        pytest.approx([4.0 / 3.5] * 2)
+    assert [tb["run"] for tb in rec["tail_batching"]] == [str(r) for r in runs]
+    assert rec["command"].startswith("tlt demo --arms ABCEF")
     text = capsys.readouterr().out
-    assert "2 paired runs (tlt demo --arms BCE)" in text and "F vs A: rollout time A/F" in text
+    own = consolidation.run(argparse.Namespace(runs_from=list(map(str, runs)), quick=False, repeats=0))["summary"]
+    assert all(line in text for line in own)  # the view prints what `tlt bench consolidation` prints
+    assert all(line in text for line in tail_batching.lines(tail_batching.compare(runs[0])))
 
 
 def test_runs_of_one_view_show_that_view_alone(tmp_path):
@@ -57,3 +64,5 @@ def test_runs_of_one_view_show_that_view_alone(tmp_path):
     mixed = [_run(tmp_path / "x", 1, "ABC"), _run(tmp_path / "x", 2, "BCE")]  # in common: B, C
     with pytest.raises(ValueError, match="hold arms BC in common"):
         views(mixed)
+    with pytest.raises(ValueError, match="at least one"):
+        views([])

@@ -85,6 +85,8 @@ def views(runs: list[Path]) -> tuple[dict, list[str]]:
     the results table reads them; the others under their names) and the summary's lines."""
     from tlt.bench import consolidation, tail_batching
 
+    if not runs:
+        raise ValueError("--from: name at least one `tlt demo` output directory")
     common = set.intersection(*(arms_of(r) for r in runs))
     shown = [v for v, arms in VIEWS.items() if set(arms) <= common]
     if not shown:
@@ -100,8 +102,8 @@ def views(runs: list[Path]) -> tuple[dict, list[str]]:
         rec["consolidation"] = consolidation.aggregate(runs)
         lines += consolidation.lines(rec["consolidation"])
     if "tail batching" in shown:
-        rec["tail_batching"] = [tail_batching.compare(r) for r in runs]
-        lines += [line for tb in rec["tail_batching"] for line in tail_batching.lines(tb)]
+        rec["tail_batching"] = [{"run": str(r), **tail_batching.compare(r)} for r in runs]
+        lines += [line for tb in rec["tail_batching"] for line in [tb["run"], *tail_batching.lines(tb)]]
     return rec, lines
 
 
@@ -118,5 +120,6 @@ def run(args: argparse.Namespace) -> dict:
     return {"bench": "demo", "quick": bool(args.quick), **found,
             "machine": {"cpus": os.cpu_count(), "processor": platform.machine(), "python": platform.python_version()},
             "date": datetime.date.today().isoformat(),
-            "command": "tlt demo (README command 1), aggregated by `tlt bench demo --from DIR ...`",
+            "command": (f"tlt demo{'' if found['arms'] == ARMS else ' --arms ' + found['arms']} (one per run), "
+                        "aggregated by `tlt bench demo --from DIR ...`"),
             "summary": lines}
