@@ -9,6 +9,10 @@ Every variant runs between two AR rollouts, and its paired ratio is their mean t
 (the machine's speed drifts by tens of percent within a minute); a second, identical AR engine runs
 as a control: its paired ratio is the run's noise floor.
 
+Each variant's row also splits its last timed rollout's time: graph captures, and the steps that
+took over ``SLOW_STEP`` times the rollout's median step (captures, kernel compiles, a shape's first
+eager use): where a tuner that cannot win loses its time.
+
 ``workloads.<name>.adaptive_vs_ar`` (tokens/s of the adaptive engine over AR's, same run):
 ``long_tail`` — EAGLE + BEG-MAB; ``ngram_siblings`` — the suffix drafter over the GRPO siblings +
 BEG-MAB; ``random_drafter`` — an untrained EAGLE drafter + BEG-MAB, the worst case (it almost never
@@ -52,6 +56,7 @@ STATIC_ARMS = (Arm(2, 1, 2), Arm(3, 1, 3), Arm(5, 1, 5), Arm(4, 2, 8), ENGINE_DE
 
 
 BLOCK = 16  # positions per block of the paged variants
+SLOW_STEP = 5  # a step over this many times its rollout's median step: a capture, a compile, a first use
 
 
 def paged_peak(prompt_lens: list[int], lengths: list[int], block: int) -> int:
@@ -203,7 +208,11 @@ def _timed_rollouts(w: Workload, engines: dict[str, RolloutEngine], repeats: int
             raise AssertionError(f"{name}: output differs from AR - speculative decoding was not lossless")
         times[name].append(res.seconds)
         al = res.accept_lengths
+        med = statistics.median(s.seconds for s in res.steps)
+        slow = [s.seconds for s in res.steps if s.seconds > SLOW_STEP * med]  # captures, compiles, first uses
         rows[name] = {"tokens": res.tokens, "sd_steps": sum(s.sd for s in res.steps),
+                      "capture_s": sum(s.capture_seconds for s in res.steps), "slow_steps": len(slow),
+                      "slow_steps_s": sum(slow), "median_step_s": med,
                       "steps": len(res.steps), "mean_accept_length": sum(al) / len(al) if al else None,
                       "kv_peak_positions": max(s.positions for s in res.steps),
                       "kv_peak_blocks": max(s.blocks for s in res.steps),
@@ -295,7 +304,8 @@ def _summary(w: Workload, rows: dict, best_static: str, by_batch: dict, workload
         al = f"AL {r['mean_accept_length']:.2f}" if r["mean_accept_length"] else "        "
         lines.append(f"  {k:34s} {r['tokens_per_s']:7.0f} tok/s  {r['speedup_vs_ar']:5.2f}x AR "
                      f"(paired {r['paired_vs_ar']:4.2f}x)  {al}  "
-                     f"SD steps {r['sd_steps']}/{r['steps']}")
+                     f"SD steps {r['sd_steps']}/{r['steps']}; captures {r['capture_s']:.2f} s, "
+                     f"{r['slow_steps']} steps over {SLOW_STEP}x the median {r['slow_steps_s']:.2f} s")
     lines.append(f"  EAGLE+BEG-MAB (paired ratios) vs best static ({best_static}): {vs(tuned, best_static):.2f}x, "
                  f"vs default static {ENGINE_DEFAULT}: {vs(tuned, f'EAGLE static {ENGINE_DEFAULT}'):.2f}x, "
                  f"vs a fixed elastic switch at 32: {vs(tuned, 'EAGLE + BEG-MAB, fixed elastic 32'):.2f}x, "
