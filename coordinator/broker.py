@@ -1,10 +1,10 @@
-"""The coordinator process/thread: a ROUTER socket, one poll loop, heartbeats, and the policy.
+"""The coordinator process/thread: a ROUTER socket, one poll loop, heartbeats, and the promotion rules.
 
 One thread owns the socket (zguide Paranoid Pirate / Majordomo broker):
 
     loop:
         poll(router, wake) with timeout = heartbeat interval (shorter if a STOP deadline is nearer)
-        drain every waiting message: decode -> handler -> policy -> send decisions
+        drain every waiting message: decode -> handler -> promotion -> send decisions
         purge peers silent for ``liveness`` intervals (-> LOST), enforce STOP deadlines
         send HEARTBEAT to every peer we have not sent anything to for an interval
 
@@ -30,13 +30,14 @@ import signal
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 
 from tlt.coordinator.driver import DriverClient, RolloutOutcome
-from tlt.coordinator.policy import Decisions, Event, Policy, PolicyConfig
+from tlt.coordinator.promotion import Decisions, Event, Promotion, PromotionConfig
 from tlt.coordinator.protocol import (
     MAX_STR,
     MAX_WIRE_BYTES,
@@ -72,17 +73,26 @@ class CoordinatorConfig:
     bind: str = "tcp://127.0.0.1:5555"   # port 0 or * = any free port (see Coordinator.endpoint)
     heartbeat_interval_s: float = 1.0
     liveness: int = 3                    # a peer silent this many intervals is LOST
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    promotion: PromotionConfig = field(default_factory=PromotionConfig)
+    policy: PromotionConfig | None = None  # the old name of ``promotion``: read until the next release
 
     def __post_init__(self) -> None:
+        if self.policy is not None:
+            warnings.warn("CoordinatorConfig(policy=...) is renamed CoordinatorConfig(promotion=...); "
+                          "the old name is read until the next release", DeprecationWarning, stacklevel=3)
+            if self.promotion != PromotionConfig() and self.promotion != self.policy:
+                raise ValueError("policy and promotion both given and different: pass promotion= only "
+                                 "(policy is its old name)")
+            object.__setattr__(self, "promotion", self.policy)
+            object.__setattr__(self, "policy", None)
         if not re.match(r"^(tcp|ipc|inproc)://.+", self.bind):
             raise ValueError(f"bind={self.bind!r}: use tcp://HOST:PORT, ipc://PATH or inproc://NAME")
         if not 0.001 <= self.heartbeat_interval_s <= 60:
             raise ValueError(f"heartbeat_interval_s={self.heartbeat_interval_s}: use 0.001..60 seconds")
         if self.liveness < 2:
             raise ValueError(f"liveness={self.liveness}: use >= 2 (missed heartbeats before LOST)")
-        if not isinstance(self.policy, PolicyConfig):
-            raise ValueError("policy: pass a tlt.coordinator.policy.PolicyConfig")
+        if not isinstance(self.promotion, PromotionConfig):
+            raise ValueError("promotion: pass a tlt.coordinator.promotion.PromotionConfig")
 
 
 @dataclass(slots=True)
@@ -104,7 +114,7 @@ class Coordinator:
         self._ctx: zmq.Context | None = None  # created by start()
         self._inproc = f"inproc://tlt-coordinator-{secrets.token_hex(6)}"
         self._wake_addr = self._inproc + "-wake"
-        self._policy = Policy(self.cfg.policy, first_epoch=int(time.time() * 1000))  # see Policy
+        self._promotion = Promotion(self.cfg.promotion, first_epoch=int(time.time() * 1000))  # see Promotion
         self._peers: dict[bytes, _Peer] = {}
         self._ident: dict[str, bytes] = {}
         self._dropped: collections.OrderedDict[bytes, None] = collections.OrderedDict()
@@ -113,7 +123,7 @@ class Coordinator:
         self._stats_lock = threading.Lock()
         self._decide_s = {"promote": collections.deque(maxlen=100_000),
                           "stop": collections.deque(maxlen=100_000)}
-        self._policy_lock = threading.Lock()  # the loop mutates the policy under it; snapshot() reads
+        self._promotion_lock = threading.Lock()  # the loop mutates the promotion state under it; snapshot() reads
         self._router: zmq.Socket | None = None  # owned by the coordinator thread
         self._handlers: dict[type, Callable[[bytes, _Peer | None, Message, float], Decisions]] = {
             Register: self._on_register, Heartbeat: self._on_heartbeat, State: self._on_state,
@@ -146,7 +156,7 @@ class Coordinator:
         self._thread.start()
         log.info("coordinator %s listening on %s (heartbeat %.3fs x %d, idle threshold %d)",
                  self.id, self.endpoint, self.cfg.heartbeat_interval_s, self.cfg.liveness,
-                 self.cfg.policy.idle_threshold)
+                 self.cfg.promotion.idle_threshold)
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -219,8 +229,8 @@ class Coordinator:
 
     def snapshot(self) -> dict[str, tuple[WorkerState, int | None]]:
         """worker id -> (state, session), as of the last handled message."""
-        with self._policy_lock:
-            return self._policy.snapshot()
+        with self._promotion_lock:
+            return self._promotion.snapshot()
 
     def decision_times(self) -> dict[str, list[float]]:
         """Seconds from receiving a message to having sent the decisions it caused, for messages that
@@ -229,7 +239,7 @@ class Coordinator:
             return {k: list(v) for k, v in self._decide_s.items()}
 
     def _wait_s(self) -> float:
-        return self.cfg.policy.stop_timeout_s + 2 * self.cfg.heartbeat_interval_s + 1.0
+        return self.cfg.promotion.stop_timeout_s + 2 * self.cfg.heartbeat_interval_s + 1.0
 
     # ---- the loop (coordinator thread only) -----------------------------------------------------
 
@@ -259,7 +269,7 @@ class Coordinator:
 
     def _iteration(self, poller: zmq.Poller, router: zmq.Socket, interval: float) -> None:
         timeout = interval
-        deadline = self._policy.next_deadline()
+        deadline = self._promotion.next_deadline()
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline - time.monotonic()))
         ready = dict(poller.poll(int(timeout * 1000) + 1))
@@ -270,8 +280,8 @@ class Coordinator:
                 except zmq.Again:
                     break
                 self._handle(frames)
-            with self._policy_lock:  # members hear of membership changes once per batch
-                d = self._policy.session_updates()
+            with self._promotion_lock:  # members hear of membership changes once per batch
+                d = self._promotion.session_updates()
             self._apply(d, time.monotonic())
         now = time.monotonic()
         self._purge(now)
@@ -289,7 +299,7 @@ class Coordinator:
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise ProtocolError("out_of_order", f"{msg.COMMAND.name} is never sent to a coordinator")
-            with self._policy_lock:
+            with self._promotion_lock:
                 decisions = handler(ident, peer, msg, now)
         except ProtocolError as e:
             self._drop(ident, str(e), now, quiet=e.kind == "unregistered")
@@ -318,9 +328,9 @@ class Coordinator:
                 if Stop in kinds:
                     self._decide_s["stop"].append(dt)
         for e in d.events:
-            if e.kind == "lost":  # the policy let go of a worker: let go of its connection too
+            if e.kind == "lost":  # the promotion rules let go of a worker: let go of its connection too
                 ident = self._ident.get(e.worker_id)
-                if ident is not None and e.worker_id not in self._policy.workers:
+                if ident is not None and e.worker_id not in self._promotion.workers:
                     self._forget(ident)
                     self._send(ident, Disconnect(reason=str(e.detail.get("reason", "lost"))), now)
                 reason = e.detail.get("reason")
@@ -339,11 +349,11 @@ class Coordinator:
             wid = self._peers[ident].worker_id
             self._forget(ident)
             self._send(ident, Disconnect(reason="heartbeats missed"), now)
-            with self._policy_lock:
-                d = self._policy.lose(wid, "heartbeat", now)
+            with self._promotion_lock:
+                d = self._promotion.lose(wid, "heartbeat", now)
             self._apply(d, now)
-        with self._policy_lock:
-            d = self._policy.tick(now)
+        with self._promotion_lock:
+            d = self._promotion.tick(now)
         self._apply(d, now)
 
     def _heartbeat(self, now: float) -> None:
@@ -377,8 +387,8 @@ class Coordinator:
         self._emit(Event("dropped", peer.worker_id if peer else "", now, {"reason": reason}))
         if peer is not None:
             self._forget(ident)
-            with self._policy_lock:
-                d = self._policy.lose(peer.worker_id, "dropped", now)
+            with self._promotion_lock:
+                d = self._promotion.lose(peer.worker_id, "dropped", now)
             self._apply(d, now)
 
     def _forget(self, ident: bytes) -> None:
@@ -398,7 +408,7 @@ class Coordinator:
     def _on_register(self, ident: bytes, peer: _Peer | None, msg: Register, now: float) -> Decisions:
         if peer is not None:
             raise ProtocolError("out_of_order", f"{peer.worker_id} registered twice on one connection")
-        d = self._policy.register(msg, now)  # raises before changing anything
+        d = self._promotion.register(msg, now)  # raises before changing anything
         old = self._ident.get(msg.worker_id)
         if old is not None:
             log.warning("worker %s re-registered from a new connection; dropping the old one", msg.worker_id)
@@ -417,26 +427,26 @@ class Coordinator:
         return Decisions()
 
     def _on_state(self, ident: bytes, peer: _Peer | None, msg: State, now: float) -> Decisions:
-        return self._policy.report(_require_worker(peer, msg), msg, now)
+        return self._promotion.report(_require_worker(peer, msg), msg, now)
 
     def _on_stopped(self, ident: bytes, peer: _Peer | None, msg: Stopped, now: float) -> Decisions:
-        return self._policy.stopped(_require_worker(peer, msg), msg, now)
+        return self._promotion.stopped(_require_worker(peer, msg), msg, now)
 
     def _on_disconnect(self, ident: bytes, peer: _Peer | None, msg: Disconnect, now: float) -> Decisions:
         wid = _require_worker(peer, msg)
         log.info("worker %s disconnected: %s", wid, msg.reason)
         self._forget(ident)
-        return self._policy.lose(wid, "disconnect", now)
+        return self._promotion.lose(wid, "disconnect", now)
 
     def _on_step_begin(self, ident: bytes, peer: _Peer | None, msg: StepBegin, now: float) -> Decisions:
         _require_driver(peer, msg)
-        d = self._policy.step_begin(msg.step, now)
+        d = self._promotion.step_begin(msg.step, now)
         self._send(ident, Ack(req=msg.req), now)
         return d
 
     def _on_rollout_done(self, ident: bytes, peer: _Peer | None, msg: RolloutDone, now: float) -> Decisions:
         _require_driver(peer, msg)
-        return self._policy.rollout_done(msg.step, now, (ident, msg.req), msg.deadline_ms / 1000)
+        return self._promotion.rollout_done(msg.step, now, (ident, msg.req), msg.deadline_ms / 1000)
 
 
 # ---- helpers --------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import os
 import zmq
 
 from tlt.coordinator.broker import Coordinator, CoordinatorConfig
-from tlt.coordinator.policy import PolicyConfig
+from tlt.coordinator.promotion import PromotionConfig
 
 log = logging.getLogger("tlt.coordinator")
 
@@ -21,7 +21,7 @@ DESCRIPTION = ("Run the TLT worker coordinator (ZeroMQ ROUTER): tracks rollout w
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The standalone options (shared by ``python -m tlt.coordinator`` and ``tlt coordinator``)."""
-    d, dp = CoordinatorConfig(), PolicyConfig()
+    d, dp = CoordinatorConfig(), PromotionConfig()
     p.add_argument("--bind", default=d.bind, help=f"endpoint to bind (default {d.bind}; "
                    "tcp://0.0.0.0:PORT for all interfaces, port 0 = any free port)")
     p.add_argument("--heartbeat-ms", type=int, default=int(d.heartbeat_interval_s * 1000),
@@ -45,7 +45,7 @@ def serve_args(a: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("tlt.coordinator").setLevel(a.log_level)
     cfg = CoordinatorConfig(bind=a.bind, heartbeat_interval_s=a.heartbeat_ms / 1000, liveness=a.liveness,
-                            policy=PolicyConfig(idle_threshold=a.idle_threshold,
+                            promotion=PromotionConfig(idle_threshold=a.idle_threshold,
                                                 stop_timeout_s=a.stop_timeout_s, max_workers=a.max_workers))
     parent = os.getppid()
 

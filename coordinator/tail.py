@@ -1,6 +1,6 @@
 """Tail policy: which running requests move between rollout replicas, and where.
 
-Pure logic, in the style of :mod:`tlt.coordinator.policy`: no sockets, no clock, no torch. In go each
+Pure logic, in the style of :mod:`tlt.coordinator.promotion`: no sockets, no clock, no torch. In go each
 replica's running requests with their progress, whether it is in a spot session, and its measured
 step-cost curve; out come moves (request, source, destination). The rollout's tail then runs on
 fewer replicas (consolidation) or evenly (reallocation), and the engine's request lifecycle carries

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tlt.coordinator import Coordinator, CoordinatorConfig, Event, PolicyConfig, WorkerClient, WorkerConfig
+from tlt.coordinator import Coordinator, CoordinatorConfig, Event, PromotionConfig, WorkerClient, WorkerConfig
 
 HB = 0.05                      # heartbeat interval used by every test (seconds)
 REPO = Path(__file__).resolve().parents[2]
@@ -51,10 +51,10 @@ class EventLog:
                                       and worker_id in (None, e.worker_id)]) >= n, timeout_s)
 
 
-def coordinator_config(bind: str = "tcp://127.0.0.1:0", **policy) -> CoordinatorConfig:
-    policy.setdefault("idle_threshold", 2)
-    policy.setdefault("stop_timeout_s", 1.0)
-    return CoordinatorConfig(bind=bind, heartbeat_interval_s=HB, liveness=3, policy=PolicyConfig(**policy))
+def coordinator_config(bind: str = "tcp://127.0.0.1:0", **promotion) -> CoordinatorConfig:
+    promotion.setdefault("idle_threshold", 2)
+    promotion.setdefault("stop_timeout_s", 1.0)
+    return CoordinatorConfig(bind=bind, heartbeat_interval_s=HB, liveness=3, promotion=PromotionConfig(**promotion))
 
 
 def worker_config(address: str, worker_id: str, **kw) -> WorkerConfig:
@@ -73,8 +73,8 @@ def events() -> EventLog:
 def make_coordinator(events):
     started: list[Coordinator] = []
 
-    def make(bind: str = "tcp://127.0.0.1:0", **policy) -> Coordinator:
-        c = Coordinator(coordinator_config(bind, **policy), on_event=events).start()
+    def make(bind: str = "tcp://127.0.0.1:0", **promotion) -> Coordinator:
+        c = Coordinator(coordinator_config(bind, **promotion), on_event=events).start()
         started.append(c)
         return c
 

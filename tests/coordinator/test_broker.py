@@ -30,6 +30,19 @@ def test_config_validation_names_the_field():
         WorkerConfig(address="tcp://127.0.0.1:1", worker_id="w", reconnect_initial_s=5, reconnect_max_s=1)
 
 
+def test_the_old_name_of_the_promotion_config_is_read_with_a_warning():
+    import tlt.coordinator as coordinator
+    from tlt.coordinator.promotion import PromotionConfig
+
+    with pytest.warns(DeprecationWarning, match="promotion"):
+        old = CoordinatorConfig(policy=PromotionConfig(idle_threshold=5))
+    assert old.promotion.idle_threshold == 5 and old.policy is None
+    with pytest.warns(DeprecationWarning, match="PromotionConfig"):
+        assert coordinator.PolicyConfig is PromotionConfig
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="promotion= only"):
+        CoordinatorConfig(policy=PromotionConfig(idle_threshold=5), promotion=PromotionConfig(idle_threshold=3))
+
+
 def test_coordinator_heartbeats_a_registered_peer(make_coordinator):
     c = make_coordinator()
     raw = RawPeer(c.endpoint)

@@ -138,7 +138,7 @@ def test_kill_of_the_coordinator_then_restart(procs, make_coordinator, make_work
     assert events.wait(lambda: c2.snapshot() == {"a": (B, None), "b": (B, None), "c": (I, None)}, 3)
     assert all(w.reconnects >= 1 for w in ws.values())
     ws["a"].report(I, 1)
-    assert isinstance(next_of(ws["a"], Promote), Promote)         # and the policy works again
+    assert isinstance(next_of(ws["a"], Promote), Promote)         # and promotion works again
 
 
 def test_stalled_worker_process_is_lost_then_comes_back(make_coordinator, procs, events):
@@ -215,7 +215,7 @@ def test_out_of_order_messages_drop_the_peer(make_coordinator, make_worker, even
 
 def test_import_coordinator_pulls_no_torch_and_nothing_of_ours():
     code = ("import sys, tlt.coordinator, tlt.coordinator.broker, tlt.coordinator.worker, tlt.coordinator.driver, "
-            "tlt.coordinator.policy, tlt.coordinator.states, tlt.coordinator.protocol\n"
+            "tlt.coordinator.promotion, tlt.coordinator.states, tlt.coordinator.protocol\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy') "
             "or (m.startswith('tlt.') and not m.startswith('tlt.coordinator')))\n"
             "print(bad)")

@@ -240,11 +240,11 @@ def _guard(version: str, model: str) -> dict:
 
 def _idle() -> dict:
     from tlt.coordinator.broker import Coordinator, CoordinatorConfig
-    from tlt.coordinator.policy import PolicyConfig
+    from tlt.coordinator.promotion import PromotionConfig
     from tlt.integrations.sglang import hook_impls
 
     coord = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval_s=0.05,
-                                          policy=PolicyConfig(idle_threshold=8))).start()
+                                          promotion=PromotionConfig(idle_threshold=8))).start()
     os.environ.update(TLT_COORDINATOR=coord.endpoint, TLT_WORKER_ID="sglang-test")
     sched = types.SimpleNamespace(tp_rank=0, running_batch=types.SimpleNamespace(reqs=[1, 2]), waiting_queue=[])
     seen = []

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tlt.coordinator import Coordinator, CoordinatorConfig, PolicyConfig, WorkerConfig
+from tlt.coordinator import Coordinator, CoordinatorConfig, PromotionConfig, WorkerConfig
 from tlt.coordinator.protocol import Promote, Role, Stop
 from tlt.drafter.checkpoint import latest
 from tlt.drafter.spot import SpotTrainer
@@ -64,7 +64,7 @@ def _agent(addr, root, **agent_kw):
 
 def test_one_worker_cycle_against_a_real_coordinator(tmp_path):
     coord = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval_s=HB, liveness=40,
-                                          policy=PolicyConfig(idle_threshold=1, stop_timeout_s=20))).start()
+                                          promotion=PromotionConfig(idle_threshold=1, stop_timeout_s=20))).start()
     try:
         with _agent(coord.endpoint, tmp_path) as agent:
             agent.start()

@@ -39,7 +39,7 @@ from tlt.coordinator import (
     Coordinator,
     CoordinatorConfig,
     DriverClient,
-    PolicyConfig,
+    PromotionConfig,
     RolloutOutcome,
     WorkerClient,
     WorkerConfig,
@@ -211,7 +211,7 @@ def _play(where: str, rounds: dict[str, int], rng: random.Random, budget_s: floa
     """One coordinator (``where``: process | thread), 64 workers, the given rounds interleaved."""
     hb, dp_groups = 0.1, 8
     cfg = CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval_s=hb, liveness=5,
-                            policy=PolicyConfig(idle_threshold=THRESHOLD, stop_timeout_s=3.0))
+                            promotion=PromotionConfig(idle_threshold=THRESHOLD, stop_timeout_s=3.0))
     t_start = time.monotonic()
     lat: dict[str, list[float]] = {k: [] for k in rounds}
     lat_session: dict[str, list[float]] = {k: [] for k in rounds}

@@ -35,7 +35,7 @@ from tlt.coordinator import (
     Coordinator,
     CoordinatorConfig,
     DriverClient,
-    PolicyConfig,
+    PromotionConfig,
     WorkerConfig,
 )
 from tlt.coordinator.driver import RolloutOutcome
@@ -194,7 +194,7 @@ class SimLoop:
         else:
             self._coord = Coordinator(CoordinatorConfig(
                 bind=self.address, heartbeat_interval_s=c.heartbeat_s, liveness=c.liveness,
-                policy=PolicyConfig(idle_threshold=c.idle_threshold, stop_timeout_s=c.stop_timeout_s)),
+                promotion=PromotionConfig(idle_threshold=c.idle_threshold, stop_timeout_s=c.stop_timeout_s)),
                 on_event=self._on_event).start()
 
     @property

@@ -1,4 +1,4 @@
-"""Promotion policy: which idle workers train, in which session, and when training stops.
+"""Promotion: which idle workers train, in which session, and when training stops.
 
 Pure logic over a worker table. Every input (a report, a lost worker, the driver's rollout-done, the
 passing of time) returns ``Decisions``: the messages to send (by worker id), the finished stop
@@ -53,7 +53,7 @@ BUSY, IDLE, TRAINING, LOST = WorkerState.BUSY, WorkerState.IDLE, WorkerState.TRA
 
 
 @dataclass(frozen=True, kw_only=True)
-class PolicyConfig:
+class PromotionConfig:
     idle_threshold: int = 2        # promote once this many workers are free (idle + training)
     stop_timeout_s: float = 10.0   # a TRAINING worker must ack STOP within this, else LOST
     max_workers: int = 1024        # registrations beyond this are refused (bounds memory)
@@ -136,11 +136,11 @@ class _Barrier:
     lost: list[str] = field(default_factory=list)
 
 
-class Policy:
+class Promotion:
     """``first_epoch``: the epoch of the first SESSION (the broker starts from the wall clock in ms,
     so a restarted coordinator does not repeat the epochs, and rendezvous ports, of its last life)."""
 
-    def __init__(self, cfg: PolicyConfig, first_epoch: int = 1):
+    def __init__(self, cfg: PromotionConfig, first_epoch: int = 1):
         self.cfg = cfg
         self.workers: dict[str, WorkerRecord] = {}
         self.sessions: dict[int, _Session] = {}

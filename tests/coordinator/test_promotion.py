@@ -1,10 +1,10 @@
-"""Promotion policy as pure logic: thresholds, sessions per DP group, stops, lost leaders, ordering."""
+"""Promotion rules as pure logic: thresholds, sessions per DP group, stops, lost leaders, ordering."""
 
 from __future__ import annotations
 
 import pytest
 
-from tlt.coordinator.policy import Policy, PolicyConfig
+from tlt.coordinator.promotion import Promotion, PromotionConfig
 from tlt.coordinator.protocol import Promote, ProtocolError, Register, Role, Session, State, Stop, Stopped, WorkerState
 
 B, I, T = WorkerState.BUSY, WorkerState.IDLE, WorkerState.TRAINING
@@ -18,11 +18,11 @@ def _merge(d, extra):
 
 
 class World:
-    """A policy plus each worker's seq counter, so tests read like the protocol."""
+    """The promotion rules plus each worker's seq counter, so tests read like the protocol."""
 
     def __init__(self, **cfg):
         cfg.setdefault("stop_timeout_s", 5.0)
-        self.p = Policy(PolicyConfig(**cfg))
+        self.p = Promotion(PromotionConfig(**cfg))
         self.seq: dict[str, int] = {}
         self.now = 0.0
 
@@ -73,9 +73,9 @@ def test_config_validation_names_the_field():
     for kw, field in [({"idle_threshold": 0}, "idle_threshold"), ({"stop_timeout_s": 0}, "stop_timeout_s"),
                       ({"max_workers": 0}, "max_workers")]:
         with pytest.raises(ValueError, match=field):
-            PolicyConfig(**kw)
+            PromotionConfig(**kw)
     with pytest.raises(TypeError):
-        PolicyConfig(3)  # keyword-only
+        PromotionConfig(3)  # keyword-only
 
 
 def test_threshold_promotes_the_idle_pool_at_once():
