@@ -14,7 +14,7 @@ else of ours (tests/tlt/test_integration_layout.py enforces it).
 import importlib as _importlib
 
 # name -> the submodule that defines it. Imported on first use (PEP 562), so that the pure parts
-# (``tlt.coordinator.tail``, ``promotion``, ``states``) load without ZeroMQ: the rollout benches and the
+# (``tlt.coordinator.consolidation``, ``promotion``, ``states``) load without ZeroMQ: the rollout benches and the
 # tail simulator read them on machines that have no pyzmq.
 _EXPORTS = {"Coordinator": "broker", "CoordinatorConfig": "broker", "main": "cli", "DriverClient": "driver",
             "RolloutOutcome": "driver", "Event": "promotion", "PromotionConfig": "promotion", "ProtocolError": "protocol",

@@ -2,7 +2,7 @@
 TLT's router (verl's balancer subclass, as a Ray actor) and verl's own ``LLMServerClient`` wrapped
 by the ``tlt_agent`` loop's :class:`~tlt.integrations.verl.moves.MovingClient`.
 
-- Lossless: with the driver's tail mover consolidating the tail (every request of one replica moves
+- Lossless: with the driver's consolidator moving the tail (every request of one replica moves
   to the other), every response is token-identical, log-probs included, to a run without moves:
   greedy and coupled-sampled, with the EAGLE drafter and with the suffix drafter; moved requests are
   counted (> 0), and the router's in-flight counts end at zero.
@@ -28,13 +28,13 @@ ray = pytest.importorskip("ray")
 from omegaconf import OmegaConf  # noqa: E402
 from verl.workers.rollout.llm_server import LLMServerClient  # noqa: E402
 
-from tlt.coordinator.tail import TailConfig  # noqa: E402
+from tlt.coordinator.consolidation import ConsolidationConfig  # noqa: E402
 from tlt.demo import job as demo  # noqa: E402
 from tlt.integrations.verl.config import TLTConfig  # noqa: E402
 from tlt.integrations.verl.moves import MOVED_KEY, MovingClient  # noqa: E402
 from tlt.integrations.verl.router import GroupRouter  # noqa: E402
 from tlt.integrations.verl.server import TLTServer, server_name  # noqa: E402
-from tlt.integrations.verl.tail_mover import TailMover, server_address  # noqa: E402
+from tlt.integrations.verl.consolidator import Consolidator, server_address  # noqa: E402
 
 pytestmark = pytest.mark.slow
 GROUPS, N = 3, 2  # GRPO: 3 prompts x 2 samples; the router puts 2 groups on one replica, 1 on the other
@@ -106,7 +106,7 @@ async def _generate_all(client, tag: str, sampling: str):
 
 
 def _running(servers) -> list[int]:
-    return [len(ld["requests"]) for ld in ray.get([s.tail_load.remote() for s in servers])]
+    return [len(ld["requests"]) for ld in ray.get([s.replica_load.remote() for s in servers])]
 
 
 async def _when_both_run(servers, timeout_s: float = 120) -> None:
@@ -116,10 +116,10 @@ async def _when_both_run(servers, timeout_s: float = 120) -> None:
         await asyncio.sleep(0.002)
 
 
-def _mover(servers) -> TailMover:
+def _mover(servers) -> Consolidator:
     # consolidate from the first decision (the tail is everything); move_s fixed: nothing to measure yet
-    cfg = TailConfig(mode="consolidate", remaining_share=1.0, max_batch=8)
-    return TailMover(lambda: servers, cfg, interval_s=0.01, move_s=0.0)
+    cfg = ConsolidationConfig(mode="consolidate", remaining_share=1.0, max_batch=8)
+    return Consolidator(lambda: servers, cfg, interval_s=0.01, move_s=0.0)
 
 
 def _same(outs, ref) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from tlt.coordinator.tail import StepCurve, drain_s
+from tlt.coordinator.consolidation import StepCurve, drain_s
 
 from tlt.sim.policies import POLICIES, Knobs, run_rollpacker, run_step
 from tlt.sim.rollout import Request, Speed, place, simulate, with_lengths

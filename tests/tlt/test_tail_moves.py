@@ -1,6 +1,6 @@
 """Tail moves without Ray: the batcher lets named requests leave and publishes its load, the router
 pins a moved request to its destination, verl's client (wrapped) returns one answer across hops,
-and the driver's view of the replicas feeds the tail policy. The whole path through Ray actors,
+and the driver's view of the replicas feeds consolidation. The whole path through Ray actors,
 with kills, is tests/integrations/test_verl_moves.py."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from tlt.integrations.verl.batcher import RequestBatcher
 from tlt.integrations.verl.moves import MOVED, MOVED_KEY, MovingClient, moved_in
-from tlt.integrations.verl.tail_mover import remaining_tokens, replica_loads
+from tlt.integrations.verl.consolidator import remaining_tokens, replica_loads
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.request import RequestState
 from tests.tlt.test_replica_parts import _batcher_engine, _state, _until
@@ -136,7 +136,7 @@ def test_move_config_is_validated_and_needs_the_tlt_backend_router_and_agent_loo
     from tlt.integrations.verl.verl_checks import _check_moves
 
     on = TLTConfig.from_mapping({"tail": {"consolidate": {"mode": "auto"}}})
-    assert on.tail.consolidate.policy(16).max_batch == 16
+    assert on.tail.consolidate.rules(16).max_batch == 16
     assert TLTConfig.from_mapping({"tail": {"consolidate": {"mode": False}}}).tail.consolidate.mode == "off"
     for bad, msg in [({"train_value": -1}, "train_value=-1.0"), ({"knee": 0}, "knee=0.0"),
                      ({"move_s": -0.1}, "move_s=-0.1"), ({"remaining_share": 2}, "remaining_share=2.0")]:

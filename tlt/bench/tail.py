@@ -33,14 +33,14 @@ import tempfile
 from pathlib import Path
 
 from tlt.bench import pyplot
-from tlt.coordinator.tail import StepCurve, TailConfig
+from tlt.coordinator.consolidation import StepCurve, ConsolidationConfig
 from tlt.sim.policies import (
     POLICIES,
     Knobs,
     StepOutcome,
     run_rollpacker,
     run_step,
-    tail_mover,
+    consolidator,
 )
 from tlt.sim.rollout import Request, Speed, simulate
 from tlt.sim.workloads import (
@@ -180,8 +180,8 @@ def validate(fit: Path, predict: Path, arms: str = "AC") -> dict:
                 continue
             reqs = [Request(f"i{i}s{j}", n, group=i) for (i, j), n in sorted(lengths[r["step"]].items())]
             if moves:  # the arm consolidated its tail (tlt.tail.consolidate.mode=auto)
-                cfg = TailConfig(mode="auto", move_s=statistics.median(moves), max_batch=len(reqs))
-                res = simulate(reqs, speeds, policy=tail_mover(cfg), tick_s=0.1, move_s=cfg.move_s)
+                cfg = ConsolidationConfig(mode="auto", move_s=statistics.median(moves), max_batch=len(reqs))
+                res = simulate(reqs, speeds, policy=consolidator(cfg), tick_s=0.1, move_s=cfg.move_s)
             else:
                 res = simulate(reqs, speeds)
             predicted = res.seconds + overhead

@@ -6,7 +6,7 @@ Owns how one RL step's rollout runs under each policy, on top of :func:`tlt.sim.
 - ``tlt``: speculation where it pays (the engine's tuner picks per batch, its "off" arm included);
   the replica-seconds each replica sits idle after its last request are what spot training gets.
 - ``rlhfspec``: speculation plus RLHFSpec's reallocation (section 6), through the policy module the
-  trainer runs (:mod:`tlt.coordinator.tail`, ``mode="reallocate"``).
+  trainer runs (:mod:`tlt.coordinator.consolidation`, ``mode="reallocate"``).
 - ``rlhfuse``: RLHFuse's consolidation (section 4.2, ``mode="consolidate"``), without speculation
   as RLHFuse has none; its freed instances start the next stage, here counted as free seconds.
 - ``tlt+consolidate``: speculation plus the cost-model choice of the tail-consolidation issue
@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tlt.coordinator.tail import Plan, TailConfig, decide, drain_s
+from tlt.coordinator.consolidation import Plan, ConsolidationConfig, decide, drain_s
 from tlt.sim.rollout import Request, Result, Speed, loads, reset, simulate, token_curve
 
 POLICIES = ("plain", "tlt", "rlhfspec", "rlhfuse", "tlt+consolidate", "rollpacker", "tlt+rollpacker", "pat",
@@ -74,9 +74,9 @@ def _outcome(r: Result, switched: int = 1) -> StepOutcome:
                        switched)
 
 
-def tail_mover(cfg: TailConfig):
-    """The trainer's tail mover: :func:`tlt.coordinator.tail.decide` at each tick, and a request
-    moves at most once per rollout (as ``tlt.integrations.verl.tail_mover`` enforces)."""
+def consolidator(cfg: ConsolidationConfig):
+    """The trainer's consolidator: :func:`tlt.coordinator.consolidation.decide` at each tick, and a request
+    moves at most once per rollout (as ``tlt.integrations.verl.consolidator`` enforces)."""
     moved: set[str] = set()
 
     def policy(now, reps, step_requests) -> Plan | None:
@@ -100,9 +100,9 @@ def run_step(policy: str, requests: Sequence[Request], plain: Speed, spec: Speed
     if policy in ("pat", "tlt+pat"):
         return _pat(reqs, speed, replicas, knobs)
     mode = {"rlhfspec": "reallocate", "rlhfuse": "consolidate", "tlt+consolidate": "auto"}[policy]
-    cfg = TailConfig(mode=mode, knee=knobs.knee, remaining_share=knobs.remaining_share, max_batch=knobs.max_batch,
+    cfg = ConsolidationConfig(mode=mode, knee=knobs.knee, remaining_share=knobs.remaining_share, max_batch=knobs.max_batch,
                      move_s=knobs.move_s, train_value=knobs.train_value)
-    return _outcome(simulate(reqs, [speed] * replicas, policy=tail_mover(cfg), tick_s=knobs.tick_s, move_s=knobs.move_s))
+    return _outcome(simulate(reqs, [speed] * replicas, policy=consolidator(cfg), tick_s=knobs.tick_s, move_s=knobs.move_s))
 
 
 def _pat(reqs: list[Request], speed: Speed, replicas: int, knobs: Knobs) -> StepOutcome:

@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tlt.coordinator.tail import Plan, ReplicaLoad, RequestLoad, StepCurve
+from tlt.coordinator.consolidation import Plan, ReplicaLoad, RequestLoad, StepCurve
 
 Rate = Callable[[int], float]  # batch -> tokens per second committed to each running request
 
@@ -179,7 +179,7 @@ def place(requests: Sequence[Request], replicas: int) -> list[list[Request]]:
 
 
 def loads(replicas: Sequence[Replica]) -> list[ReplicaLoad]:
-    """The tail policy's view of the replicas (:mod:`tlt.coordinator.tail`), in tokens: a step
+    """The tail policy's view of the replicas (:mod:`tlt.coordinator.consolidation`), in tokens: a step
     commits one token per request at the replica's current rate (``cost`` = seconds per token)."""
     return [ReplicaLoad(rep.rank, tuple(RequestLoad(r.rid, int(r.done), 0, r.remaining) for r in rep.running.values()),
                         token_curve(rep.speed)) for rep in replicas]

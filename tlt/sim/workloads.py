@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from tlt.coordinator.tail import StepCurve
+from tlt.coordinator.consolidation import StepCurve
 from tlt.sim.rollout import Speed
 
 

@@ -7,7 +7,7 @@ global step, the prompt's dataset index, the sample's index in its group, traini
 the prompt) and carries it in ``sampling_params["seed"]``, which the tlt rollout honours: the same
 request samples the same tokens whether speculation is on or off. Training batches carry a marker
 (:data:`TRAIN_KEY`, set by the tlt trainer); validation batches do not. Its server client follows a
-request the tail policy moves between replicas (:class:`~tlt.integrations.verl.moves.MovingClient`).
+request that consolidation moves between replicas (:class:`~tlt.integrations.verl.moves.MovingClient`).
 In a short round of tail batching, each response reports its end (finished or dropped, when, how
 many tokens) to the driver (:mod:`tlt.integrations.verl.tail_round`) before verl stores it.
 """
@@ -42,7 +42,7 @@ class TLTAgentLoop(SingleTurnAgentLoop):
             sampling_params = {**sampling_params, "seed": seed}
         else:  # verl's legacy (non-TransferQueue) agent loop has no sample index: no seed
             log.warning("tlt_agent: request without session_id/index/global_steps: sampled without a seed")
-        if not isinstance(self.server_manager, MovingClient):  # a request the tail policy moves: one answer
+        if not isinstance(self.server_manager, MovingClient):  # a request consolidation moves: one answer
             self.server_manager = MovingClient(self.server_manager)
         out = await super().run(sampling_params, **kwargs)
         if kwargs.get(SHORT_ROUND_KEY):

@@ -15,7 +15,7 @@ and return their partial output (reason ``aborted``). :meth:`leave` is the same 
 without the gate, with reason ``left``: the request goes on elsewhere from its state (a tail move).
 
 Load (:meth:`load`): after each step the worker publishes the running requests' progress and the
-step's cost by batch size, which the tail policy reads (:mod:`tlt.coordinator.tail`).
+step's cost by batch size, which consolidation reads (:mod:`tlt.coordinator.consolidation`).
 
 Threads and ownership: the event loop owns the futures, the gate and the ``_serving`` flag; a
 generation runs in one worker thread, which owns the engine from its first step to its last, inside
@@ -95,7 +95,7 @@ class RequestBatcher:
         the worker thread holds around each generation, yielding where the generation's record goes
         (an error entering it fails the requests waiting for that generation); ``on_idle``: runs in
         the event loop when every request was answered (it must not block); ``track_load``: measure
-        and publish the load after each step (only a tail policy reads it: off, the step loop does
+        and publish the load after each step (only consolidation reads it: off, the step loop does
         no more)."""
         self.track_load = track_load
         self.engine, self.serving, self.on_idle = engine, serving, on_idle

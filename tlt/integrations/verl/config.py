@@ -219,7 +219,7 @@ class SGLangSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConsolidateSection:
     """``tlt.tail.consolidate``: requests move between replicas in the rollout's tail
-    (:mod:`tlt.coordinator.tail`; the project's engine only)."""
+    (:mod:`tlt.coordinator.consolidation`; the project's engine only)."""
 
     # off | reallocate (RLHFSpec: balance) | consolidate (RLHFuse: the tail onto few replicas) |
     # auto (the cost model picks per decision)
@@ -242,11 +242,11 @@ class ConsolidateSection:
         if self.move_s is not None and self.move_s < 0:
             raise _bad(f"{p}.move_s", self.move_s, "use null (measured) or seconds >= 0")
 
-    def policy(self, max_batch: int):
-        """The tail policy's settings (its ``move_s`` is set per decision)."""
-        from tlt.coordinator.tail import TailConfig
+    def rules(self, max_batch: int):
+        """The consolidation rules' settings (its ``move_s`` is set per decision)."""
+        from tlt.coordinator.consolidation import ConsolidationConfig
 
-        return TailConfig(mode=self.mode, knee=self.knee, remaining_share=self.remaining_share,
+        return ConsolidationConfig(mode=self.mode, knee=self.knee, remaining_share=self.remaining_share,
                           max_batch=max_batch, train_value=self.train_value, move_s=self.move_s or 0.0)
 
 

@@ -3,7 +3,7 @@
 Owns the move's protocol on the client side (:class:`MovingClient`, wrapped around verl's
 ``LLMServerClient`` by the ``tlt_agent`` loop) and the markers the replica side uses.
 
-The protocol (the driver's :mod:`.tail_mover` decides; replicas and this client carry it out):
+The protocol (the driver's :mod:`.consolidator` decides; replicas and this client carry it out):
 1. the destination reserves a slot (``TLTServer.reserve``: it refuses while a spot session may
    run there, and sends no IDLE until the request arrived);
 2. the source lets the request go at its next step boundary (``TLTServer.move_out``): its
@@ -71,7 +71,7 @@ class MovingClient:
         while move is not None:
             hops += 1
             if hops > MAX_HOPS:
-                raise RuntimeError(f"request {request_id} moved {hops} times in one rollout; the tail policy "
+                raise RuntimeError(f"request {request_id} moved {hops} times in one rollout; consolidation "
                                    "moves a request at most once per step")
             state: RequestState = move["state"]
             if list(state.output) != tokens:

@@ -21,7 +21,7 @@ import ray
 
 from tlt.integrations.verl import runtime
 from tlt.integrations.verl.server import TLTServer, replica_of_this_rank, server_name
-from tlt.integrations.verl.tail_mover import server_address
+from tlt.integrations.verl.consolidator import server_address
 
 log = logging.getLogger(__name__)
 

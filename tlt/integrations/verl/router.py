@@ -15,7 +15,7 @@ once put all eight groups of a step on one replica. Ties between equally loaded 
 by a hash of the prompt, not at random, so two runs that send the same groups in the same order
 place them alike.
 
-A request the tail policy moved (:mod:`.moves`) is resubmitted with ``tlt_to``, its destination's
+A request consolidation moved (:mod:`.moves`) is resubmitted with ``tlt_to``, its destination's
 server id: it goes there, and the in-flight counts follow it (its source's count dropped when the
 source answered). Its group stays placed where it was.
 """

@@ -20,7 +20,7 @@ it, the batcher's worker holds it around the generation), a policy copy, a draft
 update and a drift-probe forward never overlap. A spot session trains on its own copies of the
 frozen tensors, so it needs no lock; it is stopped before a generation runs (``agent.busy``).
 
-Tail moves (the driver's :mod:`.tail_mover`, the protocol in :mod:`.moves`): ``move_out`` lets
+Tail moves (the driver's :mod:`.consolidator`, the protocol in :mod:`.moves`): ``move_out`` lets
 requests leave for another replica, whose ``generate`` they reach again through verl's client with
 their state; ``reserve`` makes this replica a destination. ``_mu`` orders a reservation with the
 IDLE decision of ``_idle_work``: a replica that told its spot agent it is idle refuses to be a
@@ -316,9 +316,9 @@ class TLTServer:
                 threading.Timer(expected - now, self._idle_work).start()
         self.probe.before()  # before the next policy copy: update_weights comes after the rollout
 
-    # ------------------------------------------------------------------ tail moves (driver's TailMover)
-    async def tail_load(self) -> dict[str, Any]:
-        """This replica's load for the tail policy: running requests, step cost by batch, the cost
+    # ------------------------------------------------------------------ consolidation (the driver's Consolidator)
+    async def replica_load(self) -> dict[str, Any]:
+        """This replica's load for consolidation: running requests, step cost by batch, the cost
         of a joining request, and whether it is in a spot session."""
         load = self.batcher.load()
         return {"rank": self.rank, "requests": list(load.requests), "step_s": dict(load.step_s),

@@ -1,7 +1,7 @@
 """One RL step's rollout as the ``tlt`` trainer saw it, and the metrics and record fields made from it.
 
 Owns :class:`RolloutWindow` (from ``prepare_step`` to ``on_sample_end``: its clock, the replicas'
-statistics, the coordinator's outcome, the tail mover's moves) and the two pure functions over it:
+statistics, the coordinator's outcome, the consolidator's moves) and the two pure functions over it:
 :func:`step_metrics` (verl's metrics, ``tlt/*`` and ``rollout/spec_*``) and :func:`step_extra` (the
 step record's fields that are not scalars). Owner: the trainer's driver thread.
 """
@@ -24,8 +24,8 @@ class RolloutWindow:
     ended: float = 0.0  # monotonic seconds, at on_sample_end
     stats: list[dict] = dataclasses.field(default_factory=list)  # each replica's step_stats()
     outcome: Any = None  # the coordinator's RolloutOutcome; None without a coordinator
-    tail: dict = dataclasses.field(default_factory=dict)  # the tail mover's summary
-    lengths: list[int] = dataclasses.field(default_factory=list)  # response lengths: the mover's estimate
+    tail: dict = dataclasses.field(default_factory=dict)  # the consolidator's summary
+    lengths: list[int] = dataclasses.field(default_factory=list)  # response lengths: the consolidator's estimate
 
     def begin(self) -> None:
         self.began = time.monotonic()

@@ -29,7 +29,7 @@ construction), and the hooks call them in verl's order:
     _coordinator  the coordinator child process and its client (:mod:`.coordinator_process`)
     _window       this step's rollout: its clock, the replicas' statistics (:mod:`.step_metrics`)
     _pusher       drafter versions, their guard and rollback (:mod:`.drafter_push`)
-    _mover        tail consolidation during the rollout (:mod:`.tail_mover`), None when off
+    _consolidator consolidation during the rollout (:mod:`.consolidator`), None when off
     _rounds       tail batching (:mod:`.tail_round`), built at the first step (it needs the dataloader)
     _resume       where the run stands against verl's checkpoints (:mod:`.resume`)
     _records      the run directory's records and the failures the run went on after (:mod:`.run_records`)
@@ -57,7 +57,7 @@ from tlt.integrations.verl.requests import as_list, canonical_order, duplicate_r
 from tlt.integrations.verl.run_records import RunRecords
 from tlt.integrations.verl.spot_wiring import PORT_SPAN
 from tlt.integrations.verl.step_metrics import RolloutWindow, step_extra, step_metrics
-from tlt.integrations.verl.tail_mover import TailMover
+from tlt.integrations.verl.consolidator import Consolidator
 from tlt.integrations.verl.tail_round import RoundDriver
 from tlt.integrations.verl.verl_checks import check_verl_config, raise_if_registration_failed
 from tlt.ports import free_port
@@ -89,19 +89,19 @@ class TLTTrainer(PPOTrainerSync):
         self._window = RolloutWindow()
         self._pusher = DrafterPusher(self._servers, GuardConfig(
             fraction=self.tlt.drafter.guard_fraction, min_verifies=self.tlt.drafter.guard_min_verifies))
-        self._mover: TailMover | None = None
+        self._consolidator: Consolidator | None = None
         self._rounds: RoundDriver | None = None
         self._resume = resume.ResumePoint()
         self._records = RunRecords(Path(self.tlt.record_path or out / "tlt_steps.jsonl"))
         self._aux_layers: list[int] | None = None  # the target layers the actor workers capture
         self._uid_index: dict[str, int] = {}  # prompt uid -> dataset index, this step's batch
-        self._step_requests = 0  # the rollout's requests (the mover's estimate)
+        self._step_requests = 0  # the rollout's requests (the consolidator's estimate)
         self._step_extra: dict = {}  # the step record's fields besides the metrics
         if not self.tlt.enable:
             return
         tc = self.tlt.tail.consolidate
         if tc.mode != "off":
-            self._mover = TailMover(self._servers, tc.policy(self.tlt.engine.max_batch),
+            self._consolidator = Consolidator(self._servers, tc.rules(self.tlt.engine.max_batch),
                                     interval_s=tc.interval_s, move_s=tc.move_s)
             self._step_requests = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.replay_buffer.poll_interval = self.tlt.replay_poll_s
@@ -242,20 +242,20 @@ class TLTTrainer(PPOTrainerSync):
                     self._rounds = self._tail_rounds()
                 requests = self._rounds.plan().requests
             self._window.begin()
-            if self._mover is not None:
-                self._mover.start(requests, self._window.lengths)
+            if self._consolidator is not None:
+                self._consolidator.start(requests, self._window.lengths)
         return super().prepare_step()
 
     def on_sample_begin(self):
         out = super().on_sample_begin()
         if self._rounds is not None:  # a short round ends once its first P0 prompts finish
-            self._rounds.before_sample(self._mover.stop if self._mover is not None else None)
+            self._rounds.before_sample(self._consolidator.stop if self._consolidator is not None else None)
         return out
 
     def on_sample_end(self):
         if self.tlt.enable:
             self._window.end()
-            tail = self._mover.stop() if self._mover is not None else {}
+            tail = self._consolidator.stop() if self._consolidator is not None else {}
             with marked_timer("tlt_preempt", self.timing_raw):
                 outcome = self._coordinator.rollout_done(self.global_steps)
             self._end_rollout()

@@ -1,10 +1,10 @@
-"""The tail policy at work during a verl rollout: the driver reads the replicas' loads and moves requests.
+"""Consolidation at work during a verl rollout: the driver reads the replicas' loads and moves requests.
 
-Owns :class:`TailMover`, a thread of the trainer's driver process that runs from the start of a
+Owns :class:`Consolidator`, a thread of the trainer's driver process that runs from the start of a
 rollout to its end (``start`` / ``stop``, called by the ``tlt`` trainer). Every
-``tlt.tail.consolidate.interval_s`` it asks each replica for its load (``TLTServer.tail_load``),
-turns the loads into :class:`~tlt.coordinator.tail.ReplicaLoad` s, lets
-:func:`~tlt.coordinator.tail.decide` choose a plan, and carries the plan's moves out: the
+``tlt.tail.consolidate.interval_s`` it asks each replica for its load (``TLTServer.replica_load``),
+turns the loads into :class:`~tlt.coordinator.consolidation.ReplicaLoad` s, lets
+:func:`~tlt.coordinator.consolidation.decide` choose a plan, and carries the plan's moves out: the
 destination reserves (``reserve``; refused while a spot session may run there), then the source
 lets the requests go (``move_out``) and verl's client follows them (:mod:`.moves`).
 
@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tlt.coordinator.tail import ReplicaLoad, RequestLoad, StepCurve, TailConfig, decide
+from tlt.coordinator.consolidation import ReplicaLoad, RequestLoad, StepCurve, ConsolidationConfig, decide
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def remaining_tokens(generated: int, budget: int, lengths: Sequence[int]) -> flo
 
 
 def replica_loads(loads: Sequence[dict[str, Any]], lengths: Sequence[int]) -> list[ReplicaLoad] | None:
-    """The policy's view of the replicas (None: no step cost measured yet anywhere)."""
+    """Consolidation's view of the replicas (None: no step cost measured yet anywhere)."""
     pooled: dict[int, list[float]] = collections.defaultdict(list)
     for ld in loads:
         for b, s in ld["step_s"].items():
@@ -77,10 +77,10 @@ def _fresh() -> dict[str, Any]:
     return {"moves": 0, "refused": 0, "decisions": 0, "plans": collections.Counter(), "move_s": None}
 
 
-class TailMover:
-    def __init__(self, servers: Callable[[], list], cfg: TailConfig, *, interval_s: float,
+class Consolidator:
+    def __init__(self, servers: Callable[[], list], cfg: ConsolidationConfig, *, interval_s: float,
                  move_s: float | None, reserve_s: float = 2.0) -> None:
-        """``servers()``: the replicas' Ray handles, in rank order; ``cfg``: the policy's settings
+        """``servers()``: the replicas' Ray handles, in rank order; ``cfg``: the rules' settings
         (its ``move_s`` is replaced per decision by ``move_s`` or the measured join cost)."""
         self.servers, self.cfg, self.interval_s = servers, cfg, interval_s
         self.move_s, self.reserve_s = move_s, reserve_s
@@ -96,7 +96,7 @@ class TailMover:
         self._moved = set()
         self.record = _fresh()
         self._thread = threading.Thread(target=self._run, args=(step_requests, list(lengths)),
-                                        name="tlt-tail-mover", daemon=True)
+                                        name="tlt-consolidator", daemon=True)
         self._thread.start()
 
     def stop(self) -> dict[str, Any]:
@@ -112,14 +112,14 @@ class TailMover:
             try:
                 self.decide_once(step_requests, lengths)
             except Exception:  # a replica died or answered late: the rollout goes on without moves
-                log.exception("tlt: tail mover: a decision failed; trying again in %.2fs", self.interval_s)
+                log.exception("tlt: consolidator: a decision failed; trying again in %.2fs", self.interval_s)
 
     def decide_once(self, step_requests: int, lengths: Sequence[int]) -> int:
         """One decision: read loads, plan, move. Returns the requests moved."""
         import ray
 
         servers = self.servers()
-        loads = ray.get([s.tail_load.remote() for s in servers], timeout=30)
+        loads = ray.get([s.replica_load.remote() for s in servers], timeout=30)
         view = replica_loads(loads, lengths)
         if view is None or sum(len(r.requests) for r in view) == 0:
             return 0

@@ -1,4 +1,4 @@
-"""The tail policy on hand-computed cases (not its own cost model): RLHFSpec's reallocation
+"""Consolidation on hand-computed cases (not its own cost model): RLHFSpec's reallocation
 invariants, RLHFuse's receiver count, a replica in a spot session never receives, and the choice
 between moving and not: no move when the measured step cost grows with the batch, moves when it is
 flat."""
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from tlt.coordinator.tail import (
+from tlt.coordinator.consolidation import (
     ReplicaLoad,
     RequestLoad,
     StepCurve,
-    TailConfig,
+    ConsolidationConfig,
     consolidate,
     decide,
     drain_s,
@@ -42,7 +42,7 @@ def test_step_curve_and_drain_time():
 
 def test_reallocation_keeps_rlhfspec_invariants():
     reps = [_replica(0, 9, KNEE4), _replica(1, 1, KNEE4), _replica(2, 6, KNEE4), _replica(3, 3, KNEE4)]
-    moves = reallocate(reps, TailConfig(max_batch=8))
+    moves = reallocate(reps, ConsolidationConfig(max_batch=8))
     # theta 4: pairs (9, 1) and (6, 3) move min(9-4, 4-1) = 3 and min(6-4, 4-3) = 1
     assert [(m.source, m.destination) for m in moves] == [(0, 1)] * 3 + [(2, 3)]
     after = {r.rank: len(r.requests) for r in reps}
@@ -57,11 +57,11 @@ def test_reallocation_keeps_rlhfspec_invariants():
 
 
 def test_rlhfuse_receivers_and_consolidation():
-    assert receivers_needed(10, TailConfig(max_batch=4)) == 3  # ceil(10 / 4)
-    assert receivers_needed(10, TailConfig(max_batch=4, kv_request_bytes=1 << 30, kv_capacity_bytes=2 << 30)) == 5
-    assert receivers_needed(0, TailConfig()) == 0
+    assert receivers_needed(10, ConsolidationConfig(max_batch=4)) == 3  # ceil(10 / 4)
+    assert receivers_needed(10, ConsolidationConfig(max_batch=4, kv_request_bytes=1 << 30, kv_capacity_bytes=2 << 30)) == 5
+    assert receivers_needed(0, ConsolidationConfig()) == 0
     reps = [_replica(0, 2, FLAT), _replica(1, 3, FLAT), _replica(2, 1, FLAT)]
-    cfg = TailConfig(max_batch=4)
+    cfg = ConsolidationConfig(max_batch=4)
     assert consolidate(reps, step_requests=20, cfg=cfg) == []  # 6 left > 0.2 x 20: not the tail yet
     moves = consolidate(reps, step_requests=40, cfg=cfg)  # 6 <= 8: onto ceil(6 / 4) = 2 replicas
     # replicas 1 (3 requests) and 0 (2) stay; replica 2's request goes to the less loaded of them
@@ -70,14 +70,14 @@ def test_rlhfuse_receivers_and_consolidation():
 
 def test_a_training_replica_never_receives():
     reps = [_replica(0, 1, FLAT), _replica(1, 3, FLAT, training=True)]
-    moves = consolidate(reps, step_requests=40, cfg=TailConfig())
+    moves = consolidate(reps, step_requests=40, cfg=ConsolidationConfig())
     assert moves and all(m.destination == 0 for m in moves)  # the training one's requests leave it
     assert all(m.destination != 1 for m in reallocate([_replica(0, 9, KNEE4), _replica(1, 0, KNEE4, training=True)],
-                                                      TailConfig(max_batch=8)))
+                                                      ConsolidationConfig(max_batch=8)))
 
 
 def test_no_move_when_the_step_cost_grows_with_the_batch_moves_when_it_is_flat():
-    cfg = TailConfig(max_batch=64, train_value=0.5)
+    cfg = ConsolidationConfig(max_batch=64, train_value=0.5)
     # A: 3 requests, B: 1, 10 tokens left each; 4 left of a 32-request step: the tail
     flat = decide([_replica(0, 3, FLAT), _replica(1, 1, FLAT)], 32, cfg)
     # flat: A drains in 10 s with 3 or 4 requests; moving B's frees B for 10 s: 0.5 x 10 - 2 x 0 = 5
@@ -88,9 +88,9 @@ def test_no_move_when_the_step_cost_grows_with_the_batch_moves_when_it_is_flat()
     assert steep.kind == "none" and not steep.moves
     assert steep.scores["consolidate"] == pytest.approx(-10.0)
     # a move's re-prefill counts: 12 s for B's request turns the flat case's gain into a loss
-    costly = decide([_replica(0, 3, FLAT), _replica(1, 1, FLAT)], 32, TailConfig(move_s=12.0, train_value=0.5))
+    costly = decide([_replica(0, 3, FLAT), _replica(1, 1, FLAT)], 32, ConsolidationConfig(move_s=12.0, train_value=0.5))
     assert costly.kind == "none"  # 0.5 x (22 - 0) - 2 x 12 = -13
-    assert decide([_replica(0, 3, FLAT), _replica(1, 1, FLAT)], 32, TailConfig(mode="off")).moves == ()
+    assert decide([_replica(0, 3, FLAT), _replica(1, 1, FLAT)], 32, ConsolidationConfig(mode="off")).moves == ()
 
 
 def test_auto_consolidates_before_rlhfuses_trigger_when_it_pays():
@@ -98,10 +98,10 @@ def test_auto_consolidates_before_rlhfuses_trigger_when_it_pays():
     moving B's 2 requests (5 tokens left) onto A (10 requests, 20 tokens left) costs nothing
     and frees B for A's 20 s: auto moves them, the fixed rule waits."""
     a, b = _replica(0, 10, FLAT, remaining=20.0), _replica(1, 2, FLAT, remaining=5.0)
-    auto = decide([a, b], 32, TailConfig(mode="auto", train_value=0.5))
+    auto = decide([a, b], 32, ConsolidationConfig(mode="auto", train_value=0.5))
     # none: A 20 s, B 5 s, idle 15; moved: A 20 s, B idle 20: 0.5 x (20 - 15) - 2 x 0 = 2.5
     assert auto.kind == "consolidate" and auto.score == pytest.approx(2.5) and len(auto.moves) == 2
-    assert decide([a, b], 32, TailConfig(mode="consolidate")).moves == ()  # 12 > 0.2 x 32
+    assert decide([a, b], 32, ConsolidationConfig(mode="consolidate")).moves == ()  # 12 > 0.2 x 32
 
 
 def test_a_batch_no_replica_ran_is_not_assumed_cheap():
@@ -111,10 +111,10 @@ def test_a_batch_no_replica_ran_is_not_assumed_cheap():
     assert one.cost(32) == pytest.approx(0.10) and one.cost(4) == pytest.approx(0.05)
     assert StepCurve(((1, 1.0), (4, 2.0))).cost(8) == pytest.approx(4.0)  # proportional past the last
     a, b = _replica(0, 16, one, remaining=100.0), _replica(1, 16, one, remaining=100.0)
-    assert decide([a, b], 32, TailConfig(mode="auto", max_batch=64)).kind == "none"
+    assert decide([a, b], 32, ConsolidationConfig(mode="auto", max_batch=64)).kind == "none"
     flat = StepCurve(((16, 0.05), (32, 0.05)))
     a, b = _replica(0, 16, flat, remaining=100.0), _replica(1, 16, flat, remaining=100.0)
-    assert decide([a, b], 32, TailConfig(mode="auto", max_batch=64)).kind == "consolidate"
+    assert decide([a, b], 32, ConsolidationConfig(mode="auto", max_batch=64)).kind == "consolidate"
 
 
 def test_config_errors_name_the_key():
@@ -122,4 +122,4 @@ def test_config_errors_name_the_key():
                     ({"max_batch": 0}, "max_batch"), ({"kv_request_bytes": 1}, "kv_request_bytes"),
                     ({"move_s": -1}, "move_s"), ({"train_value": -1}, "train_value")]:
         with pytest.raises(ValueError, match=key):
-            TailConfig(**kw)
+            ConsolidationConfig(**kw)

@@ -1,4 +1,4 @@
-"""Tail policy: which running requests move between rollout replicas, and where.
+"""Consolidation: which running requests move between rollout replicas in the tail, and where.
 
 Pure logic, in the style of :mod:`tlt.coordinator.promotion`: no sockets, no clock, no torch. In go each
 replica's running requests with their progress, whether it is in a spot session, and its measured
@@ -50,7 +50,7 @@ MODES = ("off", "reallocate", "consolidate", "auto")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TailConfig:
+class ConsolidationConfig:
     mode: str = "auto"
     knee: float = 0.9  # theta: the smallest batch reaching this share of the best throughput
     remaining_share: float = 0.2  # consolidate once at most this share of the step's requests run
@@ -162,7 +162,7 @@ def drain_s(remaining: Sequence[float], curve: StepCurve, tokens_per_step: float
     return t
 
 
-def _evaluate(kind: str, replicas: Sequence[ReplicaLoad], moves: list[Move], cfg: TailConfig) -> Plan:
+def _evaluate(kind: str, replicas: Sequence[ReplicaLoad], moves: list[Move], cfg: ConsolidationConfig) -> Plan:
     by = {r.rank: r for r in replicas}
     reqs = {r.rank: {q.rid: q for q in r.requests} for r in replicas}
     arrived: dict[int, int] = {r.rank: 0 for r in replicas}
@@ -176,7 +176,7 @@ def _evaluate(kind: str, replicas: Sequence[ReplicaLoad], moves: list[Move], cfg
     return Plan(kind, tuple(moves), tail, sum(tail - e for e in ends.values()))
 
 
-def reallocate(replicas: Sequence[ReplicaLoad], cfg: TailConfig) -> list[Move]:
+def reallocate(replicas: Sequence[ReplicaLoad], cfg: ConsolidationConfig) -> list[Move]:
     """RLHFSpec's reallocation (one decision): see the module docstring."""
     order = sorted(replicas, key=lambda r: (-len(r.requests), r.rank))
     moves: list[Move] = []
@@ -195,7 +195,7 @@ def reallocate(replicas: Sequence[ReplicaLoad], cfg: TailConfig) -> list[Move]:
     return moves
 
 
-def receivers_needed(remaining: int, cfg: TailConfig) -> int:
+def receivers_needed(remaining: int, cfg: ConsolidationConfig) -> int:
     """RLHFuse's m = max(ceil(R / BS_max), ceil(R * M / C)) (the second term when M and C are known)."""
     m = math.ceil(remaining / cfg.max_batch)
     if cfg.kv_request_bytes is not None:
@@ -203,7 +203,7 @@ def receivers_needed(remaining: int, cfg: TailConfig) -> int:
     return max(m, 1) if remaining else 0
 
 
-def consolidate(replicas: Sequence[ReplicaLoad], step_requests: int, cfg: TailConfig) -> list[Move]:
+def consolidate(replicas: Sequence[ReplicaLoad], step_requests: int, cfg: ConsolidationConfig) -> list[Move]:
     """RLHFuse's consolidation: see the module docstring. ``step_requests``: the step's requests."""
     left = sum(len(r.requests) for r in replicas)
     if not left or left > cfg.remaining_share * step_requests:
@@ -227,7 +227,7 @@ def consolidate(replicas: Sequence[ReplicaLoad], step_requests: int, cfg: TailCo
     return moves
 
 
-def decide(replicas: Sequence[ReplicaLoad], step_requests: int, cfg: TailConfig) -> Plan:
+def decide(replicas: Sequence[ReplicaLoad], step_requests: int, cfg: ConsolidationConfig) -> Plan:
     """The plan for the replicas' current state (``step_requests``: the RL step's requests)."""
     none = _evaluate("none", replicas, [], cfg)
     if cfg.mode == "off":
