@@ -271,9 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_doctor)
 
     s = sub.add_parser("bench", help="benchmarks that print side-by-side ratios and write JSON")
-    from tlt.bench import BENCHES
+    from tlt.bench import BENCHES, RENAMED
 
-    s.add_argument("which", choices=sorted(BENCHES))
+    s.add_argument("which", choices=sorted(BENCHES) + sorted(RENAMED), metavar="{" + ",".join(sorted(BENCHES)) + "}",
+                   help="the benchmark (old names still run: " + ", ".join(f"{o} -> {n}" for o, n in RENAMED.items()) + ")")
     s.add_argument("--json", help="write the result record here")
     s.add_argument("--quick", action="store_true", help="smaller workload (for smoke tests)")
     s.add_argument("--seed", type=int, default=0)
@@ -320,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--measure-cpu", action="store_true",
                    help="tail: measure this machine's step-cost curve first (tlt bench rollout, one repeat) and "
                    "simulate the CPU row on it instead of the recorded docs/bench/rollout.json")
-    s.add_argument("--trace", help="sglang-policy: verify trace to replay (recorded here first if the file "
+    s.add_argument("--trace", help="sglang-tuner: verify trace to replay (recorded here first if the file "
                    "does not exist; without --trace a fresh one is recorded and not kept)")
     s.set_defaults(fn=_cmd_bench)
 

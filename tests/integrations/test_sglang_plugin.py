@@ -43,9 +43,9 @@ def _check(version: str, model_path: Path, tmp_path: Path) -> dict:
 
 @pytest.mark.parametrize("version", ["0.5.12", "0.5.23"])
 def test_plugin_inside_sglang(version, model_path, tmp_path):
-    from tlt.bench.sglang_policy import evaluate, parse_trace
+    from tlt.bench.sglang_tuner import evaluate, parse_trace
     from tlt.integrations.sglang import hook_table
-    from tlt.integrations.sglang.policy import DEFAULT_SLOTS
+    from tlt.integrations.sglang.adaptive import DEFAULT_SLOTS
 
     r = _check(version, model_path, tmp_path)
     assert r["sglang_version"] == version
@@ -56,7 +56,7 @@ def test_plugin_inside_sglang(version, model_path, tmp_path):
 
     pol = r["policy"]
     if version == "0.5.23":
-        assert pol["class_replaced"] == pol["policy_type"] == "Policy"
+        assert pol["class_replaced"] == pol["policy_type"] == "Tuner"
         assert pol["candidate_steps"] == [0, 1, 2, 3, 5, 7]  # SGLang sizes its buffers from TLT's slots
         graphs = {int(k): v for k, v in pol["graph_bs_per_step"].items()}
         assert graphs[0] == graphs[1] and len(graphs[1]) == 24  # off and 1 step everywhere
@@ -64,12 +64,12 @@ def test_plugin_inside_sglang(version, model_path, tmp_path):
         # SGLang's real controller drives the policy exactly as the bench's driver does
         ev = evaluate(parse_trace(json.loads(TRACE.read_text())), DEFAULT_SLOTS, rollouts=pol["rollouts"],
                       requests=32, seed=0)
-        assert pol["tlt"]["goodput"]["TLT policy (BEG-MAB)"] == pytest.approx(ev["goodput_tok_s"]["TLT policy (BEG-MAB)"])
+        assert pol["tlt"]["goodput"]["TLT tuner (BEG-MAB)"] == pytest.approx(ev["goodput_tok_s"]["TLT tuner (BEG-MAB)"])
     else:
-        assert pol["class_replaced"] == pol["policy_type"] == "EmaPolicy"
+        assert pol["class_replaced"] == pol["policy_type"] == "EmaTuner"
         assert 0 not in pol["candidate_steps"]  # 0.5.12 cannot run steps=0
     ar = pol["tlt"]["goodput"]["AR (0 steps)"]
-    assert pol["tlt"]["goodput"]["TLT policy (BEG-MAB)"] > ar  # it learned to speculate where it pays
+    assert pol["tlt"]["goodput"]["TLT tuner (BEG-MAB)"] > ar  # it learned to speculate where it pays
     assert pol["tlt"]["pct_of_oracle"] > 90
 
     g = r["guard"]

@@ -52,9 +52,9 @@ def _policy_on_trace(version: str, trace, original_cls, sglang_own_too: bool) ->
     from sglang.srt.speculative import adaptive_runtime_state as ars
     from sglang.srt.speculative import adaptive_spec_params as asp
 
-    from tlt.bench.sglang_policy import SGLANG_SPEC_GRAPH_BS, evaluate
+    from tlt.bench.sglang_tuner import SGLANG_SPEC_GRAPH_BS, evaluate
     from tlt.integrations.sglang import hook_impls
-    from tlt.integrations.sglang.policy import DEFAULT_SLOTS
+    from tlt.integrations.sglang.adaptive import DEFAULT_SLOTS
 
     out: dict = {"class_replaced": asp.AdaptiveSpeculativeParams.__name__}
     if version == "0.5.23":
@@ -92,12 +92,12 @@ def _policy_on_trace(version: str, trace, original_cls, sglang_own_too: bool) ->
             ctl.params = original_cls(initial_steps=3, config={"candidate_steps": [1, 2, 3, 5, 7]})
             ctl.init_states()
             return _Driven(ctl, worker, None, per_verify=True)
-    slots = DEFAULT_SLOTS if version == "0.5.23" else hook_impls.policy._positive(DEFAULT_SLOTS)
+    slots = DEFAULT_SLOTS if version == "0.5.23" else hook_impls.adaptive._positive(DEFAULT_SLOTS)
     rollouts = 16 if sglang_own_too else ROLLOUTS[version]  # docs/sglang.md's figures: 16 each
     for name, make in (("tlt", tlt), ("sglang_own", sglang_own))[:2 if sglang_own_too else 1]:
         ev = evaluate(trace, slots, rollouts=rollouts, requests=32, seed=0, make_policy=make,
                       overlap=version == "0.5.23")  # 0.5.12's EAGLE worker feeds its policy in the step
-        out[name] = {"pct_of_oracle": ev["policy_pct_of_oracle"], "goodput": ev["goodput_tok_s"]}
+        out[name] = {"pct_of_oracle": ev["tuner_pct_of_oracle"], "goodput": ev["goodput_tok_s"]}
     out["rollouts"] = rollouts
     return out
 
@@ -284,7 +284,7 @@ def main(site: str, out_path: str, model: str, trace_path: str, *flags: str) -> 
     load_plugins()  # SGLang's loader: finds TLT's entry point, runs it, applies the hooks
     version = sglang.__version__
     result = {"sglang_version": version, "doctor": doctor.report()}
-    from tlt.bench.sglang_policy import parse_trace
+    from tlt.bench.sglang_tuner import parse_trace
 
     with open(trace_path) as f:
         trace = parse_trace(json.load(f))

@@ -18,14 +18,20 @@ from typing import Any, Callable
 # name -> module under tlt.bench (imported lazily: some need optional packages)
 BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs": "graphs",
            "coordinator": "coordinator", "checkpoint": "checkpoint", "preempt": "preempt",
-           "sglang-policy": "sglang_policy", "headroom": "headroom",
+           "sglang-tuner": "sglang_tuner", "headroom": "headroom",
            "step-cost": "step_cost", "drafters": "drafters", "resume": "resume", "lifecycle": "lifecycle",
            "consolidation": "consolidation", "demo": "demo_runs", "tail": "tail",
            "tail-batching": "tail_batching", "attention": "attention",
            "memory": "memory"}
+# old name -> new name: still run, with a warning naming the new one, until the next release
+RENAMED = {"sglang-policy": "sglang-tuner"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:
+    if name in RENAMED:
+        logging.getLogger(__name__).warning("`tlt bench %s` is renamed `tlt bench %s`; the old name runs until "
+                                            "the next release", name, RENAMED[name])
+        name = RENAMED[name]
     return importlib.import_module(f"tlt.bench.{BENCHES[name]}").run
 
 

@@ -3,7 +3,7 @@
 Owns :class:`ModelDims` (shapes the model needs; :data:`QWEN25_32B` for the paper's Table 3),
 :func:`estimate_parts` / :func:`estimate_bytes` per graph key and :func:`memory_report` for a
 :class:`~tlt.bench.graph_plan.GraphPlan`. The engine never reads it: which graphs to capture is
-:mod:`tlt.rollout.graphs`; ``tlt bench graphs`` and ``tlt bench sglang-policy`` report these figures.
+:mod:`tlt.rollout.graphs`; ``tlt bench graphs`` and ``tlt bench sglang-tuner`` report these figures.
 """
 
 from __future__ import annotations

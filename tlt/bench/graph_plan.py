@@ -5,7 +5,7 @@ configuration (:class:`GraphPlanConfig`: captured sizes, the tuner's buckets, th
 threshold) and the per-step drafter key :class:`DraftGraphKey`. The engine does not plan: it
 captures each :mod:`tlt.rollout.graphs` key on its first uses (so only the shapes the tuner really
 picks are captured, a subset of the bucketed plan); ``tlt bench graphs`` and ``tlt bench
-sglang-policy`` plan, capture and price whole plans (:mod:`tlt.bench.graph_memory`).
+sglang-tuner`` plan, capture and price whole plans (:mod:`tlt.bench.graph_memory`).
 
 Graph keys (both frozen, so identical shapes from different arms merge into one graph):
 
@@ -18,7 +18,7 @@ Graph keys (both frozen, so identical shapes from different arms merge into one 
   captures its multi-step draft. One launch per proposal; arms share a graph only when equal.
 * ``DraftGraphKey(batch, topk)`` (``draft_graphs="step"``, a model of per-step capture): one
   drafter step over ``[batch, topk]`` tokens replayed ``d`` times, so arms that differ only in depth
-  or tokens-to-verify share it, and the catch-up is not planned. ``tlt bench sglang-policy`` uses
+  or tokens-to-verify share it, and the catch-up is not planned. ``tlt bench sglang-tuner`` uses
   it for SGLang's per-step graphs.
 Arms of a model-free proposer (``arm.proposer`` set) have no drafter graph.
 

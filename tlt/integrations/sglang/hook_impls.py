@@ -1,7 +1,7 @@
 """TLT's hook implementations inside SGLang (what :mod:`tlt.integrations.sglang.hook_table` installs).
 
-Owns the adapters between SGLang's objects and TLT's plain-Python parts: the adaptive policy
-classes (:mod:`.policy`), the lossless guard (:mod:`.guard`) and the idle signal (:mod:`.idle`).
+Owns the adapters between SGLang's objects and TLT's plain-Python parts: the tuner
+classes (:mod:`.adaptive`), the lossless guard (:mod:`.guard`) and the idle signal (:mod:`.idle`).
 Signatures follow SGLang's ``HookRegistry``: AFTER ``fn(result, *args)``, AROUND
 ``fn(original, *args)``. SGLang is imported lazily, inside the hooks, so this module imports
 anywhere.
@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Any
 
-from tlt.integrations.sglang import guard, idle, policy
+from tlt.integrations.sglang import adaptive, guard, idle
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +22,11 @@ _server: dict[str, Any] = {"algorithm": None}
 _signal: list[Any] = []  # this process's idle signal, created on first use
 
 
-class Policy(policy.AdaptivePolicy):
+class Tuner(adaptive.AdaptiveTuner):
     """0.5.23: replaces ``AdaptiveSpeculativeParams`` (same constructor: initial_steps, cfg_path)."""
 
 
-class EmaPolicy(policy.EmaCompatPolicy):
+class EmaTuner(adaptive.EmaCompatTuner):
     """0.5.12: replaces ``AdaptiveSpeculativeParams`` (same constructor: initial_steps, config)."""
 
 
@@ -35,22 +35,22 @@ def load_adaptive_config(original, cfg_path=None):
     ``(cfg, {bs: entry})`` shape, so candidate-step buffers are sized for TLT's step counts."""
     if cfg_path is not None:
         return original(cfg_path)
-    slots = policy.load_slots(None)
+    slots = adaptive.load_slots(None)
     cfg = {str(k): {"candidate_steps": list(v)} for k, v in slots.items()}
     return cfg, {int(k): e for k, e in cfg.items()}
 
 
 # ---------------------------------------------------------------------------- lossless guard
-def _check(*, algorithm, thresholds, user_max, resolved_max, adaptive, cfg) -> None:
+def _check(*, algorithm, thresholds, user_max, resolved_max, is_adaptive, cfg) -> None:
     _server["algorithm"] = algorithm
     guard.check_server(algorithm=algorithm, thresholds=thresholds,
                        simulate_acc_len=guard.env_simulate_acc_len(os.environ),
                        force_greedy_ngram=guard.env_force_greedy(os.environ) and str(algorithm).upper() == "NGRAM")
     if algorithm and str(algorithm).upper() != "NONE":
         try:
-            slots = policy.load_slots(cfg if adaptive else {"1": {"candidate_steps": [1]}})
+            slots = adaptive.load_slots(cfg if is_adaptive else {"1": {"candidate_steps": [1]}})
         except (OSError, ValueError):
-            slots = policy.load_slots(None)
+            slots = adaptive.load_slots(None)
         msg = guard.max_running_warning(user_value=user_max, resolved=resolved_max, slots=slots)
         if msg:
             log.warning("TLT: %s", msg)
@@ -63,7 +63,7 @@ def server_args_post_init_0512(original, self, *args, **kwargs):
     _check(algorithm=self.speculative_algorithm,
            thresholds={k: getattr(self, k) for k in guard.THRESHOLD_KEYS if hasattr(self, k)},
            user_max=user_max, resolved_max=self.max_running_requests,
-           adaptive=getattr(self, "speculative_adaptive", False), cfg=getattr(self, "speculative_adaptive_config", None))
+           is_adaptive=getattr(self, "speculative_adaptive", False), cfg=getattr(self, "speculative_adaptive_config", None))
     return out
 
 
@@ -77,7 +77,7 @@ def server_args_resolved_0523(result, self, *args, **kwargs):
 
     _check(algorithm=get("speculative_algorithm"), thresholds={k: get(k) for k in guard.THRESHOLD_KEYS},
            user_max=getattr(self, "max_running_requests", None), resolved_max=get("max_running_requests"),
-           adaptive=bool(get("speculative_adaptive")), cfg=get("speculative_adaptive_config"))
+           is_adaptive=bool(get("speculative_adaptive")), cfg=get("speculative_adaptive_config"))
     return result
 
 

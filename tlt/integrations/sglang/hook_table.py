@@ -57,7 +57,7 @@ def _common() -> tuple[Hook, ...]:
 
 def _table_0512() -> tuple[Hook, ...]:
     return (
-        Hook(f"{_ADAPTIVE}.AdaptiveSpeculativeParams", "replace", f"{_H}:EmaPolicy",
+        Hook(f"{_ADAPTIVE}.AdaptiveSpeculativeParams", "replace", f"{_H}:EmaTuner",
              "BEG-MAB picks the EAGLE step count per batch-size slot (0.5.12: decided after each verify, "
              "steps >= 1)"),
         Hook("sglang.srt.server_args.ServerArgs.__post_init__", "around", f"{_H}:server_args_post_init_0512",
@@ -69,7 +69,7 @@ def _table_0512() -> tuple[Hook, ...]:
 
 def _table_0523() -> tuple[Hook, ...]:
     return (
-        Hook(f"{_ADAPTIVE}.AdaptiveSpeculativeParams", "replace", f"{_H}:Policy",
+        Hook(f"{_ADAPTIVE}.AdaptiveSpeculativeParams", "replace", f"{_H}:Tuner",
              "BEG-MAB picks the EAGLE step count per batch-size slot; steps=0 is the elastic switch"),
         Hook(f"{_ADAPTIVE}._load_adaptive_config", "around", f"{_H}:load_adaptive_config",
              "TLT's slots when no --speculative-adaptive-config is given (bucketed graph capture)"),

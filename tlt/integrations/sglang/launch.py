@@ -6,7 +6,7 @@ Owns the start-up plan of an SGLang rollout replica in a ``tlt`` run (no restart
 SGLang / ``tlt.*``          servers start with
 ==========================  =============================================================
 0.5.23, EAGLE               EAGLE (EAGLE3 for ``drafter.method=eagle3``) with the warm-up
-                            drafter, or a freshly initialised one: the adaptive policy's
+                            drafter, or a freshly initialised one: the tuner's
                             steps=0 arm keeps speculation off while the drafter is useless,
                             and draft-only pushes make it useful
 0.5.12, EAGLE               the warm-up drafter (``tlt.drafter.init_path``); 0.5.12 has no
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 DRAFT_LOADER = "tlt.integrations.sglang.draft_loader.load_draft_only"
 SUPPORTED = ("0.5.12", "0.5.23")
 NGRAM_DEFAULTS = {"speculative_num_draft_tokens": 8}  # SGLang's n-gram drafts per verify
-# The adaptive policy's starting step count (one of TLT's candidate steps). SGLang 0.5.12 refuses a
+# The tuner's starting step count (one of TLT's candidate steps). SGLang 0.5.12 refuses a
 # topk without the step count, and a chain verifies steps + 1 tokens.
 EAGLE_START_STEPS = 3
 

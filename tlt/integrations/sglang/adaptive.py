@@ -1,4 +1,4 @@
-"""BEG-MAB as SGLang's adaptive speculative policy: step counts chosen per batch-size slot.
+"""BEG-MAB as SGLang's adaptive speculative policy (TLT's tuner there): step counts chosen per batch-size slot.
 
 Owns the translation between SGLang's adaptive-speculation protocol and TLT's tuner
 (:class:`tlt.rollout.tuner.BegMab`). SGLang's EAGLE worker only switches the draft *step count* at run
@@ -14,19 +14,19 @@ TLT's :data:`DEFAULT_SLOTS` apply (every slot offers 0, so speculation is a lear
 every batch size).
 
 Reward: committed tokens per second per running request between consecutive verify calls,
-from host-side ``time.monotonic`` stamps (SGLang calls the policy after the accept lengths are on
+from host-side ``time.monotonic`` stamps (SGLang calls the tuner after the accept lengths are on
 the host; no GPU sync is added). With SGLang's overlap scheduler the next batch is launched
 before the previous result is processed, so choices wait in a FIFO until their verify result
 arrives; a result that cannot be matched (batch size differs, or more accepted drafts than the
 queued step count allows) is not learned from.
 
-Two protocol shapes, one core (:class:`StepPolicy`):
+Two protocol shapes, one core (:class:`StepTuner`):
 
-* 0.5.23 (:class:`AdaptivePolicy`): ``candidate_steps``, ``set_cuda_graph_bs``,
+* 0.5.23 (:class:`AdaptiveTuner`): ``candidate_steps``, ``set_cuda_graph_bs``,
   ``get_steps_for_batch`` (called before every decode batch), ``on_verify_complete(accepts,
   batch_size)``, ``cuda_graph_bs_for_step`` (bucketed graph capture: a step count is captured
   only at the graph batch sizes whose slot offers it).
-* 0.5.12 (:class:`EmaCompatPolicy`): constructed by SGLang's ``AdaptiveController`` as
+* 0.5.12 (:class:`EmaCompatTuner`): constructed by SGLang's ``AdaptiveController`` as
   ``(initial_steps, config)``; ``update(accepts) -> bool`` after each verify, ``current_steps``.
   No batch size is passed (it is ``len(accepts)``), no ``steps=0``, no pruned capture, and the
   switch applies from the batch after the verify.
@@ -48,7 +48,7 @@ from tlt.rollout.tuner import BegMab, TunerConfig
 
 # Every slot offers 0 (off): speculating is a learned decision at every batch size. Deep chains
 # only while few requests run; at larger batches verified tokens cost compute, so only short chains
-# are offered there (and only those graphs are captured: `tlt bench sglang-policy`, ~4x less graph
+# are offered there (and only those graphs are captured: `tlt bench sglang-tuner`, ~4x less graph
 # memory than every step count at every size).
 DEFAULT_SLOTS: dict[str, dict[str, list[int]]] = {
     "1": {"candidate_steps": [0, 1, 2, 3, 5, 7]},
@@ -103,7 +103,7 @@ def load_slots(config: str | SlotsConfig | None, *, allow_zero: bool = True) -> 
     return dict(sorted(slots.items()))
 
 
-class StepPolicy:
+class StepTuner:
     """BEG-MAB over step counts, per SGLang slot; shared by both protocol shapes."""
 
     def __init__(self, slots: Mapping[int, Sequence[int]], initial_steps: int, *, seed: int = 0,
@@ -113,7 +113,7 @@ class StepPolicy:
         self.slots = {k: tuple(slots[k]) for k in self.slot_keys}
         # Uniform exploration here: a slot offers only step counts whose costs are close (0.5.12
         # has no off arm); on the recorded trace the tuner's cost weighting measured 96.5% of the
-        # per-batch-size oracle against 97.2% uniform (tlt bench sglang-policy).
+        # per-batch-size oracle against 97.2% uniform (tlt bench sglang-tuner).
         self._base = tuner or TunerConfig(seed=seed, explore_gap=math.inf)
         self._cuda_graph_bs: list[int] | None = None
         self.tuner = self._build_tuner()
@@ -194,7 +194,7 @@ class StepPolicy:
         return {"verifies": self.verifies, "learned": self.learned, "tuner": self.tuner.stats()}
 
 
-class AdaptivePolicy(StepPolicy):
+class AdaptiveTuner(StepTuner):
     """SGLang 0.5.23's ``AdaptiveSpecPolicy`` (replaces ``AdaptiveSpeculativeParams``)."""
 
     def __init__(self, initial_steps: int, cfg_path: str | SlotsConfig | None = None, **kw: Any) -> None:
@@ -212,7 +212,7 @@ class AdaptivePolicy(StepPolicy):
         return None  # the next get_steps_for_batch decides
 
 
-class EmaCompatPolicy(StepPolicy):
+class EmaCompatTuner(StepTuner):
     """SGLang 0.5.12's ``AdaptiveSpeculativeParams`` shape: decide after each verify."""
 
     def __init__(self, initial_steps: int, config: Mapping[str, Any] | None = None, **kw: Any) -> None:

@@ -1,4 +1,4 @@
-"""``tlt bench sglang-policy``: TLT's SGLang policy on a recorded verify trace, and its graph plan.
+"""``tlt bench sglang-tuner``: TLT's SGLang tuner on a recorded verify trace, and its graph plan.
 
 A *verify trace* holds, per batch size and draft step count (SGLang's EAGLE chain: topk 1,
 ``steps + 1`` verified tokens; 0 = plain decode), the measured steps of the project's own engine:
@@ -8,15 +8,15 @@ greedy, every request equally long so the batch stays put.
 
 Replay: long-tail rollouts (lognormal response lengths) step by step; a step at ``bs`` running
 requests with ``s`` steps draws a recorded step time and per-request accepted drafts from the
-trace at the nearest recorded batch size not above ``bs``. The policy is driven through SGLang
+trace at the nearest recorded batch size not above ``bs``. The tuner is driven through SGLang
 0.5.23's call sequence with its overlap scheduler: ``set_cuda_graph_bs`` once, then per decode
 batch ``get_steps_for_batch`` for the next batch *before* ``on_verify_complete`` of the previous
 one, on a virtual clock advanced by the recorded step times. Variants on the same lengths and seeds:
 
 * per-batch-size oracle: at every step the step count with the best expected committed tokens per
   second at that batch size, over every recorded step count (hindsight, no noise);
-* the same oracle restricted to the step counts each slot offers (the policy's ceiling);
-* TLT's policy (BEG-MAB per slot), static step counts, and AR.
+* the same oracle restricted to the step counts each slot offers (the tuner's ceiling);
+* TLT's tuner (BEG-MAB per slot), static step counts, and AR.
 
 Graph plan: SGLang captures, per step count, a draft graph (``s`` steps of one token per request),
 a verify graph (``s + 1`` tokens per request) and a draft-extend graph, at each CUDA-graph batch
@@ -39,7 +39,7 @@ from pathlib import Path
 from tlt.bench.graph_plan import DraftGraphKey
 from tlt.rollout.graphs import TargetGraphKey
 from tlt.bench.graph_memory import QWEN25_32B, ModelDims, estimate_parts
-from tlt.integrations.sglang.policy import DEFAULT_SLOTS, AdaptivePolicy, SlotsConfig, describe
+from tlt.integrations.sglang.adaptive import DEFAULT_SLOTS, AdaptiveTuner, SlotsConfig, describe
 from tlt.sim.workloads import lognormal_lengths
 
 log = logging.getLogger(__name__)
@@ -164,9 +164,9 @@ def replay(trace: Trace, choose: Callable[[int], int], observe: Callable[[list[i
 
 def graph_memory(slots: SlotsConfig, graph_bs: Sequence[int], dims: ModelDims) -> dict:
     """Modelled bytes of SGLang's adaptive graphs: bucketed (per-slot steps) vs every step everywhere."""
-    policy = AdaptivePolicy(0, slots)
-    policy.set_cuda_graph_bs(list(graph_bs))
-    steps = policy.candidate_steps
+    tuner = AdaptiveTuner(0, slots)
+    tuner.set_cuda_graph_bs(list(graph_bs))
+    steps = tuner.candidate_steps
 
     def nbytes(bs: int, s: int) -> int:
         out_d, work_d = estimate_parts(DraftGraphKey(batch=bs, topk=1), dims)
@@ -176,7 +176,7 @@ def graph_memory(slots: SlotsConfig, graph_bs: Sequence[int], dims: ModelDims) -
             total += s * out_d + work_d  # s draft steps in one graph: every step's outputs, one workspace
         return total
 
-    bucketed = {s: policy.cuda_graph_bs_for_step(s) for s in steps}
+    bucketed = {s: tuner.cuda_graph_bs_for_step(s) for s in steps}
     b_bytes = sum(nbytes(b, s) for s, sizes in bucketed.items() for b in sizes)
     n_bytes = sum(nbytes(b, s) for s in steps for b in graph_bs)
     return {"graph_bs": list(graph_bs), "steps": steps, "bucketed_bs_per_step": bucketed,
@@ -186,12 +186,12 @@ def graph_memory(slots: SlotsConfig, graph_bs: Sequence[int], dims: ModelDims) -
 
 def evaluate(trace: Trace, slots: SlotsConfig, *, rollouts: int, requests: int, seed: int,
              make_policy: Callable[[_Clock], object] | None = None, overlap: bool = True) -> dict:
-    """Goodput of every variant on the same rollouts; the policy keeps learning across them."""
+    """Goodput of every variant on the same rollouts; the tuner keeps learning across them."""
     rng = random.Random(seed)
     cap = 1024
     sets = [lognormal_lengths(requests, rng, 150, 1.0, lo=8, hi=cap) for _ in range(rollouts)]
     recorded = sorted({s for v in trace.values() for s in v})
-    probe = AdaptivePolicy(0, slots)
+    probe = AdaptiveTuner(0, slots)
     probe.set_cuda_graph_bs(list(SGLANG_SPEC_GRAPH_BS))
 
     def oracle(restrict: bool) -> Callable[[int], int]:
@@ -212,14 +212,14 @@ def evaluate(trace: Trace, slots: SlotsConfig, *, rollouts: int, requests: int, 
     variants: dict[str, float] = {"oracle (every step count)": run(oracle(False)),
                                   "oracle (slot step counts)": run(oracle(True))}
     clock = _Clock()
-    pol = make_policy(clock) if make_policy else AdaptivePolicy(0, slots, clock=clock, seed=seed)
+    pol = make_policy(clock) if make_policy else AdaptiveTuner(0, slots, clock=clock, seed=seed)
     pol.set_cuda_graph_bs(list(SGLANG_SPEC_GRAPH_BS))
-    variants["TLT policy (BEG-MAB)"] = run(pol.get_steps_for_batch, pol.on_verify_complete, clock)
+    variants["TLT tuner (BEG-MAB)"] = run(pol.get_steps_for_batch, pol.on_verify_complete, clock)
     for s in recorded:
         variants[f"static {s} steps" if s else "AR (0 steps)"] = run(lambda bs, s=s: s)
     best = variants["oracle (every step count)"]
-    return {"goodput_tok_s": variants, "policy_pct_of_oracle": 100 * variants["TLT policy (BEG-MAB)"] / best,
-            "policy_pct_of_slot_oracle": 100 * variants["TLT policy (BEG-MAB)"] / variants["oracle (slot step counts)"],
+    return {"goodput_tok_s": variants, "tuner_pct_of_oracle": 100 * variants["TLT tuner (BEG-MAB)"] / best,
+            "tuner_pct_of_slot_oracle": 100 * variants["TLT tuner (BEG-MAB)"] / variants["oracle (slot step counts)"],
             "rollouts": rollouts, "requests": requests,
             "policy": pol.stats() if hasattr(pol, "stats") else None}
 
@@ -237,14 +237,14 @@ def run(args: argparse.Namespace) -> dict:
     ev = evaluate(trace, slots, rollouts=4 if args.quick else 16, requests=32, seed=args.seed)
     mem = graph_memory(slots, SGLANG_SPEC_GRAPH_BS, QWEN25_32B)
     g = ev["goodput_tok_s"]
-    lines = [f"sglang policy bench: trace of {raw['target']} + {raw['drafter']} (batches {sorted(trace)}, "
+    lines = [f"sglang tuner bench: trace of {raw['target']} + {raw['drafter']} (batches {sorted(trace)}, "
              f"steps {sorted({s for v in trace.values() for s in v})}), {ev['rollouts']} rollouts x "
              f"{ev['requests']} requests, overlap-scheduler call order, TLT default slots {describe(slots)}"]
     lines += [f"  {k:28s} {v:8.0f} tok/s  {v / g['AR (0 steps)']:5.2f}x AR" for k, v in g.items()]
-    lines.append(f"  TLT policy: {ev['policy_pct_of_oracle']:.1f}% of the per-batch-size oracle "
-                 f"({ev['policy_pct_of_slot_oracle']:.1f}% of the oracle over the slots' step counts)")
+    lines.append(f"  TLT tuner: {ev['tuner_pct_of_oracle']:.1f}% of the per-batch-size oracle "
+                 f"({ev['tuner_pct_of_slot_oracle']:.1f}% of the oracle over the slots' step counts)")
     lines.append(f"  graph plan (model, Qwen2.5-32B dims, {len(SGLANG_SPEC_GRAPH_BS)} graph batch sizes): bucketed "
                  f"{mem['bucketed_bytes'] / 1e9:.2f} GB ({mem['bucketed_graph_sets']} step x size sets) vs every step "
                  f"at every size {mem['naive_bytes'] / 1e9:.2f} GB ({mem['naive_graph_sets']}): {mem['ratio']:.2f}x less")
-    return {"bench": "sglang-policy", "quick": bool(args.quick), **ev, "graph_memory": mem,
+    return {"bench": "sglang-tuner", "quick": bool(args.quick), **ev, "graph_memory": mem,
             "trace_meta": {k: v for k, v in raw.items() if k != "trace"}, "summary": lines}

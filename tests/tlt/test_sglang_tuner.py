@@ -1,4 +1,4 @@
-"""TLT's SGLang policy, lossless guard and idle signal as plain Python (SGLang not needed; the
+"""TLT's SGLang tuner, lossless guard and idle signal as plain Python (SGLang not needed; the
 same classes run inside both SGLang versions in tests/integrations/test_sglang_plugin.py)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import random
 import pytest
 
 from tlt.rollout.strategy import Arm
-from tlt.bench.sglang_policy import SGLANG_SPEC_GRAPH_BS, graph_memory
+from tlt.bench.sglang_tuner import SGLANG_SPEC_GRAPH_BS, graph_memory
 from tlt.integrations.sglang import guard
 from tlt.integrations.sglang.idle import IdleSignal
-from tlt.integrations.sglang.policy import DEFAULT_SLOTS, AdaptivePolicy, EmaCompatPolicy, load_slots
+from tlt.integrations.sglang.adaptive import DEFAULT_SLOTS, AdaptiveTuner, EmaCompatTuner, load_slots
 from tlt.bench.graph_memory import QWEN25_32B
 
 
@@ -25,7 +25,7 @@ class Clock:
 def test_tuner_buckets_follow_sglang_routing():
     """A batch padded to a captured size may cross a slot key: the tuner must offer exactly the
     slot's steps there, so every chosen step has a captured graph."""
-    p = AdaptivePolicy(3, DEFAULT_SLOTS)
+    p = AdaptiveTuner(3, DEFAULT_SLOTS)
     p.set_cuda_graph_bs(list(SGLANG_SPEC_GRAPH_BS))
     for bs in range(1, 80):
         slot = p.slot_of(bs)
@@ -37,9 +37,9 @@ def test_tuner_buckets_follow_sglang_routing():
             assert padded is None or padded in graphs, (bs, s)
 
 
-def test_policy_learns_the_best_step_count_per_slot():
+def test_tuner_learns_the_best_step_count_per_slot():
     clock, rng = Clock(), random.Random(0)
-    p = AdaptivePolicy(0, {"1": {"candidate_steps": [0, 1, 3]}, "8": {"candidate_steps": [0, 1]}}, clock=clock)
+    p = AdaptiveTuner(0, {"1": {"candidate_steps": [0, 1, 3]}, "8": {"candidate_steps": [0, 1]}}, clock=clock)
     # bs <= 7: 3 steps pay (2.4 accepted for 1.5x time); bs >= 8: speculation costs (off wins)
     for _ in range(4000):
         bs = rng.choice([1, 2, 4, 16, 24])
@@ -55,7 +55,7 @@ def test_results_are_matched_to_their_own_choice_under_overlap():
     """With the overlap scheduler the next batch's step count is chosen before the previous
     result arrives; a result must be credited to the step count it ran with."""
     clock = Clock()
-    p = AdaptivePolicy(0, {"1": {"candidate_steps": [0, 5]}}, clock=clock)
+    p = AdaptiveTuner(0, {"1": {"candidate_steps": [0, 5]}}, clock=clock)
     first = p.get_steps_for_batch(4)
     second = p.get_steps_for_batch(4)
     assert {first, second} == {0, 5}  # untried arms first
@@ -77,7 +77,7 @@ def test_results_are_matched_to_their_own_choice_under_overlap():
 
 def test_long_pause_between_verifies_is_not_a_step():
     clock = Clock()
-    p = AdaptivePolicy(0, {"1": {"candidate_steps": [0]}}, clock=clock)
+    p = AdaptiveTuner(0, {"1": {"candidate_steps": [0]}}, clock=clock)
     for t in (0.0, 0.01, 5.0, 5.01):
         p.get_steps_for_batch(1)
         clock.t = t
@@ -85,9 +85,9 @@ def test_long_pause_between_verifies_is_not_a_step():
     assert p.learned == 2  # 0->0.01 and 5.0->5.01; the 5 s gap is idle time
 
 
-def test_ema_compat_policy_0512_protocol():
+def test_ema_compat_tuner_0512_protocol():
     clock = Clock()
-    p = EmaCompatPolicy(3, None, clock=clock)
+    p = EmaCompatTuner(3, None, clock=clock)
     assert 0 not in p.candidate_steps and 3 in p.candidate_steps
     changed = 0
     for _ in range(300):
@@ -95,10 +95,10 @@ def test_ema_compat_policy_0512_protocol():
         changed += p.update([min(p.current_steps, 1)] * 4)
     assert changed > 0 and p.learned > 250
     assert p.current_steps in p.candidate_steps
-    p2 = EmaCompatPolicy(4, {"candidate_steps": [1, 3]})  # 0.5.12's flat config; initial step added
+    p2 = EmaCompatTuner(4, {"candidate_steps": [1, 3]})  # 0.5.12's flat config; initial step added
     assert p2.candidate_steps == [1, 3, 4]
     with pytest.raises(ValueError, match="holds 0"):
-        EmaCompatPolicy(1, {"1": {"candidate_steps": [0, 1]}})
+        EmaCompatTuner(1, {"1": {"candidate_steps": [0, 1]}})
 
 
 @pytest.mark.parametrize("bad, match", [({}, "no batch-size slot"), ({"1": {"candidate_steps": []}}, "non-empty"),
@@ -157,14 +157,14 @@ def test_idle_signal_reports_transitions_only():
 
 
 def test_bench_records_a_trace_then_replays_it(tmp_path, capsys):
-    """`tlt bench sglang-policy --quick --trace F`: records F with the engine (quick grid), then a
+    """`tlt bench sglang-tuner --quick --trace F`: records F with the engine (quick grid), then a
     second run replays the same file without recording."""
     import json
 
     from tlt.cli import main
 
     trace, record = tmp_path / "trace.json", tmp_path / "bench.json"
-    assert main(["-q", "bench", "sglang-policy", "--quick", "--trace", str(trace), "--json", str(record)]) == 0
+    assert main(["-q", "bench", "sglang-tuner", "--quick", "--trace", str(trace), "--json", str(record)]) == 0
     raw = json.loads(trace.read_text())
     assert sorted(raw["trace"]) == ["1", "4"] and sorted(raw["trace"]["4"]) == ["0", "1", "3"]
     assert all(len(acc) == 4 and max(acc) <= 3 for _, acc in raw["trace"]["4"]["3"])
@@ -174,7 +174,7 @@ def test_bench_records_a_trace_then_replays_it(tmp_path, capsys):
     assert g["oracle (every step count)"] >= 0.97 * max(v for k, v in g.items() if k.startswith(("static", "AR")))
     assert r["graph_memory"]["ratio"] >= 2.8
     before = trace.stat().st_mtime_ns
-    assert main(["-q", "bench", "sglang-policy", "--quick", "--trace", str(trace)]) == 0
+    assert main(["-q", "bench", "sglang-tuner", "--quick", "--trace", str(trace)]) == 0
     assert trace.stat().st_mtime_ns == before
     assert "of the per-batch-size oracle" in capsys.readouterr().out
 
@@ -218,3 +218,13 @@ def test_plugin_switched_off_by_environment(monkeypatch):
     with pytest.raises(SystemExit) as e:
         plugin.load()
     assert e.value.code == 1
+
+
+def test_the_benchs_old_name_runs_it_with_a_warning(caplog):
+    from tlt import bench
+    from tlt.cli import build_parser
+
+    with caplog.at_level("WARNING", logger="tlt.bench"):
+        assert bench.get("sglang-policy") is bench.get("sglang-tuner")
+    assert "renamed `tlt bench sglang-tuner`" in caplog.text
+    assert build_parser().parse_args(["bench", "sglang-policy", "--quick"]).which == "sglang-policy"
