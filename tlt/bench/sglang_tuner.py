@@ -221,7 +221,7 @@ def evaluate(trace: Trace, slots: SlotsConfig, *, rollouts: int, requests: int, 
     return {"goodput_tok_s": variants, "tuner_pct_of_oracle": 100 * variants["TLT tuner (BEG-MAB)"] / best,
             "tuner_pct_of_slot_oracle": 100 * variants["TLT tuner (BEG-MAB)"] / variants["oracle (slot step counts)"],
             "rollouts": rollouts, "requests": requests,
-            "policy": pol.stats() if hasattr(pol, "stats") else None}
+            "tuner": pol.stats() if hasattr(pol, "stats") else None}
 
 
 def run(args: argparse.Namespace) -> dict:
