@@ -1,4 +1,4 @@
-"""The cluster simulator (tlt.sim): event arithmetic against hand-computed cases, and each policy's
+"""The cluster simulator (tlt.sim): event arithmetic against hand-computed cases, and each system's
 rule (moves, RollPacker's rounds, PAT's switch) doing what its paper states."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 import pytest
 from tlt.coordinator.consolidation import StepCurve, drain_s
 
-from tlt.sim.policies import POLICIES, Knobs, run_rollpacker, run_step
+from tlt.sim.systems import SYSTEMS, Knobs, run_rollpacker, run_step
 from tlt.sim.rollout import Request, Speed, place, simulate, with_lengths
 from tlt.sim.workloads import AcceptModel, reasoning_lengths
 
@@ -16,7 +16,7 @@ FLAT = StepCurve(((1, 0.01), (64, 0.01)))  # 10 ms a step whatever the batch
 GROWING = StepCurve(((1, 0.010), (8, 0.012), (32, 0.020)))
 
 
-def test_one_replica_drains_like_the_policy_module_says():
+def test_one_replica_drains_like_the_consolidation_rules_say():
     lengths = [10, 20, 35]
     r = simulate(with_lengths(lengths), [Speed(GROWING)])
     assert r.seconds == pytest.approx(drain_s(lengths, GROWING, 1.0))
@@ -84,8 +84,8 @@ def test_pat_switches_only_when_a_higher_tp_pays():
     assert fast.train_s < never.train_s  # every GPU joins the tail's TP group: none is left to train
 
 
-def test_a_policy_name_is_checked():
-    with pytest.raises(ValueError, match=re.escape("policy='pat+'")):
+def test_a_system_name_is_checked():
+    with pytest.raises(ValueError, match=re.escape("system='pat+'")):
         run_step("pat+", [], Speed(FLAT), Speed(FLAT), 2)
 
 
@@ -94,14 +94,14 @@ def test_bench_tail_quick_writes_its_record_and_plot(tmp_path):
 
     from tlt.cli import main
 
-    out = tmp_path / "tail.json"
-    assert main(["-q", "bench", "tail", "--quick", "--json", str(out)]) == 0
+    out = tmp_path / "cluster.json"
+    assert main(["-q", "bench", "cluster", "--quick", "--json", str(out)]) == 0
     rec = json.loads(out.read_text())
     (_, by), = rec["results"].items()
     row = by["8"]
-    assert set(row["policies"]) == set(POLICIES) and row["fastest"] in POLICIES
-    assert row["fastest_over_tlt"] >= 1.0 and row["policies"]["pat"]["tp"] >= 1
-    assert row["policies"]["rollpacker"]["wasted_share"] > 0 and row["policies"]["plain"]["wasted_share"] == 0
+    assert set(row["systems"]) == set(SYSTEMS) and row["fastest"] in SYSTEMS
+    assert row["fastest_over_tlt"] >= 1.0 and row["systems"]["pat"]["tp"] >= 1
+    assert row["systems"]["rollpacker"]["wasted_share"] > 0 and row["systems"]["plain"]["wasted_share"] == 0
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
@@ -111,13 +111,13 @@ def test_bench_tail_measures_this_machines_curve(tmp_path):
 
     from tlt.cli import main
 
-    out = tmp_path / "tail.json"
-    assert main(["-q", "bench", "tail", "--quick", "--measure-cpu", "--json", str(out)]) == 0
+    out = tmp_path / "cluster.json"
+    assert main(["-q", "bench", "cluster", "--quick", "--measure-cpu", "--json", str(out)]) == 0
     rec = json.loads(out.read_text())
-    curve = json.loads((tmp_path / "tail_cpu_curve.json").read_text())
-    assert rec["cpu_curve_measured_here"] and rec["curves"] == {"CPU, demo target": "tail_cpu_curve.json"}
+    curve = json.loads((tmp_path / "cluster_cpu_curve.json").read_text())
+    assert rec["cpu_curve_measured_here"] and rec["curves"] == {"CPU, demo target": "cluster_cpu_curve.json"}
     assert curve["bench"] == "rollout" and curve["by_batch"]
-    assert rec["results"]["CPU, demo target"]["8"]["policies"]["plain"]["rollout_s"] > 0
+    assert rec["results"]["CPU, demo target"]["8"]["systems"]["plain"]["rollout_s"] > 0
 
 
 def test_step_cost_batches_are_checked():
@@ -128,17 +128,17 @@ def test_step_cost_batches_are_checked():
 
 
 def test_docs_tail_table_is_the_records():
-    """docs/tail.md's results table shows docs/bench/tail.json's figures (H200 Llama-8B, device step)."""
+    """docs/tail.md's results table shows docs/bench/cluster.json's figures (H200 Llama-8B, device step)."""
     import json
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    by = json.loads((root / "docs/bench/tail.json").read_text())["results"]["H200, Llama-8B shape, device step"]
+    by = json.loads((root / "docs/bench/cluster.json").read_text())["results"]["H200, Llama-8B shape, device step"]
     text = (root / "docs/tail.md").read_text().split("## Results", 1)[1]
-    for p in POLICIES:
+    for p in SYSTEMS:
         row = next(line for line in text.splitlines() if line.startswith(f"| `{p}` |"))
         for n in ("8", "64", "256"):
-            r = by[n]["policies"]
+            r = by[n]["systems"]
             cell = f"{r[p]['rollout_s']:.0f} s, {r['plain']['rollout_s'] / r[p]['rollout_s']:.2f}x, {r[p]['train_s']:.0f}"
             assert cell in row, (p, n, cell, row)
     fastest = next(line for line in text.splitlines() if line.startswith("| fastest, over TLT alone |"))
@@ -163,7 +163,7 @@ def _demo_run(root, seconds_per_token: float, rollout_s: dict[int, float]):
 
 
 def test_validation_predicts_a_run_from_another_runs_step_costs(tmp_path):
-    from tlt.bench.tail import validate
+    from tlt.bench.cluster import validate
 
     # replica 0 gets prompt 0 (lengths 100, 110), replica 1 prompt 1 (200, 210): at 0.01 s per token
     # per request the rollout decodes 2.1 s, plus the fit run's overhead 0.1 + 0.05

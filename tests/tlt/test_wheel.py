@@ -91,8 +91,8 @@ def test_the_wheel_installs_and_runs(tmp_path):
     subcommands = ["make-target", "warmup", "export", "rollout", "report", "coordinator", "bench", "doctor", "demo"]
     for sub in subcommands:
         run(*cli, sub, "--help")
-    run(*cli, "-q", "bench", "tail", "--quick", "--json", str(tmp_path / "tail.json"))
-    assert (tmp_path / "tail.json").is_file()
+    run(*cli, "-q", "bench", "cluster", "--quick", "--json", str(tmp_path / "cluster.json"))
+    assert (tmp_path / "cluster.json").is_file()
     target, data, out = tmp_path / "target", tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
     run(*cli, "-q", "make-target", "--out", str(target), "--cache", str(tmp_path / "cache"))
     data.write_text('{"prompt": "12+7="}\n{"prompt": "3*4="}\n')

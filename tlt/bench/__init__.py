@@ -20,11 +20,11 @@ BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs
            "coordinator": "coordinator", "checkpoint": "checkpoint", "preempt": "preempt",
            "sglang-tuner": "sglang_tuner", "headroom": "headroom",
            "step-cost": "step_cost", "drafters": "drafters", "resume": "resume", "lifecycle": "lifecycle",
-           "consolidation": "consolidation", "demo": "demo_runs", "tail": "tail",
+           "consolidation": "consolidation", "demo": "demo_runs", "cluster": "cluster",
            "tail-batching": "tail_batching", "attention": "attention",
            "memory": "memory"}
 # old name -> new name: still run, with a warning naming the new one, until the next release
-RENAMED = {"sglang-policy": "sglang-tuner"}
+RENAMED = {"sglang-policy": "sglang-tuner", "tail": "cluster"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:

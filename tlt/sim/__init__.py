@@ -1,6 +1,6 @@
-"""Cluster-scale simulation of the rollout's tail (``tlt bench tail``): pure Python, no torch.
+"""Cluster-scale simulation of the rollout's tail (``tlt bench cluster``): pure Python, no torch.
 
     rollout     one rollout over N replicas from measured step costs (events, moves, early stop)
-    policies    plain, TLT, RLHFSpec, RLHFuse, cost-model consolidation, RollPacker, PAT
+    systems     plain, TLT, RLHFSpec, RLHFuse, cost-model consolidation, RollPacker, PAT
     workloads   cluster scales, response-length profiles, step-cost curves from bench records
 """

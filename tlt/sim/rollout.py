@@ -2,9 +2,9 @@
 
 Owns :func:`simulate`: requests of known lengths decode on ``replicas`` replicas; a replica
 running ``n`` requests commits ``rate(n)`` tokens per second to each (its step-cost curve, with
-speculation where it pays); a tail policy may move requests between replicas at every decision
+speculation where it pays); consolidation may move requests between replicas at every decision
 tick; a round may end early (``until``: RollPacker's short round aborts what is left). Pure Python,
-no torch: the cluster-scale bench (``tlt bench tail``) runs it at 8-256 replicas.
+no torch: the cluster-scale bench (``tlt bench cluster``) runs it at 8-256 replicas.
 
 Events are request completions and decision ticks. Between two of its events a replica runs at a
 constant batch, so all its requests advance by ``elapsed * rate(n)`` tokens (fractional steps), kept
@@ -115,7 +115,7 @@ class Replica:
         self.t = t
 
     def sync(self) -> None:
-        """Bring every running request's ``done`` up to date (for a policy's view)."""
+        """Bring every running request's ``done`` up to date (for consolidation's view)."""
         for r in self.running.values():
             r.done = min(r.length, self.progress - r.base)
 
@@ -162,7 +162,7 @@ class Result:
         return sum(r.length for r in self.finished) + sum(r.done for r in self.aborted)
 
 
-Policy = Callable[[float, Sequence[Replica], int], Plan | None]  # (now, replicas, step requests) -> plan
+Consolidation = Callable[[float, Sequence[Replica], int], Plan | None]  # (now, replicas, step requests) -> plan
 Snapshot = Callable[[], Sequence[Replica]]  # the replicas with every request's ``done`` up to date
 
 
@@ -179,7 +179,7 @@ def place(requests: Sequence[Request], replicas: int) -> list[list[Request]]:
 
 
 def loads(replicas: Sequence[Replica]) -> list[ReplicaLoad]:
-    """The tail policy's view of the replicas (:mod:`tlt.coordinator.consolidation`), in tokens: a step
+    """Consolidation's view of the replicas (:mod:`tlt.coordinator.consolidation`), in tokens: a step
     commits one token per request at the replica's current rate (``cost`` = seconds per token)."""
     return [ReplicaLoad(rep.rank, tuple(RequestLoad(r.rid, int(r.done), 0, r.remaining) for r in rep.running.values()),
                         token_curve(rep.speed)) for rep in replicas]
@@ -191,16 +191,16 @@ def token_curve(speed: Speed) -> StepCurve:
     return StepCurve(tuple((b, 1.0 / speed.rate(b)) for b in sorted({b for b, _ in speed.plain.points})))
 
 
-def simulate(requests: Sequence[Request], speeds: Sequence[Speed], *, policy: Policy | None = None,
+def simulate(requests: Sequence[Request], speeds: Sequence[Speed], *, consolidation: Consolidation | None = None,
              tick_s: float = 0.0, move_s: float = 0.0,
              until: Callable[[Sequence[Request], Snapshot], bool] | None = None,
              start_s: float = 0.0) -> Result:
     """Run ``requests`` on one replica per entry of ``speeds`` (placed by :func:`place`) until
     all finish, or until ``until(finished, snapshot)`` holds after a request finishes (the rest are
-    returned as aborted). ``policy`` is asked for moves every ``tick_s`` seconds (0: never).
+    returned as aborted). ``consolidation`` is asked for moves every ``tick_s`` seconds (0: never).
     ``start_s``: every replica first spends this long before it decodes (a switch's cost)."""
-    if policy is not None and tick_s <= 0:
-        raise ValueError(f"tick_s={tick_s}: a tail policy needs a decision interval > 0")
+    if consolidation is not None and tick_s <= 0:
+        raise ValueError(f"tick_s={tick_s}: consolidation needs a decision interval > 0")
     reps = [Replica(i, s, stalled_until=start_s) for i, s in enumerate(speeds)]
     for rep, rs in zip(reps, place(requests, len(reps))):
         for r in rs:
@@ -223,7 +223,7 @@ def simulate(requests: Sequence[Request], speeds: Sequence[Speed], *, policy: Po
     for rep in reps:
         schedule(rep)
     finished: list[Request] = []
-    now, next_tick, moves = 0.0, tick_s if policy else math.inf, 0
+    now, next_tick, moves = 0.0, tick_s if consolidation else math.inf, 0
     stopped = False
     while events:
         t, v, rank = events[0]
@@ -232,7 +232,7 @@ def simulate(requests: Sequence[Request], speeds: Sequence[Speed], *, policy: Po
             continue
         if next_tick <= t:  # a decision first
             now, next_tick = next_tick, next_tick + tick_s
-            plan = policy(now, snapshot(), len(requests))
+            plan = consolidation(now, snapshot(), len(requests))
             if plan is not None and plan.moves:
                 for m in plan.moves:
                     req = reps[m.source].leave(m.rid)
@@ -268,5 +268,5 @@ def with_lengths(lengths: Sequence[float], group_size: int = 1) -> list[Request]
 
 
 def reset(requests: Sequence[Request]) -> list[Request]:
-    """Copies of ``requests`` with no progress (the same work for another policy)."""
+    """Copies of ``requests`` with no progress (the same work for another system)."""
     return [dataclasses.replace(r, done=0.0, finished_at=None, aborted=False) for r in requests]

@@ -1,6 +1,6 @@
 """What the cluster simulator runs: cluster scales, response lengths and step-cost curves.
 
-Owns the inputs of ``tlt bench tail``, each with where it comes from:
+Owns the inputs of ``tlt bench cluster``, each with where it comes from:
 
 - :data:`SCALES`: the replicas, prompts per step, responses per prompt and maximum length at 8,
   64 and 256 replicas. The source of each figure is stated beside it; what no paper states is

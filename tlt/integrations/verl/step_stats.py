@@ -135,7 +135,7 @@ class StepStats:
 def replica_fields(stats: list[dict[str, Any]], began: float, ended: float) -> dict[str, list]:
     """Per replica, in order, from their snapshots: idle, decoding and spot-training seconds,
     engine generations, the drafter version served, its engine steps by batch size (seconds, steps,
-    tokens committed: the step-cost curve ``tlt bench tail --validate`` reads), requests that left it
+    tokens committed: the step-cost curve ``tlt bench cluster --validate`` reads), requests that left it
     to go on elsewhere (moved), that were aborted, and that were evicted (a paged cache out of blocks)
     with the tokens their returns prefilled again, the KV memory they held at their peak beside a
     static cache of their peak batch, and the rollout outside their decoding (``began``/``ended``: the rollout's monotonic bounds on the

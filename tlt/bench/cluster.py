@@ -1,10 +1,10 @@
-"""``tlt bench tail``: the rollout's tail policies side by side at 8, 64 and 256 replicas (simulated).
+"""``tlt bench cluster``: rollout systems side by side in the tail at 8, 64 and 256 replicas (simulated).
 
 Owns the bench's record and plot. For each set of step-cost curves (bench records in docs/bench/,
 each named with what it measured), each cluster scale of :data:`tlt.sim.workloads.SCALES` and each
-policy of :mod:`tlt.sim.policies`, it simulates RL steps on the same response lengths and writes:
+system of :mod:`tlt.sim.systems`, it simulates RL steps on the same response lengths and writes:
 the rollout seconds per step, the GPU-seconds idle, the replica-seconds left for drafter training,
-the share of tokens thrown away (RollPacker's aborts), and which policy is fastest at each scale with
+the share of tokens thrown away (RollPacker's aborts), and which system is fastest at each scale with
 its speedup over TLT alone. ``--lengths DIR`` takes a ``tlt demo`` run's recorded lengths (scaled to
 each scale's maximum length) instead of the reasoning profile.
 
@@ -34,8 +34,8 @@ from pathlib import Path
 
 from tlt.bench import pyplot
 from tlt.coordinator.consolidation import StepCurve, ConsolidationConfig
-from tlt.sim.policies import (
-    POLICIES,
+from tlt.sim.systems import (
+    SYSTEMS,
     Knobs,
     StepOutcome,
     run_rollpacker,
@@ -104,7 +104,7 @@ def _mean(outs: list[StepOutcome]) -> dict:
 
 def _prompts(scale, steps: int, seed: int, recorded: list[int] | None, per_prompt: int) -> list[list[float]]:
     """``steps`` steps' worth of prompts (with RollPacker's extra launches), each with ``per_prompt``
-    responses' lengths (RollPacker's extra responses; the other policies run the first
+    responses' lengths (RollPacker's extra responses; the other systems run the first
     ``scale.responses``)."""
     n = int(scale.prompts * steps * 1.5) + 1
     if recorded:  # a demo run's lengths, scaled to this scale's maximum
@@ -120,14 +120,14 @@ def simulate_scale(name: str, record: Path, gpu_accept: bool, scale, steps: int,
                    recorded: list[int] | None) -> dict:
     plain, spec = speeds_from_record(record, _accept_from_gpu_rollout() if gpu_accept else None)
     # BS_max: the largest batch the curves measured (past it a step's cost grows in proportion to the
-    # batch, so no policy gains from batches no engine ran)
+    # batch, so no system gains from batches no engine ran)
     knobs = dataclasses.replace(knobs, max_batch=max(b for b, _ in plain.plain.points))
     prompts = _prompts(scale, steps, seed, recorded, math.ceil(scale.responses * (1 + knobs.response_over)))
     per_step = [prompts[s * scale.prompts:(s + 1) * scale.prompts] for s in range(steps)]
     rows = {}
-    for policy in POLICIES:
-        if policy.endswith("rollpacker"):
-            speed = spec if policy.startswith("tlt") else plain
+    for system in SYSTEMS:
+        if system.endswith("rollpacker"):
+            speed = spec if system.startswith("tlt") else plain
             # every step of the rounds over the same prompt pool: short rounds and the long rounds they feed
             outs = run_rollpacker(prompts, speed, scale.replicas, knobs, p0=scale.prompts, r0=scale.responses)
         else:
@@ -135,13 +135,13 @@ def simulate_scale(name: str, record: Path, gpu_accept: bool, scale, steps: int,
             for s, ps in enumerate(per_step):
                 reqs = [Request(f"s{s}p{i}r{j}", ln, group=i) for i, p in enumerate(ps)
                         for j, ln in enumerate(p[:scale.responses])]
-                outs.append(run_step(policy, reqs, plain, spec, scale.replicas, knobs))
-        rows[policy] = _mean(outs)
-        log.info("%s, %d replicas, %s: %.1f s per step", name, scale.replicas, policy, rows[policy]["rollout_s"])
+                outs.append(run_step(system, reqs, plain, spec, scale.replicas, knobs))
+        rows[system] = _mean(outs)
+        log.info("%s, %d replicas, %s: %.1f s per step", name, scale.replicas, system, rows[system]["rollout_s"])
     tlt = rows["tlt"]["rollout_s"]
     best = min(rows, key=lambda p: rows[p]["rollout_s"])
     return {"replicas": scale.replicas, "prompts": scale.prompts, "responses": scale.responses,
-            "max_len": scale.max_len, "source": scale.source, "policies": rows, "fastest": best,
+            "max_len": scale.max_len, "source": scale.source, "systems": rows, "fastest": best,
             "fastest_over_tlt": tlt / rows[best]["rollout_s"]}
 
 
@@ -181,7 +181,7 @@ def validate(fit: Path, predict: Path, arms: str = "AC") -> dict:
             reqs = [Request(f"i{i}s{j}", n, group=i) for (i, j), n in sorted(lengths[r["step"]].items())]
             if moves:  # the arm consolidated its tail (tlt.tail.consolidate.mode=auto)
                 cfg = ConsolidationConfig(mode="auto", move_s=statistics.median(moves), max_batch=len(reqs))
-                res = simulate(reqs, speeds, policy=consolidator(cfg), tick_s=0.1, move_s=cfg.move_s)
+                res = simulate(reqs, speeds, consolidation=consolidator(cfg), tick_s=0.1, move_s=cfg.move_s)
             else:
                 res = simulate(reqs, speeds)
             predicted = res.seconds + overhead
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> dict:
             per = ", ".join(f"{x['step']}: {x['predicted_s']:.2f}/{x['measured_s']:.2f}s" for x in v["steps"])
             lines.append(f"  arm {arm}: median |error| {100 * v['median_abs_error']:.0f}%, median error "
                          f"{100 * v['median_error']:+.0f}% (predicted/measured by step {per})")
-        return {"bench": "tail", "validation": val, "summary": lines}
+        return {"bench": "cluster", "validation": val, "summary": lines}
     quick = bool(args.quick)
     steps = args.repeats or (1 if quick else 4)
     scales = [SCALES[8]] if quick else list(SCALES.values())
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> dict:
     cpu = None
     if getattr(args, "measure_cpu", False):
         where = Path(args.json).with_name(Path(args.json).stem + "_cpu_curve.json") if getattr(args, "json", None) \
-            else Path(tempfile.mkdtemp(prefix="tlt-tail-")) / "cpu_curve.json"
+            else Path(tempfile.mkdtemp(prefix="tlt-cluster-")) / "cpu_curve.json"
         cpu = measure_cpu(args, where)
     sets = curve_sets(cpu)
     if quick:
@@ -235,18 +235,18 @@ def run(args: argparse.Namespace) -> dict:
     for name, (record, gpu_accept) in sets.items():
         out[name] = {str(s.replicas): simulate_scale(name, record, gpu_accept, s, steps, knobs, args.seed, recorded)
                      for s in scales}
-    rec = {"bench": "tail", "quick": quick, "steps": steps, "lengths": "recorded" if recorded else "reasoning profile",
+    rec = {"bench": "cluster", "quick": quick, "steps": steps, "lengths": "recorded" if recorded else "reasoning profile",
            "knobs": knobs.__dict__, "curves": {k: str(v[0].name) for k, v in sets.items()},
            "cpu_curve_measured_here": cpu is not None, "results": out}
-    lines = [(f"tail policies, simulated: {steps} RL steps per policy, lengths from the {rec['lengths']}; rollout "
+    lines = [(f"rollout systems, simulated: {steps} RL steps per system, lengths from the {rec['lengths']}; rollout "
               "seconds per step (train: replica-seconds free for drafter training per step)")]
     for name, by in out.items():
         lines.append(f"{name}:")
         for n, r in by.items():
-            rows = r["policies"]
+            rows = r["systems"]
             base = rows["plain"]["rollout_s"]
             cells = ", ".join(f"{p} {rows[p]['rollout_s']:.0f}s ({base / rows[p]['rollout_s']:.2f}x, train "
-                              f"{rows[p]['train_s']:.0f})" for p in POLICIES)
+                              f"{rows[p]['train_s']:.0f})" for p in SYSTEMS)
             lines.append(f"  {n} replicas: {cells}")
             lines.append(f"  {n} replicas: fastest {r['fastest']}, {r['fastest_over_tlt']:.2f}x over TLT alone")
     rec["summary"] = lines
@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _plot(rec: dict, path: Path) -> None:
-    """Rollout speedup over plain decoding per policy and scale, for the headline curves."""
+    """Rollout speedup over plain decoding per system and scale, for the headline curves."""
     plt = pyplot(path)
     if plt is None:
         return
@@ -265,13 +265,13 @@ def _plot(rec: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / len(by)
     for i, (n, r) in enumerate(by.items()):
-        base = r["policies"]["plain"]["rollout_s"]
-        xs = [j + i * width for j in range(len(POLICIES))]
-        ax.bar(xs, [base / r["policies"][p]["rollout_s"] for p in POLICIES], width, label=f"{n} replicas")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(POLICIES))], POLICIES, rotation=20)
+        base = r["systems"]["plain"]["rollout_s"]
+        xs = [j + i * width for j in range(len(SYSTEMS))]
+        ax.bar(xs, [base / r["systems"][p]["rollout_s"] for p in SYSTEMS], width, label=f"{n} replicas")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(SYSTEMS))], SYSTEMS, rotation=20)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_ylabel("rollout speedup over plain decoding")
-    ax.set_title(f"tlt bench tail (simulated): {name}")
+    ax.set_title(f"tlt bench cluster (simulated): {name}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,11 +1,11 @@
-"""The tail policies the cluster simulator compares, each as its paper states it.
+"""The rollout systems the cluster simulator compares, each as its paper states it.
 
-Owns how one RL step's rollout runs under each policy, on top of :func:`tlt.sim.rollout.simulate`:
+Owns how one RL step's rollout runs under each system, on top of :func:`tlt.sim.rollout.simulate`:
 
 - ``plain``: plain decoding, no moves.
 - ``tlt``: speculation where it pays (the engine's tuner picks per batch, its "off" arm included);
   the replica-seconds each replica sits idle after its last request are what spot training gets.
-- ``rlhfspec``: speculation plus RLHFSpec's reallocation (section 6), through the policy module the
+- ``rlhfspec``: speculation plus RLHFSpec's reallocation (section 6), through the consolidation rules the
   trainer runs (:mod:`tlt.coordinator.consolidation`, ``mode="reallocate"``).
 - ``rlhfuse``: RLHFuse's consolidation (section 4.2, ``mode="consolidate"``), without speculation
   as RLHFuse has none; its freed instances start the next stage, here counted as free seconds.
@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from tlt.coordinator.consolidation import Plan, ConsolidationConfig, decide, drain_s
 from tlt.sim.rollout import Request, Result, Speed, loads, reset, simulate, token_curve
 
-POLICIES = ("plain", "tlt", "rlhfspec", "rlhfuse", "tlt+consolidate", "rollpacker", "tlt+rollpacker", "pat",
+SYSTEMS = ("plain", "tlt", "rlhfspec", "rlhfuse", "tlt+consolidate", "rollpacker", "tlt+rollpacker", "pat",
             "tlt+pat")
 
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """One RL step (or the mean over a RollPacker cycle's steps) under one policy."""
+    """One RL step (or the mean over a RollPacker cycle's steps) under one system."""
 
     rollout_s: float
     idle_s: float  # replica-seconds without a request during the rollout
@@ -79,30 +79,30 @@ def consolidator(cfg: ConsolidationConfig):
     moves at most once per rollout (as ``tlt.integrations.verl.consolidator`` enforces)."""
     moved: set[str] = set()
 
-    def policy(now, reps, step_requests) -> Plan | None:
+    def decide_moves(now, reps, step_requests) -> Plan | None:
         plan = decide(loads(reps), step_requests, cfg)
         keep = tuple(m for m in plan.moves if m.rid not in moved)
         moved.update(m.rid for m in keep)
         return dataclasses.replace(plan, moves=keep)
-    return policy
+    return decide_moves
 
 
-def run_step(policy: str, requests: Sequence[Request], plain: Speed, spec: Speed, replicas: int,
+def run_step(system: str, requests: Sequence[Request], plain: Speed, spec: Speed, replicas: int,
              knobs: Knobs = Knobs()) -> StepOutcome:
-    """One RL step's rollout of ``requests`` (fresh copies are run) under ``policy``."""
-    if policy not in POLICIES or policy.endswith("rollpacker"):
-        raise ValueError(f"policy={policy!r}: one of {[p for p in POLICIES if 'rollpacker' not in p]} "
+    """One RL step's rollout of ``requests`` (fresh copies are run) under ``system``."""
+    if system not in SYSTEMS or system.endswith("rollpacker"):
+        raise ValueError(f"system={system!r}: one of {[p for p in SYSTEMS if 'rollpacker' not in p]} "
                          "(RollPacker runs over several steps: run_rollpacker)")
     reqs = reset(requests)
-    speed = plain if policy in ("plain", "rlhfuse", "pat") else spec
-    if policy in ("plain", "tlt"):
+    speed = plain if system in ("plain", "rlhfuse", "pat") else spec
+    if system in ("plain", "tlt"):
         return _outcome(simulate(reqs, [speed] * replicas))
-    if policy in ("pat", "tlt+pat"):
+    if system in ("pat", "tlt+pat"):
         return _pat(reqs, speed, replicas, knobs)
-    mode = {"rlhfspec": "reallocate", "rlhfuse": "consolidate", "tlt+consolidate": "auto"}[policy]
+    mode = {"rlhfspec": "reallocate", "rlhfuse": "consolidate", "tlt+consolidate": "auto"}[system]
     cfg = ConsolidationConfig(mode=mode, knee=knobs.knee, remaining_share=knobs.remaining_share, max_batch=knobs.max_batch,
                      move_s=knobs.move_s, train_value=knobs.train_value)
-    return _outcome(simulate(reqs, [speed] * replicas, policy=consolidator(cfg), tick_s=knobs.tick_s, move_s=knobs.move_s))
+    return _outcome(simulate(reqs, [speed] * replicas, consolidation=consolidator(cfg), tick_s=knobs.tick_s, move_s=knobs.move_s))
 
 
 def _pat(reqs: list[Request], speed: Speed, replicas: int, knobs: Knobs) -> StepOutcome:
