@@ -2,7 +2,7 @@
 
 Owns :class:`CaptureGate` (a shape is captured at its ``after``-th use), :func:`capturing` (below)
 with its :class:`FairLock`, and :class:`CudaGraphPool`: warm-up on a side stream, capture into one
-shared graph-memory pool per policy, replay with inputs copied into the static buffers, and the
+shared graph-memory pool per scheme, replay with inputs copied into the static buffers, and the
 measured memory of each graph. It is model-agnostic: the engine hands it a factory
 ``make_step(key) -> (static_inputs, fn)`` for the keys of :mod:`tlt.rollout.graphs` (or whole plans
 of :func:`tlt.bench.graph_plan.plan_graphs`).
@@ -30,9 +30,9 @@ from tlt.rollout.graphs import GraphKey
 
 log = logging.getLogger(__name__)
 
-# graphs by the plan policy that captured them, each policy its own memory pool (the engine captures
+# graphs by the capture scheme that captured them, each scheme its own memory pool (the engine captures
 # "bucketed"; the benches compare it with "naive", :mod:`tlt.bench.graph_plan`)
-POLICIES = ("bucketed", "naive")
+SCHEMES = ("bucketed", "naive")
 
 
 class FairLock:
@@ -118,11 +118,11 @@ class GraphMemory:
     """Measured cost of one capture (bytes)."""
 
     key: str
-    policy: str
+    scheme: str
     tokens: int
     input_bytes: int  # static input buffers made by make_step (exact nbytes)
     output_bytes: int  # memory_allocated delta across capture: live static outputs
-    pool_bytes: int  # memory_reserved delta across capture: growth of the policy's graph pool
+    pool_bytes: int  # memory_reserved delta across capture: growth of the scheme's graph pool
     device_bytes: int  # mem_get_info delta across capture: pool growth + the graph executable
 
 
@@ -158,8 +158,8 @@ class CaptureGate:
 class CudaGraphPool:
     """Captures ``torch.cuda.CUDAGraph`` s for graph keys and replays them.
 
-    One graph-memory pool (``torch.cuda.graph_pool_handle()``) per policy is shared by that
-    policy's graphs; keys are captured largest first so smaller graphs reuse the pool's blocks.
+    One graph-memory pool (``torch.cuda.graph_pool_handle()``) per scheme is shared by that
+    scheme's graphs; keys are captured largest first so smaller graphs reuse the pool's blocks.
     So graphs of one pool must not be replayed concurrently (one stream), and the static outputs
     ``replay`` returns are valid only until the next replay of *any* graph of that pool (a later
     graph's outputs may sit in an earlier graph's freed workspace): consume or clone them first.
@@ -202,19 +202,19 @@ class CudaGraphPool:
     def available() -> bool:
         return torch.cuda.is_available()
 
-    def capture(self, keys: Iterable[GraphKey], *, policy: str = "bucketed") -> list[GraphMemory]:
-        """Capture every key not yet captured under ``policy`` (largest first); their costs."""
-        if policy not in POLICIES:
-            raise ValueError(f"policy={policy!r}: use one of {POLICIES}")
+    def capture(self, keys: Iterable[GraphKey], *, scheme: str = "bucketed") -> list[GraphMemory]:
+        """Capture every key not yet captured under ``scheme`` (largest first); their costs."""
+        if scheme not in SCHEMES:
+            raise ValueError(f"scheme={scheme!r}: use one of {SCHEMES}")
         with torch.cuda.device(self.device), capturing():
-            pool = self._pools.setdefault(policy, torch.cuda.graph_pool_handle())
+            pool = self._pools.setdefault(scheme, torch.cuda.graph_pool_handle())
             todo = sorted(set(keys), key=lambda k: (-k.tokens, str(k)))
-            out = [self._capture_one(policy, k, pool) for k in todo if (policy, k) not in self._graphs]
-        log.info("captured %d %s graphs: pool +%.1f MB", len(out), policy,
+            out = [self._capture_one(scheme, k, pool) for k in todo if (scheme, k) not in self._graphs]
+        log.info("captured %d %s graphs: pool +%.1f MB", len(out), scheme,
                  sum(m.pool_bytes for m in out) / 1e6)
         return out
 
-    def _capture_one(self, policy: str, key: GraphKey, pool: tuple) -> GraphMemory:
+    def _capture_one(self, scheme: str, key: GraphKey, pool: tuple) -> GraphMemory:
         inputs, fn = self._make_step(key)
         for name, t in inputs.items():
             if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
@@ -236,28 +236,28 @@ class CudaGraphPool:
         if not isinstance(outputs, Mapping) or not all(isinstance(v, torch.Tensor) for v in outputs.values()):
             raise TypeError(f"{key}: the step function must return a dict of tensors, got "
                             f"{type(outputs).__name__}")
-        mem = GraphMemory(key=str(key), policy=policy, tokens=key.tokens,
+        mem = GraphMemory(key=str(key), scheme=scheme, tokens=key.tokens,
                           input_bytes=sum(t.numel() * t.element_size() for t in inputs.values()),
                           output_bytes=torch.cuda.memory_allocated() - alloc0,
                           pool_bytes=torch.cuda.memory_reserved() - res0,
                           device_bytes=free0 - torch.cuda.mem_get_info()[0])
-        self._graphs[(policy, key)] = _Captured(graph, inputs, dict(outputs), mem)
-        log.debug("captured %s (%s): pool +%d B, outputs %d B", key, policy, mem.pool_bytes, mem.output_bytes)
+        self._graphs[(scheme, key)] = _Captured(graph, inputs, dict(outputs), mem)
+        log.debug("captured %s (%s): pool +%d B, outputs %d B", key, scheme, mem.pool_bytes, mem.output_bytes)
         return mem
 
-    def _find(self, key: GraphKey, policy: str | None) -> _Captured | None:
-        return next((self._graphs[(p, key)] for p in ((policy,) if policy else POLICIES)
+    def _find(self, key: GraphKey, scheme: str | None) -> _Captured | None:
+        return next((self._graphs[(p, key)] for p in ((scheme,) if scheme else SCHEMES)
                      if (p, key) in self._graphs), None)
 
-    def has(self, key: GraphKey, policy: str | None = None) -> bool:
-        return self._find(key, policy) is not None
+    def has(self, key: GraphKey, scheme: str | None = None) -> bool:
+        return self._find(key, scheme) is not None
 
-    def replay(self, key: GraphKey, *, policy: str | None = None, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    def replay(self, key: GraphKey, *, scheme: str | None = None, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copy ``inputs`` into the static buffers (same shapes), replay, return static outputs
-        (see the class note on their lifetime); ``policy=None``: bucketed if captured, else naive."""
-        cap = self._find(key, policy)
+        (see the class note on their lifetime); ``scheme=None``: bucketed if captured, else naive."""
+        cap = self._find(key, scheme)
         if cap is None:
-            raise KeyError(f"{key} was not captured{f' under {policy}' if policy else ''}; "
+            raise KeyError(f"{key} was not captured{f' under {scheme}' if scheme else ''}; "
                            "capture it first (or pad the batch to a captured size)")
         for name, value in inputs.items():
             dst = cap.inputs.get(name)
@@ -271,12 +271,12 @@ class CudaGraphPool:
         return cap.outputs
 
     def memory_report(self) -> dict:
-        """Measured totals per captured policy, and naive/bucketed when both were captured."""
+        """Measured totals per captured scheme, and naive/bucketed when both were captured."""
         report: dict = {}
-        for policy in POLICIES:
-            mems = [c.memory for (p, _), c in self._graphs.items() if p == policy]
+        for scheme in SCHEMES:
+            mems = [c.memory for (p, _), c in self._graphs.items() if p == scheme]
             if mems:
-                report[policy] = {"graphs": len(mems), **{f: sum(getattr(m, f) for m in mems) for f in
+                report[scheme] = {"graphs": len(mems), **{f: sum(getattr(m, f) for m in mems) for f in
                                   ("input_bytes", "output_bytes", "pool_bytes", "device_bytes")}}
         if "naive" in report and "bucketed" in report:
             for f in ("pool_bytes", "device_bytes"):

@@ -1,12 +1,12 @@
 """BEG-MAB: the bucketed epsilon-greedy bandit that picks the speculation strategy (arm) per step.
 
-Owns the strategy *policy* of the rollout engine: given the running batch size it returns an
+Owns the strategy *choice* of the rollout engine: given the running batch size it returns an
 :class:`~tlt.rollout.strategy.Arm` (possibly ``Arm.off()`` = plain autoregressive decoding), and after
 each verify step it is fed the step's host-side numbers (accepted draft tokens, step wall time) to
 learn which arm commits tokens fastest. It owns no tensors, no device and no clock: the engine
 measures, the tuner decides. Pure Python (no torch / numpy) so the SGLang plugin can import it as is.
 
-Policy, per batch-size bucket (each bucket has its own arms, so each has its own CUDA graphs):
+Rules, per batch-size bucket (each bucket has its own arms, so each has its own CUDA graphs):
 
 1. arms never rewarded yet are tried first, round-robin;
 2. else, with probability ``epsilon``, an arm re-measured (exploration), chosen with weight

@@ -57,7 +57,7 @@ def test_no_sd_graphs_where_only_batches_above_the_elastic_threshold_pad():
     plan = plan_graphs(cfg)
     # 32 still hosts SD (batches 17..30 pad to it); 48 only sees batches > 30: decode only
     assert dict(plan.arms_by_batch) == {16: (A326,), 32: (A224,), 48: ()}
-    at48 = {policy: {k for k in plan.graphs(policy).keys if k.batch == 48} for policy in ("naive", "bucketed")}
+    at48 = {scheme: {k for k in plan.graphs(scheme).keys if k.batch == 48} for scheme in ("naive", "bucketed")}
     assert at48 == {"naive": {T(48, 1)}, "bucketed": {T(48, 1)}}
     assert memory_report(plan, TOY).single_graphs == 2 * 2 + 3  # A326 at 16, 32 + decode at all three
     with pytest.raises(KeyError):
@@ -150,7 +150,7 @@ def test_padded_batch_and_keys_for():
     assert plan.keys_for(3, Arm(5, 4, 24)) == (T(4, 25), D(4, 4))
     with pytest.raises(KeyError, match="bucket"):
         plan.keys_for(64, Arm(8, 8, 64))  # a bs<=2 arm is not captured at 64 when bucketed
-    assert plan.keys_for(64, Arm(8, 8, 64), policy="naive") == (T(64, 65), D(64, 8))
+    assert plan.keys_for(64, Arm(8, 8, 64), scheme="naive") == (T(64, 65), D(64, 8))
     with pytest.raises(KeyError, match="eagerly"):
         plan.keys_for(65, Arm.off())
 
@@ -214,7 +214,7 @@ def test_dims_validation_and_policy_names():
     with pytest.raises(ValueError, match="draft_vocab_size"):
         ModelDims(hidden_size=4, intermediate_size=8, vocab_size=8, num_layers=1, num_heads=1,
                   num_kv_heads=1, head_dim=4, draft_vocab_size=-1)
-    with pytest.raises(ValueError, match="policy"):
+    with pytest.raises(ValueError, match="scheme"):
         plan_graphs(SMALL).graphs("eager")
     assert GraphPlanConfig(capture_batch_sizes=[1, 2], buckets=[(2, [A326])]).buckets == ((2, (A326,)),)
 
@@ -269,8 +269,8 @@ def test_pool_replay_matches_eager_and_bucketed_uses_less_memory():
         (2, (Arm(4, 4, 16), Arm.off())), (8, (Arm(2, 2, 4), Arm.off()))), draft_graphs="step"))
     pool = CudaGraphPool(make_step)
     try:
-        for policy in ("bucketed", "naive"):
-            pool.capture(plan.graphs(policy).keys, policy=policy)
+        for scheme in ("bucketed", "naive"):
+            pool.capture(plan.graphs(scheme).keys, scheme=scheme)
         for c in caches.values():
             c.k.normal_(), c.v.normal_()
         for key in (T(8, 5), T(2, 17), T(1, 1), D(4, 2)):

@@ -1,4 +1,4 @@
-"""CUDA-graph planning per batch-size bucket: which graphs an engine would capture, by policy.
+"""CUDA-graph planning per batch-size bucket: which graphs an engine would capture, by scheme.
 
 Owns :func:`plan_graphs` and what it returns (:class:`GraphPlan`, :class:`GraphSet`), the planner's
 configuration (:class:`GraphPlanConfig`: captured sizes, the tuner's buckets, the elastic
@@ -27,7 +27,7 @@ Policies: ``naive`` captures every arm of every bucket at every captured batch s
 sizes padded to ``c`` (``prev_c < bs <= c``) map to. A batch above the last bucket's max uses the
 last bucket; a batch above the largest captured size has no graph (``padded_batch`` -> None: the
 engine runs it eagerly). With ``speculate_max_batch`` (the elastic threshold) sizes that only
-non-speculating batches pad to get the decode graph alone, in both policies.
+non-speculating batches pad to get the decode graph alone, in both schemes.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 
-from tlt.rollout.graph_pool import POLICIES
+from tlt.rollout.graph_pool import SCHEMES
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, CaptureSizes, DraftLoopGraphKey, TargetGraphKey
 from tlt.rollout.strategy import Arm
 from tlt.rollout.tuner import TunerConfig
@@ -91,7 +91,7 @@ class GraphPlanConfig:
     # above the elastic threshold. Off, decode graphs come only from buckets holding Arm.off().
     include_decode: bool = True
     # The engine's elastic threshold: a captured size that only batches above it pad to gets no SD
-    # graphs (in both policies: SD never runs there). None = speculate at every captured size.
+    # graphs (in both schemes: SD never runs there). None = speculate at every captured size.
     speculate_max_batch: int | None = None
     draft_graphs: str = "loop"  # "loop": a whole proposal per (batch, arm); "step": a drafter step per (batch, topk)
     sampled: bool = True  # loop graphs build the shared-noise scores (RL rollouts sample)
@@ -191,31 +191,31 @@ class GraphPlan:
     bucketed: GraphSet
     naive: GraphSet
 
-    def graphs(self, policy: str = "bucketed") -> GraphSet:
-        if policy not in POLICIES:
-            raise ValueError(f"policy={policy!r}: use one of {POLICIES}")
-        return self.bucketed if policy == "bucketed" else self.naive
+    def graphs(self, scheme: str = "bucketed") -> GraphSet:
+        if scheme not in SCHEMES:
+            raise ValueError(f"scheme={scheme!r}: use one of {SCHEMES}")
+        return self.bucketed if scheme == "bucketed" else self.naive
 
     def padded_batch(self, batch: int) -> int | None:
         return self.config.padded_batch(batch)
 
-    def keys_for(self, batch: int, arm: Arm, policy: str = "bucketed") -> tuple[TargetGraphKey, GraphKey | None]:
+    def keys_for(self, batch: int, arm: Arm, scheme: str = "bucketed") -> tuple[TargetGraphKey, GraphKey | None]:
         """Graphs to replay for a runtime batch running ``arm``; KeyError if not captured."""
         padded = self.padded_batch(batch)
         if padded is None:
             raise KeyError(f"batch {batch} exceeds the largest captured size "
                            f"{self.config.capture_batch_sizes[-1]}: run it eagerly")
         keys = arm_keys(padded, arm, self.config.draft_graphs, self.config.sampled)
-        graphs = self.graphs(policy)
+        graphs = self.graphs(scheme)
         missing = [str(k) for k in keys if k is not None and k not in graphs]
         if missing:
             raise KeyError(f"arm {arm} at batch {batch} (padded {padded}) needs {missing}, not in the "
-                           f"{policy} plan; the tuner must pick arms from bucket "
+                           f"{scheme} plan; the tuner must pick arms from bucket "
                            f"{self.config.bucket_index(batch)}")
         return keys
 
 def plan_graphs(cfg: GraphPlanConfig) -> GraphPlan:
-    """Unique graph keys per policy; identical shapes from different arms are captured once."""
+    """Unique graph keys per scheme; identical shapes from different arms are captured once."""
     sd, every = cfg.speculative_sizes(), cfg.all_arms
     arms_by_batch: dict[int, tuple[Arm, ...]] = {c: () for c in cfg.capture_batch_sizes}
     for c, (lo, hi) in sd.items():

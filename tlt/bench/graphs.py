@@ -3,7 +3,7 @@
 Always: the planner's graph counts and the memory model (tlt.bench.graph_memory.estimate_parts) for
 Qwen2.5-32B dims and the default buckets (TLT Table 3: 10.69 GB bucketed vs 30.39 GB naive, single
 7.81 GB), with the engine's draft graphs (a whole EAGLE proposal per batch and arm). With a CUDA
-device: captures both policies for a small random-weight target and its EAGLE proposer's draft
+device: captures both schemes for a small random-weight target and its EAGLE proposer's draft
 loops and reports the measured graph-pool bytes next to the model's figure.
 """
 
@@ -32,7 +32,7 @@ def _counts(plan: GraphPlan) -> dict:
 
 
 def _measure_cuda(plan: GraphPlan, *, quick: bool, seed: int) -> dict:
-    """Capture both policies for a small bf16 target; measured pool bytes vs the model's."""
+    """Capture both schemes for a small bf16 target; measured pool bytes vs the model's."""
     from tlt.drafter.eagle import Drafter, DrafterConfig
     from tlt.drafter.model_config import ModelConfig
     from tlt.rollout.eagle_proposer import EagleProposer
@@ -77,10 +77,10 @@ def _measure_cuda(plan: GraphPlan, *, quick: bool, seed: int) -> dict:
     pool = CudaGraphPool(make_step)
     seconds = {}
     try:
-        for policy in ("bucketed", "naive"):
+        for scheme in ("bucketed", "naive"):
             t0 = time.perf_counter()
-            pool.capture(plan.graphs(policy).keys, policy=policy)
-            seconds[policy] = time.perf_counter() - t0
+            pool.capture(plan.graphs(scheme).keys, scheme=scheme)
+            seconds[scheme] = time.perf_counter() - t0
         measured = pool.memory_report()
     finally:
         pool.close()
