@@ -155,3 +155,38 @@ def test_move_config_is_validated_and_needs_the_tlt_backend_router_and_agent_loo
             _check_moves(cfg(**ro), on)
     with pytest.raises(ValueError, match="TLT's router"):
         _check_moves(cfg(), TLTConfig.from_mapping({"route_groups": False, "tail": {"consolidate": {"mode": "auto"}}}))
+
+
+def test_a_replica_reserved_as_a_destination_sends_no_idle_and_one_that_sent_idle_refuses():
+    """The replica side of a move (``ReplicaMoves``): the reservation and the IDLE decision are
+    ordered, so a session never starts where a request is on its way, and never gets one."""
+    import time
+
+    from tlt.integrations.verl.moves import ReplicaMoves
+
+    m = ReplicaMoves()
+    assert m.reserve(2, 5.0, training=False)
+    send, expected = m.decide_idle(True)
+    assert not send and expected is not None and not m.idle_sent  # two arrivals expected: no IDLE
+    m.arrived()
+    assert m.decide_idle(True)[0] is False  # one still expected
+    m.arrived()
+    assert m.decide_idle(True) == (True, None) and m.idle_sent
+    assert not m.reserve(1, 5.0, training=False)  # told its agent it is idle: never a destination
+    m.serving()  # a generation ran: a later idle period decides again
+    assert not m.reserve(1, 5.0, training=True)  # a spot session runs here
+    assert m.reserve(1, 0.05, training=False)
+    time.sleep(0.1)
+    assert m.decide_idle(True) == (True, None)  # a reservation that ran out holds nothing back
+    assert m.decide_idle(False) == (False, None)
+
+
+def test_a_leaving_request_is_counted_once_it_left_and_forgotten_if_it_finished_first():
+    from tlt.integrations.verl.moves import ReplicaMoves
+
+    m = ReplicaMoves()
+    assert m.leave(["a", "b", "c"], "server-1", lambda keys: [k for k in keys if k != "c"]) == ["a", "b"]
+    assert m.leave(["a"], "server-2", lambda keys: keys) == []  # already leaving: asked once
+    assert m.departed("a", left=True) == "server-1" and m.moved_out == 1
+    assert m.departed("b", left=False) == "server-1" and m.moved_out == 1  # finished before it moved
+    assert m.departed("c", left=False) is None

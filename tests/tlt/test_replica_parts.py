@@ -347,7 +347,11 @@ def test_a_generation_holds_the_serving_lock_from_its_first_step_to_its_last():
 
     events, eng = [], _batcher_engine()
     server = object.__new__(TLTServer)  # the serving part without a model, Ray or a coordinator
-    server._lock, server._mu, server._idle_sent = threading.Lock(), threading.Lock(), True
+    from tlt.integrations.verl.moves import ReplicaMoves
+
+    server._lock, server.moves = threading.Lock(), ReplicaMoves()
+    server.moves.decide_idle(True)  # IDLE was sent: the generation clears it
+    assert server.moves.idle_sent
     server.core = ReplicaCore(TLTConfig.from_mapping({}), rank=0, seed=0, spot_root="")
     server.probe = types.SimpleNamespace(size=1, record=lambda seqs: events.append(("probe", len(seqs))))
 
@@ -379,7 +383,7 @@ def test_a_generation_holds_the_serving_lock_from_its_first_step_to_its_last():
     asyncio.run(asyncio.wait_for(main(), 60))
     steps = [held for what, held in events if what == "step"]
     assert events[0] == ("busy", True) and len(steps) >= 5 and all(steps)  # 6 tokens: the prefill gives one
-    assert ("probe", 1) in events and not server._idle_sent and not server._lock.locked()
+    assert ("probe", 1) in events and not server.moves.idle_sent and not server._lock.locked()
     assert events[-1] == ("busy", True)  # the second generation never stepped
 
 

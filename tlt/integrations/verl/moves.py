@@ -1,7 +1,8 @@
-"""A request that moves between replicas mid-decode, as verl's agent loop sees it: one answer.
+"""A request that moves between replicas mid-decode: one answer to verl's agent loop, token-identical.
 
-Owns the move's protocol on the client side (:class:`MovingClient`, wrapped around verl's
-``LLMServerClient`` by the ``tlt_agent`` loop) and the markers the replica side uses.
+Owns the move's protocol: the client side (:class:`MovingClient`, wrapped around verl's
+``LLMServerClient`` by the ``tlt_agent`` loop), the replica side (:class:`ReplicaMoves`: where
+leaving requests go, which arrivals a destination expects) and the markers both read.
 
 The protocol (the driver's :mod:`.consolidator` decides; replicas and this client carry it out):
 1. the destination reserves a slot (``TLTServer.reserve``: it refuses while a spot session may
@@ -27,6 +28,9 @@ Every request is answered once, by whichever replica finishes it.
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from tlt.rollout.request import RequestState
@@ -87,3 +91,78 @@ class MovingClient:
         self.stop_reason = out.stop_reason
         out.extra_fields["tlt_hops"] = hops
         return out
+
+
+class ReplicaMoves:
+    """One replica's side of the moves: its leaving requests' destinations, the arrivals it expects
+    as a destination, and whether it told its spot agent it is idle.
+
+    Owners and order: the leaving requests and ``moved_out`` are the event loop's (``leave``,
+    ``departed``). ``_mu`` guards the expected arrivals and ``idle_sent`` (Ray's threads, the idle
+    thread), so a reservation and the IDLE decision are ordered: a replica that told its agent it is
+    idle refuses to be a destination, and one expecting a request sends no IDLE until it arrived or
+    the reservation ran out.
+    """
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._expected: list[float] = []  # arrivals on their way here: deadlines (time.monotonic()) (_mu)
+        self._idle_sent = False  # IDLE went to the spot agent since the last generation (_mu)
+        self._leaving: dict[str, str] = {}  # request id -> destination server, while it leaves (event loop)
+        self.moved_out = 0  # requests that left this step (event loop)
+
+    @property
+    def idle_sent(self) -> bool:
+        with self._mu:
+            return self._idle_sent
+
+    def reserve(self, n: int, ttl_s: float, *, training: bool) -> bool:
+        """Become the destination of ``n`` requests arriving within ``ttl_s``; False (nothing
+        reserved) if IDLE was sent or a spot session runs here (``training``)."""
+        with self._mu:
+            if self._idle_sent or training:
+                return False
+            now = time.monotonic()
+            self._expected = [t for t in self._expected if t > now] + [now + ttl_s] * n
+        return True
+
+    def arrived(self) -> None:
+        with self._mu:
+            if self._expected:
+                self._expected.pop(0)
+
+    def serving(self) -> None:
+        """A generation starts: the next idle period sends IDLE again."""
+        with self._mu:
+            self._idle_sent = False
+
+    def decide_idle(self, ready: bool) -> tuple[bool, float | None]:
+        """(send IDLE now, the deadline of the earliest arrival still expected): IDLE goes when the
+        replica is ``ready`` (idle, with something to train on) and no arrival is expected; the
+        caller looks again at the deadline of one that never arrives."""
+        with self._mu:
+            now = time.monotonic()
+            self._expected = [t for t in self._expected if t > now]
+            expected = min(self._expected, default=None)
+            send = ready and expected is None
+            self._idle_sent = self._idle_sent or send
+        return send, expected
+
+    def leave(self, keys: list[str], to: str, batcher_leave: Callable[[list[str]], list[str]]) -> list[str]:
+        """The requests ``keys`` leave for server ``to`` (``batcher_leave`` lets them go at the next
+        step boundary); returns those that were in flight here."""
+        keys = [k for k in keys if k not in self._leaving]
+        for k in keys:
+            self._leaving[k] = to
+        left = batcher_leave(keys)
+        for k in set(keys) - set(left):
+            self._leaving.pop(k, None)
+        return left
+
+    def departed(self, key: str, left: bool) -> str | None:
+        """Request ``key`` was answered here (``left``: it moved); its destination if it moved (a
+        request may finish before its move took effect: then it is forgotten, not counted)."""
+        to = self._leaving.pop(key, None)
+        if left:
+            self.moved_out += 1
+        return to

@@ -3,8 +3,8 @@
 Owns the replica's Ray actor (:class:`TLTServer`) and how its parts meet, in the replica's own
 process: the engine (:class:`~tlt.integrations.verl.assembly.ReplicaEngine`: target, suffix and
 EAGLE proposers, tuner, feature sink) fed by the request batcher (:mod:`.batcher`); policy and
-drafter updates (:mod:`.weight_sync`); tail moves; and forwarding from a restarted replica that has
-not received the current policy yet. What both backends keep (the DataBuffer, the step's
+drafter updates (:mod:`.weight_sync`); moves (:class:`~.moves.ReplicaMoves`); and forwarding from
+a restarted replica that has not received the current policy yet (:mod:`.forwarding`). What both backends keep (the DataBuffer, the step's
 statistics, the spot agent, the drafter versions) is its :class:`~.replica_core.ReplicaCore`.
 
 Device: the one this process has. With a GPU (Ray gave the actor one) the target, drafter and spot
@@ -20,11 +20,10 @@ it, the batcher's worker holds it around the generation), a policy copy, a draft
 update and a drift-probe forward never overlap. A spot session trains on its own copies of the
 frozen tensors, so it needs no lock; it is stopped before a generation runs (``agent.busy``).
 
-Tail moves (the driver's :mod:`.consolidator`, the protocol in :mod:`.moves`): ``move_out`` lets
+Moves (the driver's :mod:`.consolidator`, the protocol in :mod:`.moves`): ``move_out`` lets
 requests leave for another replica, whose ``generate`` they reach again through verl's client with
-their state; ``reserve`` makes this replica a destination. ``_mu`` orders a reservation with the
-IDLE decision of ``_idle_work``: a replica that told its spot agent it is idle refuses to be a
-destination, and one expecting a request sends no IDLE until it arrived or the reservation ran out.
+their state; ``reserve`` makes this replica a destination. The replica's :class:`~.moves.ReplicaMoves`
+orders a reservation with the IDLE decision of ``_idle_work``.
 
 Requests (verl's ``generate``): each is a :class:`~tlt.rollout.request.RequestState` with its seed
 (verl's, else :func:`~tlt.drafter.seeds.fallback_seed` of its request id, which verl keeps
@@ -43,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import itertools
 import logging
 import os
 import threading
@@ -62,8 +60,9 @@ from tlt.rollout.target import TargetModel
 from tlt.integrations.verl.assembly import ReplicaEngine
 from tlt.integrations.verl.batcher import Generation, RequestBatcher
 from tlt.integrations.verl.config import TLTConfig
+from tlt.integrations.verl.forwarding import Forwarding
 from tlt.integrations.verl.history_log import HISTORY_FILE, read_history
-from tlt.integrations.verl.moves import MOVED, MOVED_KEY, moved_in
+from tlt.integrations.verl.moves import MOVED, MOVED_KEY, ReplicaMoves, moved_in
 from tlt.integrations.verl.requests import engine_params
 from tlt.integrations.verl.replica_core import ReplicaCore
 from tlt.integrations.verl.spot_wiring import BufferFeed, spot_config
@@ -129,13 +128,12 @@ class TLTServer:
         # A restarted replica (Ray re-ran this constructor after a crash) holds the initial weights:
         # until verl pushes the current policy it forwards requests to a healthy replica (never
         # samples stale weights); it serves the newest committed spot drafter.
-        self.stale = ray.get_runtime_context().was_current_actor_reconstructed
-        if self.stale:
-            log.warning("replica %d restarted: serving again after the next policy push", replica_rank)
+        self.forwarding = Forwarding(replica_rank, ray.get_runtime_context().was_current_actor_reconstructed,
+                                     server_name)
+        if self.forwarding.stale:
             got = load_spot_drafter(spot_root, self.drafter_cfg, self.model.embed_weight, self.model.lm_head.weight)
             if got is not None:
                 drafters.served, drafters.version = got[0], -1  # restored: the driver's version is unknown
-        self._forwarded_to: int | None = None
         train = self.cfg.enable and self.cfg.drafter.train and coordinator and spot_base_port
         feed = (BufferFeed(self.core.buffer, self.drafter_cfg.aux_layers, lambda: self.core.step)
                 if train and self.cfg.buffer.capture == "rollout" else None)
@@ -144,19 +142,15 @@ class TLTServer:
                                       max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
                                       drafter_later=bool(train))
         self.history_file = Path(run_dir) / HISTORY_FILE if run_dir else None
-        if self.stale and self.history_file is not None and self.history_file.is_file():
+        if self.forwarding.stale and self.history_file is not None and self.history_file.is_file():
             self._reload_history()
         self.weight_version = 0  # verl's global step of the policy being served
         self._lock = threading.Lock()  # held while the engine runs a generation (weights swap between)
         # aborted requests' states by verl request id: a resubmission (prompt + partial output, as
         # verl's partial rollout sends it) goes on from there; the oldest are dropped past a bound
         self._partial: dict[str, RequestState] = {}
-        self._moving: dict[str, str] = {}  # request id -> destination server, while it leaves (event loop)
         self._dropping = False  # tail batching dropped this round's requests (event loop)
-        self._mu = threading.Lock()  # guards _expected and _idle_sent (Ray's threads, the idle thread)
-        self._expected: list[float] = []  # moves on their way here: deadlines (time.monotonic())
-        self._idle_sent = False  # IDLE went to the spot agent since the last generation (guarded by _mu)
-        self.moved_out = 0  # requests moved away this step
+        self.moves = ReplicaMoves()
         self.batcher = RequestBatcher(lambda: self.engine, window_s=self.cfg.engine.batch_window_ms / 1000,
                                       max_batch=self.engine.cfg.max_batch, serving=self._serving,
                                       on_idle=self._went_idle,
@@ -207,11 +201,8 @@ class TLTServer:
         if image_data or video_data:
             raise ValueError("the tlt rollout serves text-only models (image/video data given)")
         tlt_state = kwargs.pop("tlt_state", None)
-        if self.stale:  # never sample stale weights: a healthy replica serves the request
-            peer = await self._healthy_peer()
-            if peer is None:
-                raise RuntimeError(f"replica {self.rank} restarted and has not received the current policy "
-                                   "yet, and no other replica has it; refusing to sample from stale weights")
+        if self.forwarding.stale:  # never sample stale weights: a healthy replica serves the request
+            peer = await self.forwarding.peer()
             return await peer.generate.remote(request_id, prompt_ids, sampling_params, image_data=image_data,
                                               video_data=video_data, tlt_state=tlt_state, **kwargs)
         params, seed = engine_params(dict(sampling_params), prompt_len=len(prompt_ids), max_len=self.max_len,
@@ -221,7 +212,7 @@ class TLTServer:
             seed = fallback_seed(self.seed, request_id)
         if tlt_state is not None:
             state = moved_in(tlt_state, prompt_ids)
-            self._arrived()
+            self.moves.arrived()
         else:
             state = self._partial.pop(request_id, None)
             if state is None or list(prompt_ids) != list(state.prompt + state.output):
@@ -238,39 +229,16 @@ class TLTServer:
                 self._partial.pop(next(iter(self._partial)))
         new = len(state.output)  # a resubmission returns what it added to the partial output verl holds
         extra = {"global_steps": self.weight_version}
-        to = self._moving.pop(request_id, None)  # (a request may finish before its move took effect)
+        to = self.moves.departed(request_id, left=fin.reason == "left")
         if fin.reason == "left":  # moved: the client goes on at the destination with this state
             extra[MOVED_KEY] = {"to": to, "state": fin.state}
-            self.moved_out += 1
         return TokenOutput(token_ids=list(fin.state.output[new:]),
                            log_probs=list(fin.state.logprobs[new:]) if sampling_params.get("logprobs") else None,
                            stop_reason=MOVED if fin.reason == "left" else STOP_REASONS[fin.reason],
                            extra_fields=extra)
 
-    async def _healthy_peer(self):
-        """Another replica serving the current policy (replicas are named 0, 1, ... in order)."""
-        import ray
-
-        for k in itertools.count():
-            if k == self.rank:
-                continue
-            try:
-                peer = ray.get_actor(server_name(k))
-            except ValueError:  # past the last replica
-                return None
-            try:
-                if not await peer.is_stale.remote():
-                    if self._forwarded_to != k:
-                        log.warning("replica %d: stale after its restart; forwarding requests to replica %d "
-                                    "until the next policy push", self.rank, k)
-                        self._forwarded_to = k
-                    return peer
-            except ray.exceptions.RayError:  # that one is down too
-                continue
-        return None
-
     def is_stale(self) -> bool:
-        return self.stale
+        return self.forwarding.stale
 
     @contextlib.contextmanager
     def _serving(self) -> Iterator[Callable[[Generation], None]]:
@@ -283,8 +251,7 @@ class TLTServer:
             agent = self.core.agent
             if agent is not None:
                 agent.busy(self.core.step)
-            with self._mu:
-                self._idle_sent = False
+            self.moves.serving()
             yield done.append
             for gen in done:
                 self.probe.record([list(f.state.prompt + f.state.output) for f in gen.finished[:self.probe.size]])
@@ -303,17 +270,14 @@ class TLTServer:
 
     def _idle_work(self) -> None:
         with self._lock:  # ordered with _serving's BUSY: a generation queued meanwhile keeps it busy
-            with self._mu:  # ordered with reserve(): a move on its way here keeps it busy
-                now = time.monotonic()
-                self._expected = [t for t in self._expected if t > now]
-                expected = min(self._expected, default=None)
-                agent = self.core.agent
-                send = bool(agent is not None and self.batcher.idle and len(self.core.buffer) and expected is None)
-                self._idle_sent = self._idle_sent or send
+            agent = self.core.agent
+            # ordered with reserve(): a move on its way here keeps it busy
+            send, expected = self.moves.decide_idle(bool(agent is not None and self.batcher.idle
+                                                         and len(self.core.buffer)))
             if send:
                 agent.idle(self.core.step)
             elif expected is not None and agent is not None:  # a move that never arrives: look again then
-                threading.Timer(expected - now, self._idle_work).start()
+                threading.Timer(max(expected - time.monotonic(), 0.0), self._idle_work).start()
         self.probe.before()  # before the next policy copy: update_weights comes after the rollout
 
     # ------------------------------------------------------------------ consolidation (the driver's Consolidator)
@@ -328,30 +292,14 @@ class TLTServer:
     def reserve(self, n: int, ttl_s: float) -> bool:
         """A move's destination: False if this replica told its spot agent it is idle (a session
         may run or be about to: never a destination); else it expects ``n`` requests within
-        ``ttl_s`` and sends no IDLE until they arrived (the two decisions are ordered by ``_mu``)."""
-        with self._mu:
-            if self._idle_sent or (self.core.agent is not None and self.core.agent.training):
-                return False
-            now = time.monotonic()
-            self._expected = [t for t in self._expected if t > now] + [now + ttl_s] * n
-        return True
-
-    def _arrived(self) -> None:
-        with self._mu:
-            if self._expected:
-                self._expected.pop(0)
+        ``ttl_s`` and sends no IDLE until they arrived (the two decisions are ordered: :class:`~.moves.ReplicaMoves`)."""
+        return self.moves.reserve(n, ttl_s, training=bool(self.core.agent is not None and self.core.agent.training))
 
     async def move_out(self, request_ids: list[str], to: str) -> list[str]:
         """The requests ``request_ids`` leave this replica for server ``to`` at the next step
         boundary: each one's ``generate`` returns its state (stop reason ``tlt_moved``), and the
         client goes on there. Returns the ids that were in flight here."""
-        keys = [k for k in request_ids if k not in self._moving]
-        for k in keys:
-            self._moving[k] = to
-        left = self.batcher.leave(keys)
-        for k in set(keys) - set(left):
-            self._moving.pop(k, None)
-        return left
+        return self.moves.leave(request_ids, to, self.batcher.leave)
 
     # ------------------------------------------------------------------ control (driver / workers)
     def begin_step(self, step: int) -> None:
@@ -360,7 +308,7 @@ class TLTServer:
         if agent is not None and agent.training:
             agent.busy(step)
         self.core.begin_step(step)
-        self.moved_out = 0
+        self.moves.moved_out = 0
 
     async def end_rollout(self) -> None:
         """The rollout ended (the coordinator has preempted training): nothing to give back, the
@@ -369,7 +317,7 @@ class TLTServer:
 
     def step_stats(self) -> dict[str, Any]:
         return self.core.step_stats(proposer=self.proposer_name, drift_top1=self.probe.top1,
-                                    running=self.engine.running, moved_out=self.moved_out,
+                                    running=self.engine.running, moved_out=self.moves.moved_out,
                                     engine_lifecycle=dict(self.engine.lifecycle), buffer_fed=dict(self.engine.fed),
                                     kv_slots=self.engine.cfg.slots)
 
@@ -378,7 +326,7 @@ class TLTServer:
         is untouched. The drift probe's new-policy forward runs after, in a thread of its own."""
         with self._lock:
             n = copy_policy(self.model, state)
-            self.stale, self._forwarded_to = False, None
+            self.forwarding.fresh()
             if version is not None:
                 self.weight_version = int(version)
         threading.Thread(target=self.probe.after, name=f"tlt-drift-{self.rank}", daemon=True).start()
