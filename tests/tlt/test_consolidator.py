@@ -190,3 +190,25 @@ def test_a_leaving_request_is_counted_once_it_left_and_forgotten_if_it_finished_
     assert m.departed("a", left=True) == "server-1" and m.moved_out == 1
     assert m.departed("b", left=False) == "server-1" and m.moved_out == 1  # finished before it moved
     assert m.departed("c", left=False) is None
+
+
+def test_the_load_meter_separates_plain_steps_from_joins_and_skips_re_prefills():
+    from types import SimpleNamespace as NS
+
+    from tlt.integrations.verl.replica_load import LoadMeter
+
+    m = LoadMeter()
+    step = lambda batch, committed=None, evicted=0, recomputed=0: NS(batch=batch, committed=committed or batch,  # noqa: E731
+                                                                     evicted=evicted, recomputed=recomputed)
+    m.measure(step(2), 0.010, joined=1)  # a join before any plain step at batch 2: nothing to compare with
+    m.measure(step(2, committed=4), 0.010, joined=0)
+    m.measure(step(2, committed=4), 0.020, joined=0)
+    m.measure(step(2), 0.045, joined=1)  # 0.030 over the curve at 2 (mean 0.015), one joiner
+    m.measure(step(2, evicted=1), 9.0, joined=0)  # a re-prefill: no plain step, no join
+    m.publish([("r0", 5, 1, 60)])
+    load = m.load()
+    assert load.step_s == {2: pytest.approx(0.015)} and load.join_s == pytest.approx(0.030)
+    assert load.tokens_per_step == pytest.approx(0.81 * 1.0 + 0.19 * 2.0)  # two updates of 0.1 toward 2 tokens
+    assert load.requests == (("r0", 5, 1, 60),)
+    m.clear()
+    assert m.load().requests == () and m.load().step_s == {2: pytest.approx(0.015)}

@@ -14,14 +14,15 @@ once as aborted with no tokens); running and queued requests are aborted at the 
 and return their partial output (reason ``aborted``). :meth:`leave` is the same for named requests
 without the gate, with reason ``left``: the request goes on elsewhere from its state (a tail move).
 
-Load (:meth:`load`): after each step the worker publishes the running requests' progress and the
-step's cost by batch size, which consolidation reads (:mod:`tlt.coordinator.consolidation`).
+Load (:meth:`load`): with ``track_load``, after each step the worker feeds a
+:class:`~.replica_load.LoadMeter` the step's cost and the running requests' progress, which
+consolidation reads.
 
 Threads and ownership: the event loop owns the futures, the gate and the ``_serving`` flag; a
 generation runs in one worker thread, which owns the engine from its first step to its last, inside
 ``serving()`` (e.g. the replica's serving lock, taken and released in one function). The two meet
-only in ``_mu``-guarded fields: ``_pending`` (event loop appends, worker takes), the abort and leave requests
-(event loop posts, worker serves), and the published load (worker writes, anyone reads). A result is
+only in ``_mu``-guarded fields: ``_pending`` (event loop appends, worker takes) and the abort and leave
+requests (event loop posts, worker serves). A result is
 handed to the event loop with ``call_soon_threadsafe`` (FIFO with the worker's end, so every answer
 is delivered, and counted out of the in-flight count, before the event loop sees the generation
 end). The worker ends a generation only when, under ``_mu``, the engine is idle and nothing waits; a
@@ -41,6 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tlt.integrations.verl.replica_load import Load, LoadMeter
 from tlt.rollout.engine import RolloutEngine, RolloutResult, StepRecord
 from tlt.rollout.request import Finished, RequestState
 
@@ -54,16 +56,6 @@ class Request:
     future: asyncio.Future
     rid: int | None = None  # the engine's id once admitted
     steps: int = 0  # engine steps it ran in here (its tokens beyond one per step were accepted drafts)
-
-
-@dataclasses.dataclass(frozen=True)
-class Load:
-    """What the worker publishes after each step (:meth:`RequestBatcher.load`)."""
-
-    requests: tuple[tuple[str, int, int, int], ...]  # running: (key, tokens so far, accepted here, max new)
-    step_s: dict[int, float]  # batch size -> seconds per step (running mean of this replica's steps)
-    join_s: float | None  # seconds a joining request added to its step (mean), None: none measured
-    tokens_per_step: float  # tokens committed per request per step (recent mean)
 
 
 @dataclasses.dataclass
@@ -97,17 +89,13 @@ class RequestBatcher:
         the event loop when every request was answered (it must not block); ``track_load``: measure
         and publish the load after each step (only consolidation reads it: off, the step loop does
         no more)."""
-        self.track_load = track_load
+        self.meter = LoadMeter() if track_load else None
         self.engine, self.serving, self.on_idle = engine, serving, on_idle
         self.window_s, self.max_batch, self.name = window_s, max_batch, name
         self._mu = threading.Lock()
         self._pending: list[Request] = []  # queued for the engine (guarded by _mu)
         self._abort_all: list[asyncio.Future] = []  # abort-all requests for the worker (guarded by _mu)
         self._exits: dict[str, str] = {}  # key -> "aborted" / "left", for the worker (guarded by _mu)
-        self._load = Load((), {}, None, 1.0)  # published by the worker (guarded by _mu)
-        self._step_s: dict[int, tuple[float, int]] = {}  # batch -> (mean seconds, count) (worker)
-        self._join: tuple[float, int] = (0.0, 0)  # (mean extra seconds per joining request, count) (worker)
-        self._tps: float = 1.0  # tokens per request per step, running mean (worker)
         self._serving = False  # a generation is starting or running (event loop only)
         self._open: asyncio.Event | None = None  # the gate (set: open), made in the event loop
         self._rejecting = False
@@ -177,8 +165,8 @@ class RequestBatcher:
         return keys
 
     def load(self) -> Load:
-        with self._mu:
-            return self._load
+        """The last published load (none measured without ``track_load``)."""
+        return self.meter.load() if self.meter is not None else Load((), {}, None, 1.0)
 
     def resume(self) -> None:
         """Open the gate again: held requests go on."""
@@ -299,7 +287,8 @@ class RequestBatcher:
             exits, self._exits = self._exits, {}
             take, self._pending = self._pending, []  # the engine's queue admits them (rows, blocks)
             if not take and not eng.active:
-                self._load = dataclasses.replace(self._load, requests=())
+                if self.meter is not None:
+                    self.meter.clear()
                 for f in aborts:
                     loop.call_soon_threadsafe(_resolve, f, [])
                 return False
@@ -322,44 +311,23 @@ class RequestBatcher:
         if eng.active:
             n_steps, t_step, joins = eng.steps_run, time.monotonic(), eng.lifecycle["joined"]
             answer(eng.step())
-            if self.track_load:
+            if self.meter is not None:
                 if eng.steps_run > n_steps:  # a decode step ran (its prefill of joining requests included)
-                    self._measure(eng.steps[-1], time.monotonic() - t_step, eng.lifecycle["joined"] - joins)
-                progress = eng.progress()  # the requests still running: each ran this step
-                for rid in progress:
-                    live[rid].steps += 1
-                self._publish(live, progress)
+                    self.meter.measure(eng.steps[-1], time.monotonic() - t_step, eng.lifecycle["joined"] - joins)
+                self._publish(live, eng.progress())
         return True
 
-    def _measure(self, rec: StepRecord, seconds: float, joined: int) -> None:
-        """One step's cost (``seconds``: the whole ``step()``) into the curve (steps without joins)
-        or the join cost (a step in which ``joined`` requests joined running ones: its excess over
-        the curve at that batch, per joining request)."""
-        if rec.batch < 1 or rec.evicted or rec.recomputed:  # (re-prefills are no join and no plain step)
-            return
-        if joined:
-            base = self._step_s.get(rec.batch)
-            if base is not None:
-                mean, n = self._join
-                self._join = ((mean * n + max(seconds - base[0], 0.0) / joined) / (n + 1), n + 1)
-            return
-        mean, n = self._step_s.get(rec.batch, (0.0, 0))
-        n = min(n, 63)  # a running mean over about the last 64 steps at this batch size
-        self._step_s[rec.batch] = ((mean * n + seconds) / (n + 1), n + 1)
-        tps = rec.committed / rec.batch
-        self._tps = 0.9 * self._tps + 0.1 * tps
-
     def _publish(self, live: dict[int, Request], progress: dict[int, int]) -> None:
+        """``progress``: the requests still running, each of which ran this step."""
         reqs = []
-        for rid, r in live.items():
+        for rid, r in live.items():  # (in the order they joined)
             have = progress.get(rid)
-            if have is not None:  # running (not waiting for a row)
-                made = have - len(r.state.output)  # here, from ``steps`` steps: the rest were accepted drafts
-                reqs.append((r.key, have, max(made - r.steps, 0), r.state.params.max_new_tokens))
-        mean, n = self._join
-        load = Load(tuple(reqs), {b: s for b, (s, _) in self._step_s.items()}, mean if n else None, self._tps)
-        with self._mu:
-            self._load = load
+            if have is None:  # waiting for a row
+                continue
+            r.steps += 1
+            made = have - len(r.state.output)  # here, from ``steps`` steps: the rest were accepted drafts
+            reqs.append((r.key, have, max(made - r.steps, 0), r.state.params.max_new_tokens))
+        self.meter.publish(reqs)
 
 
 def _resolve(fut: asyncio.Future, value: Any) -> None:
