@@ -42,7 +42,7 @@ re-adapts when acceptance shifts (the drafter goes stale after a target update, 
 Known weak spot of epsilon-greedy, kept simple on purpose: an arm loses exploitation when its
 estimate is unluckily low, and that estimate then moves only with exploration (eps/k of the steps),
 so under heavy noise a near-best arm can be exploited for a few hundred steps instead of the best
-(forgetting samples by age was tried: no gain on the modelled rollouts of ``tlt bench tuner``).
+(forgetting samples by age was tried: no gain on the modelled rollouts of ``examples/research/tuner_surface.py``).
 Not thread-safe: one tuner per scheduler thread.
 """
 
@@ -72,7 +72,7 @@ def _default_buckets() -> tuple[Bucket, ...]:
     # their best arms differ), {8, 4, 2} above. A bucket holds few verify widths and topk values so
     # that its CUDA graphs stay few (``tlt bench graphs``). Every bucket has 4 arms, ``off``
     # included, at every batch size: where speculation stops paying is learned per bucket, not
-    # fixed (``tlt bench tuner``: these sets reach the oracle over all of their arms at every batch
+    # fixed (``examples/research/tuner_surface.py``: these sets reach the oracle over all of their arms at every batch
     # size within 0.2%; learning costs ~2%).
     off = Arm.off()
     v32, v16, v8, v4, v2 = Arm(8, 4, 32), Arm(6, 4, 16), Arm(5, 2, 8), Arm(4, 1, 4), Arm(2, 1, 2)

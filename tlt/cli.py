@@ -122,8 +122,6 @@ def _cmd_bench(a: argparse.Namespace) -> None:
 
     if a.repeats < 0:
         raise ValueError(f"--repeats={a.repeats}: must be >= 0 (0: the bench's default)")
-    if a.target_steps < 0:
-        raise ValueError(f"--target-steps={a.target_steps}: must be >= 0 (0: the demo's own target)")
     if a.threads < 0:
         raise ValueError(f"--threads={a.threads}: must be >= 0 (0: torch's default, 1: a Ray-hosted replica's)")
     if a.prompt_len < 0:
@@ -271,10 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_doctor)
 
     s = sub.add_parser("bench", help="benchmarks that print side-by-side ratios and write JSON")
-    from tlt.bench import BENCHES, RENAMED
+    from tlt.bench import BENCHES, MOVED, RENAMED
 
-    s.add_argument("which", choices=sorted(BENCHES) + sorted(RENAMED), metavar="{" + ",".join(sorted(BENCHES)) + "}",
-                   help="the benchmark (old names still run: " + ", ".join(f"{o} -> {n}" for o, n in RENAMED.items()) + ")")
+    s.add_argument("which", choices=sorted(BENCHES) + sorted(RENAMED) + sorted(MOVED),
+                   metavar="{" + ",".join(sorted(BENCHES)) + "}",
+                   help="the benchmark (old names still run: " + ", ".join(f"{o} -> {n}" for o, n in RENAMED.items())
+                   + "; " + ", ".join(MOVED) + ": research experiments in examples/research/)")
     s.add_argument("--json", help="write the result record here")
     s.add_argument("--quick", action="store_true", help="smaller workload (for smoke tests)")
     s.add_argument("--seed", type=int, default=0)
@@ -285,9 +285,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rollout: torch threads (default 1: what each Ray-hosted replica of `tlt demo` gets, "
                    "and it leaves a core to the rest of the machine, which keeps the timing noise low; "
                    "0: torch's default)")
-    s.add_argument("--target-steps", type=int, default=0,
-                   help="headroom, drafters: train the demo's target this many steps instead (0: the demo's own "
-                   "target; a sharper target raises the ceiling; built once and cached)")
     s.add_argument("--shape", default="auto",
                    help="step-cost: target shape with random weights: demo, qwen2-1.5b or llama-8b (auto: "
                    "qwen2-1.5b on CUDA, demo on CPU)")

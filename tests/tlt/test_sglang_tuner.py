@@ -219,14 +219,3 @@ def test_plugin_switched_off_by_environment(monkeypatch):
         plugin.load()
     assert e.value.code == 1
 
-
-def test_a_benchs_old_name_runs_it_with_a_warning(caplog):
-    from tlt import bench
-    from tlt.cli import build_parser
-
-    for old, new in [("sglang-policy", "sglang-tuner"), ("tail", "cluster")]:
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="tlt.bench"):
-            assert bench.get(old) is bench.get(new)
-        assert f"renamed `tlt bench {new}`" in caplog.text
-        assert build_parser().parse_args(["bench", old, "--quick"]).which == old

@@ -16,18 +16,23 @@ from pathlib import Path
 from typing import Any, Callable
 
 # name -> module under tlt.bench (imported lazily: some need optional packages)
-BENCHES = {"packing": "packing", "rollout": "rollout", "tuner": "tuner", "graphs": "graphs",
+BENCHES = {"packing": "packing", "rollout": "rollout", "graphs": "graphs",
            "coordinator": "coordinator", "checkpoint": "checkpoint", "preempt": "preempt",
-           "sglang-tuner": "sglang_tuner", "headroom": "headroom",
-           "step-cost": "step_cost", "drafters": "drafters", "resume": "resume", "lifecycle": "lifecycle",
+           "sglang-tuner": "sglang_tuner",
+           "step-cost": "step_cost", "resume": "resume", "lifecycle": "lifecycle",
            "consolidation": "consolidation", "demo": "demo_runs", "cluster": "cluster",
            "tail-batching": "tail_batching", "attention": "attention",
            "memory": "memory"}
 # old name -> new name: still run, with a warning naming the new one, until the next release
 RENAMED = {"sglang-policy": "sglang-tuner", "tail": "cluster"}
+# research experiments, not benchmarks of what TLT ships: they live in a checkout's examples/research/
+MOVED = {"headroom": "headroom.py", "drafters": "drafters.py", "tuner": "tuner_surface.py"}
 
 
 def get(name: str) -> Callable[[argparse.Namespace], dict]:
+    if name in MOVED:
+        raise ValueError(f"`tlt bench {name}` is a research experiment now: run `python examples/research/"
+                         f"{MOVED[name]} --help` from a checkout of the repository")
     if name in RENAMED:
         logging.getLogger(__name__).warning("`tlt bench %s` is renamed `tlt bench %s`; the old name runs until "
                                             "the next release", name, RENAMED[name])

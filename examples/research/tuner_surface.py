@@ -1,4 +1,4 @@
-"""``tlt bench tuner``: BEG-MAB vs the per-step oracle on a modelled long-tail rollout.
+"""``python examples/research/tuner_surface.py``: BEG-MAB vs the per-step oracle on a modelled long-tail rollout.
 
 Pure-Python simulation (seeded, no GPU, no torch): a long-tail rollout of requests with lognormal
 output lengths runs engine step by step; the running batch is the set of unfinished requests. Each
@@ -336,3 +336,11 @@ def _scenario(name: str, alphas: tuple[float, float], totals: dict[str, list[flo
     lines.append(f"  BEG-MAB vs its own ceiling (its bucket arms): {sc['begmab_pct_of_oracle_bucket']:.1f}%; "
                  f"vs the oracle per tuner seed: {per_seed_txt}%")
     return sc
+
+
+if __name__ == "__main__":
+    import sys
+
+    from _run import main
+
+    sys.exit(main(run, __doc__))

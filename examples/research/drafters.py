@@ -1,4 +1,4 @@
-"""``tlt bench drafters``: accept length and cost of each draft source on recurring GRPO prompts.
+"""``python examples/research/drafters.py``: accept length and cost of each draft source on recurring GRPO prompts.
 
 The workload is RL's: the demo's task, the same prompts every epoch (GRPO groups of ``n`` samples,
 temperature 1), sampled from the demo target by the real engine with coupled sampling, so every
@@ -11,7 +11,7 @@ microseconds per proposal per request. Variants: the suffix drafter over the liv
 (the suffix drafter as it was), with the prompt's history, with the global pool too, the warm-up
 EAGLE drafter, BEG-MAB choosing between EAGLE and the history suffix drafter per step, and (tree
 arm only) one verify over the union of EAGLE's and the suffix drafter's trees, each half the arm's
-paths and nodes (:mod:`tlt.bench.union`). Last, the task's text ceiling (:func:`structure_ceiling`).
+paths and nodes (``union.py`` beside it). Last, the task's text ceiling (:func:`structure_ceiling`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.rollout.tuner import BegMab, TunerConfig
-from tlt.bench.union import UnionProposer
+from union import UnionProposer  # (this folder)
 from tlt.bench.fixtures import demo_drafter
 from tlt.demo.corpus import make_corpus
 from tlt.demo.job import DEFAULT, QUICK
@@ -218,3 +218,11 @@ def _table_lines(table: dict[str, dict[str, dict]], ceiling: dict[str, float]) -
     except ImportError:
         lines.append("  arctic-inference is not installed here (its sdist needs --no-build-isolation): no comparison line")
     return lines
+
+
+if __name__ == "__main__":
+    import sys
+
+    from _run import main
+
+    sys.exit(main(run, __doc__))

@@ -3,8 +3,9 @@
 Owns :class:`UnionProposer`, a :class:`~tlt.rollout.draft_tree.Proposer`. For an arm of ``topk`` paths
 and ``tokens_to_verify`` nodes, each of the two proposers drafts with half of both (same depth); the
 two trees are merged per row into one trie (a node the first tree already has, same parent and
-token, is not added twice), so one verify pass checks both sources. Measured by ``tlt bench
-drafters``; the engine's arms use one proposer per step, and this stays a bench variant unless it wins.
+token, is not added twice), so one verify pass checks both sources. Measured by ``python
+examples/research/drafters.py``; the engine's arms use one proposer per step, and this stays an
+experiment unless it wins.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``tlt bench headroom``: how much an adapted drafter can buy on the demo's target, under sampling.
+"""``python examples/research/headroom.py``: how much an adapted drafter can buy on the demo's target, under sampling.
 
 The demo's goal is accept length spot-trained over stale; this bench measures what bounds that
 ratio, outside verl. On held-out prompts of the demo's task, sampled at temperature 1 (GRPO's
@@ -161,3 +161,10 @@ def run(args: argparse.Namespace) -> dict:
             "machine": {"python": platform.python_version(), "torch": torch.__version__,
                         "threads": torch.get_num_threads()}, "summary": lines}
 
+
+if __name__ == "__main__":
+    import sys
+
+    from _run import main
+
+    sys.exit(main(run, __doc__))

@@ -1,4 +1,4 @@
-"""`tlt bench tuner` (quick): structure and sanity of the simulated BEG-MAB vs oracle comparison."""
+"""`python examples/research/tuner_surface.py` (quick): structure and sanity of the simulated BEG-MAB vs oracle comparison."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import pytest
 
 from tlt.rollout.strategy import Arm
-from tlt.bench.tuner import Surface, run, simulate, static
+from tuner_surface import Surface, run, simulate, static
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""One verify pass over the union of EAGLE's and the suffix drafter's trees (a bench variant)."""
+"""One verify pass over the union of EAGLE's and the suffix drafter's trees (an experiment)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tlt.rollout.generate import SamplingParams
 from tlt.rollout.history import ResponseHistory
 from tlt.rollout.suffix import SuffixProposer
 from tlt.rollout.strategy import Arm
-from tlt.bench.union import UnionProposer, merge
+from union import UnionProposer, merge
 from tests.rollout.test_history import setup  # noqa: F401  (fixture)
 
 
