@@ -3,7 +3,7 @@
 Four rollout-worker processes per RL step: w0 and w1 drain early and start a 2-rank FSDP2/gloo
 session, w2 drains later and joins it (the group re-forms with 3 ranks from the latest checkpoint),
 w3 is the long tail whose end preempts training. The drafter trains only in those idle windows,
-across RL steps, from each worker's DataBuffer (synthetic learnable data, see ``tlt.demo.simloop``).
+across RL steps, from each worker's DataBuffer (synthetic learnable data, see ``simloop``, beside it).
 
     python examples/adaptive_loop.py --steps 6 --png docs/adaptive_loop.png --json docs/bench/adaptive_loop.json
 
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tlt.demo.simloop import SimConfig, run
+from simloop import SimConfig, run
 
 log = logging.getLogger("adaptive_loop")
 

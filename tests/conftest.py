@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from tlt.demo.corpus import CorpusConfig, make_corpus
 from tlt.demo.target_factory import TargetSpec, ensure_target
+
+# The examples (examples/, examples/research/) import as their scripts do: from their own folder.
+_EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+for _folder in (_EXAMPLES, _EXAMPLES / "research"):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 # Trains in seconds yet answers with varied, prompt-dependent text.
 SMALL_TRAINED = TargetSpec(hidden_size=64, num_layers=2, intermediate_size=176, train_steps=150,

@@ -1,4 +1,4 @@
-"""The whole adaptive-drafter loop on CPU (``tlt.demo.simloop``): a coordinator, rollout-worker processes
+"""The whole adaptive-drafter loop on CPU (``examples/simloop.py``): a coordinator, rollout-worker processes
 with a long-tail rollout, promotion of the idle ones into an FSDP2/gloo spot-training session fed
 from each worker's DataBuffer, a late idle worker joining the running session, preemption when the
 rollout completes, the final checkpoint, and the next RL step resuming from it. Fault cases: SIGKILL
@@ -17,7 +17,7 @@ import torch
 
 from tlt.drafter.checkpoint import TrainState, latest, load
 from tlt.drafter.eagle import Drafter
-from tlt.demo.simloop import SimConfig, SimLoop, target
+from simloop import SimConfig, SimLoop, target
 
 
 def _mean(xs) -> float:

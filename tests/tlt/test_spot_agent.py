@@ -18,7 +18,7 @@ from tlt.coordinator.protocol import Promote, Role, Stop
 from tlt.drafter.checkpoint import latest
 from tlt.drafter.spot import SpotTrainer
 from tlt.ports import free_port
-from tlt.demo.simloop import SimConfig, rollout_samples, target
+from simloop import SimConfig, rollout_samples, target
 from tlt.spot_agent import AgentConfig, SpotAgent, rendezvous_endpoint
 
 HB = 0.05

@@ -2,7 +2,6 @@
 
 ``job`` (the three-arm verl GRPO run behind ``tlt demo``), ``corpus`` (the synthetic arithmetic
 prompts and responses), ``grpo_task`` (the demo's verl task files and rule-based reward),
-``target_factory`` (``tlt make-target``: small real-architecture targets trained here) and
-``simloop`` (simulated RL steps of the adaptive drafter on one machine). The product lives beside
-this package: config, CLI, warm-up, the integrations.
+and ``target_factory`` (``tlt make-target``: small real-architecture targets trained here). The
+product lives beside this package: config, CLI, warm-up, the integrations.
 """
