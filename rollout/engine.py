@@ -65,6 +65,7 @@ from tlt.rollout.row_state import RowState
 from tlt.rollout.sampling import RowSampling, sample
 from tlt.rollout.scheduler import Scheduler
 from tlt.rollout.static_step import StaticTargetStep
+from tlt.rollout.step_log import StepLog
 from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.rollout.timing import Span
@@ -239,8 +240,6 @@ def reach(arm: Arm) -> int:
 
 
 class RolloutEngine:
-    MAX_STEP_HISTORY = 65536  # kept step records when nobody forgets them (about 10 MB)
-
     def __init__(self, target: TargetModel, cfg: EngineConfig = EngineConfig(), *,
                  proposer: Proposer | None = None, tuner: Tuner | None = None,
                  sink: FeatureSink | None = None, proposers: dict[str, Proposer] | None = None) -> None:
@@ -278,12 +277,7 @@ class RolloutEngine:
         self._seqs: dict[int, list[int]] = {}  # prompt + committed tokens (the last one's KV is pending)
         self._plens: dict[int, int] = {}
         self._groups: dict[int, Hashable] = {}
-        # Step telemetry, by absolute step number: records [_forgotten, steps_run) are kept until their
-        # reader forgets them (generate() and the verl batcher, once per generation), and never more than
-        # MAX_STEP_HISTORY (a caller that steps the engine itself and never forgets loses the oldest).
-        self._steps: list[StepRecord] = []
-        self._accept: list[list[int]] = []  # per kept step: committed tokens per request (speculative steps)
-        self._forgotten = 0  # steps before this one were dropped
+        self.log = StepLog()  # step telemetry, by absolute step number, until its reader forgets it
         # hand-overs to the sink, by why the request left (finished, aborted, left, evicted: an evicted
         # request hands over again, its later positions, when it leaves for good)
         self.fed: collections.Counter[str] = collections.Counter()
@@ -429,10 +423,7 @@ class RolloutEngine:
             rec.evicted, rec.recomputed = self.sched.step_counts()
             rec.positions = sum(len(self._seqs[r]) for r in inp.rows) - len(inp.rows)  # (pending tokens: no KV yet)
             rec.blocks = self.pool.used if self.pool is not None else 0
-            self._steps.append(rec)
-            self._accept.append(acc)
-            if len(self._steps) > self.MAX_STEP_HISTORY:
-                self.forget_steps(self.steps_run - self.MAX_STEP_HISTORY // 2)
+            self.log.append(rec, acc)
             self._commit(tokens, lps, range(len(self._rows)), out)
         return out
 
@@ -458,32 +449,24 @@ class RolloutEngine:
     @property
     def steps_run(self) -> int:
         """Steps this engine ran (the absolute number of the next step)."""
-        return self._forgotten + len(self._steps)
+        return self.log.steps_run
 
     @property
     def steps(self) -> list[StepRecord]:
         """The kept step records (see :meth:`forget_steps`), oldest first."""
-        return self._steps
+        return self.log.kept
 
     def steps_since(self, first: int) -> list[StepRecord]:
         """The records of steps ``first`` (an absolute step number, :attr:`steps_run`) onward."""
-        return self._steps[self._kept(first):]
+        return self.log.since(first)
 
     def accept_lengths_since(self, first: int) -> list[int]:
         """Committed tokens per request per speculative step, over the steps from ``first`` on."""
-        return [a for acc in self._accept[self._kept(first):] for a in acc]
+        return self.log.accept_lengths_since(first)
 
     def forget_steps(self, before: int) -> None:
         """Drop the records of steps before ``before`` (their reader is done with them)."""
-        k = max(0, min(before - self._forgotten, len(self._steps)))
-        del self._steps[:k], self._accept[:k]
-        self._forgotten += k
-
-    def _kept(self, first: int) -> int:
-        if first < self._forgotten:
-            raise ValueError(f"steps before {self._forgotten} were forgotten (asked from {first}): read a "
-                             "generation's steps before forgetting them")
-        return first - self._forgotten
+        self.log.forget(before)
 
     # ------------------------------------------------------------------ internals: rows
     def _admit(self, out: list[Finished]) -> None:
