@@ -1,8 +1,8 @@
-"""What the benches share: the demo target's cached EAGLE drafter and the paired bootstrap interval.
+"""What the benches share: the demo target and its cached EAGLE drafter, and the paired bootstrap interval.
 
-Owns :func:`demo_drafter` (a warm-up drafter of a target, built once into TLT's cache) and
-:func:`paired_ci90` (the 90% interval of a median paired ratio). Benches import these, never each
-other's private helpers.
+Owns :func:`demo_target` (the demo's target and its warm-up drafter, each built once into TLT's
+cache), :func:`demo_drafter` (a warm-up drafter of any target) and :func:`paired_ci90` (the 90%
+interval of a median paired ratio). Benches import these, never each other's private helpers.
 """
 
 from __future__ import annotations
@@ -17,6 +17,16 @@ from tlt.demo.step_ratios import bootstrap_ci90
 from tlt.demo.target_factory import default_cache_dir
 from tlt.drafter.offline_train import TrainConfig
 from tlt.warmup import WarmupConfig, run_warmup
+
+
+def demo_target(quick: bool) -> tuple[Path, Path]:
+    """(target directory, drafter directory): the demo's target (``tlt demo --quick``'s when ``quick``)
+    and its EAGLE drafter warmed up 150 steps (20 when ``quick``), as the benches measure them."""
+    from tlt.demo.job import DEFAULT, QUICK
+    from tlt.demo.target_factory import ensure_target
+
+    target = ensure_target((QUICK if quick else DEFAULT).target, progress=False)
+    return target, demo_drafter(target, 20 if quick else 150, quick)
 
 
 def demo_drafter(target: Path, steps: int, quick: bool) -> Path:

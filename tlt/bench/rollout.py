@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from tlt.bench import torch_threads
-from tlt.bench.fixtures import demo_drafter, paired_ci90
+from tlt.bench.fixtures import demo_target, paired_ci90
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
@@ -45,8 +45,6 @@ from tlt.rollout.strategy import Arm
 from tlt.rollout.target import TargetModel
 from tlt.rollout.tuner import BegMab, TunerConfig
 from tlt.demo.corpus import CorpusConfig, make_corpus
-from tlt.demo.job import DEFAULT, QUICK
-from tlt.demo.target_factory import ensure_target
 from tlt.sim.workloads import lognormal_lengths
 from tlt.tokenizer import TextTokenizer
 
@@ -130,8 +128,7 @@ class Workload:
 
 
 def _workload(quick: bool, seed: int) -> Workload:
-    target_dir = ensure_target((QUICK if quick else DEFAULT).target, progress=False)
-    drafter_dir = demo_drafter(target_dir, 20 if quick else 150, quick)
+    target_dir, drafter_dir = demo_target(quick)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CUDA: static shapes + graphs by default
     model = TargetModel.from_pretrained(target_dir, device=device)
     tok = TextTokenizer.from_pretrained(target_dir)

@@ -63,14 +63,11 @@ def record_trace(*, quick: bool, seed: int) -> dict:
     from tlt.rollout.generate import SamplingParams
     from tlt.rollout.strategy import Arm
     from tlt.rollout.target import TargetModel
-    from tlt.bench.fixtures import demo_drafter
+    from tlt.bench.fixtures import demo_target
     from tlt.demo.corpus import CorpusConfig, make_corpus
-    from tlt.demo.job import DEFAULT, QUICK
-    from tlt.demo.target_factory import ensure_target
     from tlt.tokenizer import TextTokenizer
 
-    target_dir = ensure_target((QUICK if quick else DEFAULT).target, progress=False)
-    drafter_dir = demo_drafter(target_dir, 20 if quick else 150, quick)
+    target_dir, drafter_dir = demo_target(quick)
     model = TargetModel.from_pretrained(target_dir)
     tok = TextTokenizer.from_pretrained(target_dir)
     drafter = Drafter.load(drafter_dir, model.embed_weight, model.lm_head.weight)
