@@ -116,7 +116,7 @@ async def _when_both_run(servers, timeout_s: float = 120) -> None:
         await asyncio.sleep(0.002)
 
 
-def _mover(servers) -> Consolidator:
+def _consolidator(servers) -> Consolidator:
     # consolidate from the first decision (the tail is everything); move_s fixed: nothing to measure yet
     cfg = ConsolidationConfig(mode="consolidate", remaining_share=1.0, max_batch=8)
     return Consolidator(lambda: servers, cfg, interval_s=0.01, move_s=0.0)
@@ -148,7 +148,7 @@ def test_moved_requests_are_token_identical_and_counted(setup, drafter):
             async def moved_run():
                 run = asyncio.ensure_future(_generate_all(client, f"mv-{sampling}", sampling))
                 await _when_both_run(servers)
-                moved = await asyncio.to_thread(_mover(servers).decide_once, GROUPS * N, [])
+                moved = await asyncio.to_thread(_consolidator(servers).decide_once, GROUPS * N, [])
                 return moved, await run
 
             moved, outs = asyncio.run(moved_run())
@@ -199,7 +199,7 @@ def test_a_replica_killed_at_the_hand_off_loses_no_request(setup, victim):
         async def run():
             calls = asyncio.ensure_future(_generate_all(client, "kill", "sampled"))
             await _when_both_run(servers)
-            moved = await asyncio.to_thread(_mover(servers).decide_once, GROUPS * N, [])
+            moved = await asyncio.to_thread(_consolidator(servers).decide_once, GROUPS * N, [])
             return moved, await asyncio.wait_for(calls, 300)
 
         moved, outs = asyncio.run(run())

@@ -93,6 +93,6 @@ def test_the_tlt_trainer_with_tlt_off_is_verls_sync_trainer(monkeypatch, tmp_pat
     assert calls == [("__init__", ())] + [(n, a) for n, a in hooks.items()]
     assert trainer._coordinator.proc is None and trainer._coordinator.driver is None and not ray.is_initialized()
     # every component exists from construction, TLT on or off
-    assert trainer._mover is None and trainer._rounds is None and trainer._step_extra == {}
+    assert trainer._consolidator is None and trainer._rounds is None and trainer._step_extra == {}
     assert trainer._window.stats == [] and trainer._resume.folder is None and not trainer._records.failures
     assert list(tmp_path.iterdir()) == []
