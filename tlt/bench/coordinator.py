@@ -45,7 +45,6 @@ from tlt.coordinator import (
     WorkerConfig,
 )
 from tlt.coordinator.protocol import Promote, Session, Stop
-from tlt.bench.fixtures import percentile
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +53,17 @@ THRESHOLD = 8
 GOAL_P99_MS = 10.0
 
 
+def _pct(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+
+
 def _stats_ms(xs: list[float]) -> dict:
     if not xs:
         return {"n": 0}
     ms = [x * 1000 for x in xs]
-    return {"n": len(ms), "p50": percentile(ms, 50), "p90": percentile(ms, 90), "p99": percentile(ms, 99), "max": max(ms)}
+    return {"n": len(ms), "p50": _pct(ms, 50), "p90": _pct(ms, 90), "p99": _pct(ms, 99), "max": max(ms)}
 
 
 class _Fleet:

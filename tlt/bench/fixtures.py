@@ -1,8 +1,8 @@
 """What the benches share: the demo target and its cached EAGLE drafter, and the paired bootstrap interval.
 
 Owns :func:`demo_target` (the demo's target and its warm-up drafter, each built once into TLT's
-cache), :func:`demo_drafter` (a warm-up drafter of any target), :func:`paired_ci90` (the 90%
-interval of a median paired ratio) and :func:`percentile` (nearest rank). Benches import these, never each other's private helpers.
+cache), :func:`demo_drafter` (a warm-up drafter of any target) and :func:`paired_ci90` (the 90%
+interval of a median paired ratio). Benches import these, never each other's private helpers.
 """
 
 from __future__ import annotations
@@ -51,9 +51,3 @@ def paired_ci90(ar_s: list[float], variant_s: list[float], seed: int, resamples:
     """Bootstrap 90% interval of the median paired ratio (AR's time / the variant's, per repeat)."""
     ratios = [a / t for a, t in zip(ar_s, variant_s)]
     return bootstrap_ci90(ratios, statistics.median, seed=seed, draws=resamples)
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..100) of a non-empty list: always one of its values."""
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
