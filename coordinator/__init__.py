@@ -15,7 +15,7 @@ import importlib as _importlib
 
 # name -> the submodule that defines it. Imported on first use (PEP 562), so that the pure parts
 # (``tlt.coordinator.consolidation``, ``promotion``, ``states``) load without ZeroMQ: the rollout benches and the
-# tail simulator read them on machines that have no pyzmq.
+# cluster simulator read them on machines that have no pyzmq.
 _EXPORTS = {"Coordinator": "broker", "CoordinatorConfig": "broker", "main": "cli", "DriverClient": "driver",
             "RolloutOutcome": "driver", "Event": "promotion", "PromotionConfig": "promotion", "ProtocolError": "protocol",
             "WorkerState": "protocol", "WorkerClient": "worker", "WorkerConfig": "worker"}

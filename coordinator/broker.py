@@ -78,8 +78,9 @@ class CoordinatorConfig:
 
     def __post_init__(self) -> None:
         if self.policy is not None:
-            warnings.warn("CoordinatorConfig(policy=...) is renamed CoordinatorConfig(promotion=...); "
-                          "the old name is read until the next release", DeprecationWarning, stacklevel=3)
+            warnings.warn("CoordinatorConfig(policy=...) is renamed CoordinatorConfig(promotion=...): the old keyword "
+                          "is accepted (its value moves to .promotion) until the next release", DeprecationWarning,
+                          stacklevel=3)
             if self.promotion != PromotionConfig() and self.promotion != self.policy:
                 raise ValueError("policy and promotion both given and different: pass promotion= only "
                                  "(policy is its old name)")

@@ -46,7 +46,7 @@ def serve_args(a: argparse.Namespace) -> None:
     logging.getLogger("tlt.coordinator").setLevel(a.log_level)
     cfg = CoordinatorConfig(bind=a.bind, heartbeat_interval_s=a.heartbeat_ms / 1000, liveness=a.liveness,
                             promotion=PromotionConfig(idle_threshold=a.idle_threshold,
-                                                stop_timeout_s=a.stop_timeout_s, max_workers=a.max_workers))
+                                                      stop_timeout_s=a.stop_timeout_s, max_workers=a.max_workers))
     parent = os.getppid()
 
     def parent_gone() -> bool:  # reparented: the process that started this one exited

@@ -277,7 +277,7 @@ class RolloutEngine:
         self._seqs: dict[int, list[int]] = {}  # prompt + committed tokens (the last one's KV is pending)
         self._plens: dict[int, int] = {}
         self._groups: dict[int, Hashable] = {}
-        self.log = StepLog()  # step telemetry, by absolute step number, until its reader forgets it
+        self.step_log = StepLog()  # step telemetry, by absolute step number, until its reader forgets it
         # hand-overs to the sink, by why the request left (finished, aborted, left, evicted: an evicted
         # request hands over again, its later positions, when it leaves for good)
         self.fed: collections.Counter[str] = collections.Counter()
@@ -423,7 +423,7 @@ class RolloutEngine:
             rec.evicted, rec.recomputed = self.sched.step_counts()
             rec.positions = sum(len(self._seqs[r]) for r in inp.rows) - len(inp.rows)  # (pending tokens: no KV yet)
             rec.blocks = self.pool.used if self.pool is not None else 0
-            self.log.append(rec, acc)
+            self.step_log.append(rec, acc)
             self._commit(tokens, lps, range(len(self._rows)), out)
         return out
 
@@ -449,24 +449,24 @@ class RolloutEngine:
     @property
     def steps_run(self) -> int:
         """Steps this engine ran (the absolute number of the next step)."""
-        return self.log.steps_run
+        return self.step_log.steps_run
 
     @property
     def steps(self) -> list[StepRecord]:
         """The kept step records (see :meth:`forget_steps`), oldest first."""
-        return self.log.kept
+        return self.step_log.kept
 
     def steps_since(self, first: int) -> list[StepRecord]:
         """The records of steps ``first`` (an absolute step number, :attr:`steps_run`) onward."""
-        return self.log.since(first)
+        return self.step_log.since(first)
 
     def accept_lengths_since(self, first: int) -> list[int]:
         """Committed tokens per request per speculative step, over the steps from ``first`` on."""
-        return self.log.accept_lengths_since(first)
+        return self.step_log.accept_lengths_since(first)
 
     def forget_steps(self, before: int) -> None:
         """Drop the records of steps before ``before`` (their reader is done with them)."""
-        self.log.forget(before)
+        self.step_log.forget(before)
 
     # ------------------------------------------------------------------ internals: rows
     def _admit(self, out: list[Finished]) -> None:

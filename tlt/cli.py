@@ -120,6 +120,10 @@ def _batches(text: str) -> tuple[int, ...]:
 def _cmd_bench(a: argparse.Namespace) -> None:
     from tlt import bench
 
+    run = bench.get(a.which)  # (a research experiment moved out is refused first, with where it went)
+    if a.target_steps:
+        raise ValueError("--target-steps: only the research experiments took it; they are in examples/research/ "
+                         "(python examples/research/headroom.py --help)")
     if a.repeats < 0:
         raise ValueError(f"--repeats={a.repeats}: must be >= 0 (0: the bench's default)")
     if a.threads < 0:
@@ -130,7 +134,7 @@ def _cmd_bench(a: argparse.Namespace) -> None:
         raise ValueError(f"--new-tokens={a.new_tokens}: must be >= 0 (0: the bench's default)")
     if a.block_size < 0:
         raise ValueError(f"--block-size={a.block_size}: must be >= 0 (0: no paged cache)")
-    result = bench.get(a.which)(a)
+    result = run(a)
     print("\n".join(result["summary"]))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
@@ -285,12 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rollout: torch threads (default 1: what each Ray-hosted replica of `tlt demo` gets, "
                    "and it leaves a core to the rest of the machine, which keeps the timing noise low; "
                    "0: torch's default)")
+    s.add_argument("--target-steps", type=int, default=0, help=argparse.SUPPRESS)  # research's: refused
     s.add_argument("--shape", default="auto",
                    help="step-cost: target shape with random weights: demo, qwen2-1.5b or llama-8b (auto: "
                    "qwen2-1.5b on CUDA, demo on CPU)")
     s.add_argument("--batches", type=_batches, default=None,
                    help="step-cost: batch sizes to measure, comma-separated (default 1,8,32; 1,4 on a CPU); "
-                   "larger ones extend the step-cost curve the tail simulator reads")
+                   "larger ones extend the step-cost curve the cluster simulator reads")
     s.add_argument("--prompt-len", type=int, default=0,
                    help="step-cost: prompt tokens per request (0: 128); 2048 or more: one engine at a time, "
                    "e.g. 32768 for the tail's length")
@@ -313,10 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the demo --repeats times (default 3); consolidation: that view alone (`--arms BCE` runs); "
                    "tail-batching: the one `tlt demo --arms ABCFGH` directory to read")
     s.add_argument("--validate", action="store_true",
-                   help="tail: predict a demo run's per-step rollout time (--from FIT_RUN PREDICT_RUN: step costs "
+                   help="cluster: predict a demo run's per-step rollout time (--from FIT_RUN PREDICT_RUN: step costs "
                    "from the first, lengths and measured times from the second) and report the error")
     s.add_argument("--measure-cpu", action="store_true",
-                   help="tail: measure this machine's step-cost curve first (tlt bench rollout, one repeat) and "
+                   help="cluster: measure this machine's step-cost curve first (tlt bench rollout, one repeat) and "
                    "simulate the CPU row on it instead of the recorded docs/bench/rollout.json")
     s.add_argument("--trace", help="sglang-tuner: verify trace to replay (recorded here first if the file "
                    "does not exist; without --trace a fresh one is recorded and not kept)")

@@ -105,7 +105,7 @@ class Surface:
         return (self.expected_accepted(arm, alpha) + 1) / self.step_ms(bs, arm, ctx_tokens)
 
 
-# A policy maps (bs, alpha, ctx_tokens) -> Arm and is told each step's outcome.
+# A chooser maps (bs, alpha, ctx_tokens) -> Arm and is told each step's outcome.
 Choose = Callable[[int, float, int], Arm]
 Record = Callable[[int, Arm, int, float], None]
 

@@ -207,7 +207,7 @@ def test_config_validation(kw, field):
         GraphPlanConfig(**kw)
 
 
-def test_dims_validation_and_policy_names():
+def test_dims_validation_and_scheme_names():
     with pytest.raises(ValueError, match="vocab_size"):
         ModelDims(hidden_size=4, intermediate_size=8, vocab_size=0, num_layers=1, num_heads=1,
                   num_kv_heads=1, head_dim=4)

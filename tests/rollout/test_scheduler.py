@@ -72,18 +72,3 @@ def test_removal_names_running_or_waiting_requests_once():
     with pytest.raises(ValueError, match="given twice"):
         s.remove([2, 2], running=[], reason="left")
 
-
-def test_the_step_log_keeps_steps_by_absolute_number_until_forgotten_and_never_more_than_its_cap():
-    from tlt.rollout.step_log import StepLog
-
-    log = StepLog(cap=8)
-    for i in range(5):
-        log.append(f"step {i}", [i + 1])
-    assert log.steps_run == 5 and log.since(3) == ["step 3", "step 4"] and log.accept_lengths_since(3) == [4, 5]
-    log.forget(2)
-    assert log.kept[0] == "step 2" and log.steps_run == 5
-    with pytest.raises(ValueError, match="steps before 2 were forgotten"):
-        log.since(1)
-    for i in range(5, 12):  # past the cap: the oldest half goes
-        log.append(f"step {i}", [])
-    assert len(log.kept) <= 8 and log.kept[-1] == "step 11" and log.steps_run == 12

@@ -95,7 +95,7 @@ def _policy_on_trace(version: str, trace, original_cls, sglang_own_too: bool) ->
     slots = DEFAULT_SLOTS if version == "0.5.23" else hook_impls.adaptive._positive(DEFAULT_SLOTS)
     rollouts = 16 if sglang_own_too else ROLLOUTS[version]  # docs/sglang.md's figures: 16 each
     for name, make in (("tlt", tlt), ("sglang_own", sglang_own))[:2 if sglang_own_too else 1]:
-        ev = evaluate(trace, slots, rollouts=rollouts, requests=32, seed=0, make_policy=make,
+        ev = evaluate(trace, slots, rollouts=rollouts, requests=32, seed=0, make_tuner=make,
                       overlap=version == "0.5.23")  # 0.5.12's EAGLE worker feeds its policy in the step
         out[name] = {"pct_of_oracle": ev["tuner_pct_of_oracle"], "goodput": ev["goodput_tok_s"]}
     out["rollouts"] = rollouts

@@ -23,3 +23,10 @@ def test_a_benchs_old_name_runs_it_with_a_warning(caplog):
 def test_a_research_experiment_is_refused_with_where_it_went(name, script, capsys):
     assert main(["-q", "bench", name, "--quick"]) == 2
     assert f"python examples/research/{script} --help" in capsys.readouterr().err
+
+
+def test_the_research_experiments_flag_is_refused_with_where_they_went(capsys):
+    assert main(["-q", "bench", "drafters", "--target-steps", "600"]) == 2  # the documented form of before
+    assert "python examples/research/drafters.py --help" in capsys.readouterr().err
+    assert main(["-q", "bench", "rollout", "--quick", "--target-steps", "5"]) == 2
+    assert "--target-steps: only the research experiments took it" in capsys.readouterr().err

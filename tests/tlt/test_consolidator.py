@@ -1,4 +1,4 @@
-"""Tail moves without Ray: the batcher lets named requests leave and publishes its load, the router
+"""Moves without Ray: the batcher lets named requests leave and publishes its load, the router
 pins a moved request to its destination, verl's client (wrapped) returns one answer across hops,
 and the driver's view of the replicas feeds consolidation. The whole path through Ray actors,
 with kills, is tests/integrations/test_verl_moves.py."""

@@ -54,7 +54,7 @@ def test_a_step_without_speculation_has_no_accept_length():
     m = step_metrics(w, drafter_version=0, push_rejected=0, repushed=0, failures={}, feeds_dropped=0,
                      rounds={"queued_after": 5, "dropped_share": 0.25})
     assert math.isnan(m["rollout/spec_accept_length"]) and m["tlt/tail_queue"] == 5
-    assert w.lengths == []  # the mover's estimate: the replicas' response lengths
+    assert w.lengths == []  # the consolidator's estimate: the replicas' response lengths
 
 
 def test_records_write_nothing_until_a_step_and_hash_each_response(tmp_path):

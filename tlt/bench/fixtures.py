@@ -1,7 +1,7 @@
 """What the benches share: the demo target and its cached EAGLE drafter, and the paired bootstrap interval.
 
-Owns :func:`demo_target` (the demo's target and its warm-up drafter, each built once into TLT's
-cache), :func:`demo_drafter` (a warm-up drafter of any target) and :func:`paired_ci90` (the 90%
+Owns :func:`demo_target` (the demo's target) and :func:`demo_drafter` (a warm-up drafter of a
+target: the demo target's as the benches measure it by default), each built once into TLT's cache, and :func:`paired_ci90` (the 90%
 interval of a median paired ratio). Benches import these, never each other's private helpers.
 """
 
@@ -19,19 +19,19 @@ from tlt.drafter.offline_train import TrainConfig
 from tlt.warmup import WarmupConfig, run_warmup
 
 
-def demo_target(quick: bool) -> tuple[Path, Path]:
-    """(target directory, drafter directory): the demo's target (``tlt demo --quick``'s when ``quick``)
-    and its EAGLE drafter warmed up 150 steps (20 when ``quick``), as the benches measure them."""
+def demo_target(quick: bool) -> Path:
+    """The directory of the demo's target (``tlt demo --quick``'s when ``quick``)."""
     from tlt.demo.job import DEFAULT, QUICK
     from tlt.demo.target_factory import ensure_target
 
-    target = ensure_target((QUICK if quick else DEFAULT).target, progress=False)
-    return target, demo_drafter(target, 20 if quick else 150, quick)
+    return ensure_target((QUICK if quick else DEFAULT).target, progress=False)
 
 
-def demo_drafter(target: Path, steps: int, quick: bool) -> Path:
-    """The directory of an EAGLE drafter of ``target`` warmed up for ``steps`` steps on the demo's
-    corpus (32 prompts when ``quick``, else 160), built once into the cache and reused by every bench."""
+def demo_drafter(target: Path, steps: int | None = None, quick: bool = False) -> Path:
+    """The directory of an EAGLE drafter of ``target`` warmed up for ``steps`` steps (None: 20 when
+    ``quick``, else 150: the benches' drafter) on the demo's corpus (32 prompts when ``quick``, else
+    160), built once into the cache and reused by every bench."""
+    steps = steps if steps is not None else 20 if quick else 150
     out = default_cache_dir() / "drafters" / f"{target.name}-eagle-{steps}"
     if (out / "tlt_drafter.json").is_file():
         return out

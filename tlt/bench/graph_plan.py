@@ -22,7 +22,7 @@ Graph keys (both frozen, so identical shapes from different arms merge into one 
   it for SGLang's per-step graphs.
 Arms of a model-free proposer (``arm.proposer`` set) have no drafter graph.
 
-Policies: ``naive`` captures every arm of every bucket at every captured batch size;
+Schemes: ``naive`` captures every arm of every bucket at every captured batch size;
 ``bucketed`` captures, at captured size ``c``, only the arms of the buckets that runtime batch
 sizes padded to ``c`` (``prev_c < bs <= c``) map to. A batch above the last bucket's max uses the
 last bucket; a batch above the largest captured size has no graph (``padded_batch`` -> None: the

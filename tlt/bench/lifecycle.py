@@ -32,7 +32,7 @@ import time
 import torch
 
 from tlt.bench import torch_threads
-from tlt.bench.fixtures import demo_target, paired_ci90
+from tlt.bench.fixtures import demo_drafter, demo_target, paired_ci90
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def _run(args: argparse.Namespace) -> dict:
     quick = bool(args.quick)
-    target_dir, drafter_dir = demo_target(quick)
+    target_dir = demo_target(quick)
     model = TargetModel.from_pretrained(target_dir)
     tok = TextTokenizer.from_pretrained(target_dir)
     reqs = _workload(tok, args.seed, quick)
@@ -205,7 +205,7 @@ def _run(args: argparse.Namespace) -> dict:
     cb = continuous_batching(model, reqs, spread, repeats, args.seed)
     ks = [0, 16, 64] if quick else [0, 64, 128, 256, 320]
     cost = rejoin_cost(model, reqs[0].prompt, ks, 2 if quick else 5)
-    drafter = Drafter.load(drafter_dir, model.embed_weight, model.lm_head.weight)
+    drafter = Drafter.load(demo_drafter(target_dir, quick=quick), model.embed_weight, model.lm_head.weight)
     start = eagle_start(model, drafter, reqs, [0, 16] if quick else [0, 32, 96], Arm(3, 1, 3))
     summary = [f"continuous batching ({cb['requests']} requests over {cb['spread_ms']:.0f} ms, "
                f"{cb['repeats']} paired repeats): makespan wait/join {cb['makespan']['wait_over_join']:.2f}x "

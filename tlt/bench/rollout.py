@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from tlt.bench import torch_threads
-from tlt.bench.fixtures import demo_target, paired_ci90
+from tlt.bench.fixtures import demo_drafter, demo_target, paired_ci90
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
@@ -128,7 +128,8 @@ class Workload:
 
 
 def _workload(quick: bool, seed: int) -> Workload:
-    target_dir, drafter_dir = demo_target(quick)
+    target_dir = demo_target(quick)
+    drafter_dir = demo_drafter(target_dir, quick=quick)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CUDA: static shapes + graphs by default
     model = TargetModel.from_pretrained(target_dir, device=device)
     tok = TextTokenizer.from_pretrained(target_dir)

@@ -63,11 +63,12 @@ def record_trace(*, quick: bool, seed: int) -> dict:
     from tlt.rollout.generate import SamplingParams
     from tlt.rollout.strategy import Arm
     from tlt.rollout.target import TargetModel
-    from tlt.bench.fixtures import demo_target
+    from tlt.bench.fixtures import demo_drafter, demo_target
     from tlt.demo.corpus import CorpusConfig, make_corpus
     from tlt.tokenizer import TextTokenizer
 
-    target_dir, drafter_dir = demo_target(quick)
+    target_dir = demo_target(quick)
+    drafter_dir = demo_drafter(target_dir, quick=quick)
     model = TargetModel.from_pretrained(target_dir)
     tok = TextTokenizer.from_pretrained(target_dir)
     drafter = Drafter.load(drafter_dir, model.embed_weight, model.lm_head.weight)
@@ -182,7 +183,7 @@ def graph_memory(slots: SlotsConfig, graph_bs: Sequence[int], dims: ModelDims) -
 
 
 def evaluate(trace: Trace, slots: SlotsConfig, *, rollouts: int, requests: int, seed: int,
-             make_policy: Callable[[_Clock], object] | None = None, overlap: bool = True) -> dict:
+             make_tuner: Callable[[_Clock], object] | None = None, overlap: bool = True) -> dict:
     """Goodput of every variant on the same rollouts; the tuner keeps learning across them."""
     rng = random.Random(seed)
     cap = 1024
@@ -209,16 +210,16 @@ def evaluate(trace: Trace, slots: SlotsConfig, *, rollouts: int, requests: int, 
     variants: dict[str, float] = {"oracle (every step count)": run(oracle(False)),
                                   "oracle (slot step counts)": run(oracle(True))}
     clock = _Clock()
-    pol = make_policy(clock) if make_policy else AdaptiveTuner(0, slots, clock=clock, seed=seed)
-    pol.set_cuda_graph_bs(list(SGLANG_SPEC_GRAPH_BS))
-    variants["TLT tuner (BEG-MAB)"] = run(pol.get_steps_for_batch, pol.on_verify_complete, clock)
+    tuner = make_tuner(clock) if make_tuner else AdaptiveTuner(0, slots, clock=clock, seed=seed)
+    tuner.set_cuda_graph_bs(list(SGLANG_SPEC_GRAPH_BS))
+    variants["TLT tuner (BEG-MAB)"] = run(tuner.get_steps_for_batch, tuner.on_verify_complete, clock)
     for s in recorded:
         variants[f"static {s} steps" if s else "AR (0 steps)"] = run(lambda bs, s=s: s)
     best = variants["oracle (every step count)"]
     return {"goodput_tok_s": variants, "tuner_pct_of_oracle": 100 * variants["TLT tuner (BEG-MAB)"] / best,
             "tuner_pct_of_slot_oracle": 100 * variants["TLT tuner (BEG-MAB)"] / variants["oracle (slot step counts)"],
             "rollouts": rollouts, "requests": requests,
-            "tuner": pol.stats() if hasattr(pol, "stats") else None}
+            "tuner": tuner.stats() if hasattr(tuner, "stats") else None}
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -12,7 +12,7 @@ Abort (verl's ``abort_all_requests`` and ``resume_generation``, and a single req
 gate closes, so requests arriving meanwhile wait for :meth:`resume` (or, with ``reject``, return at
 once as aborted with no tokens); running and queued requests are aborted at the next step boundary
 and return their partial output (reason ``aborted``). :meth:`leave` is the same for named requests
-without the gate, with reason ``left``: the request goes on elsewhere from its state (a tail move).
+without the gate, with reason ``left``: the request goes on elsewhere from its state (a move).
 
 Load (:meth:`load`): with ``track_load``, after each step the worker feeds a
 :class:`~.replica_load.LoadMeter` the step's cost and the running requests' progress, which

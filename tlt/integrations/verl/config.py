@@ -247,7 +247,7 @@ class ConsolidateSection:
         from tlt.coordinator.consolidation import ConsolidationConfig
 
         return ConsolidationConfig(mode=self.mode, knee=self.knee, remaining_share=self.remaining_share,
-                          max_batch=max_batch, train_value=self.train_value, move_s=self.move_s or 0.0)
+                                   max_batch=max_batch, train_value=self.train_value, move_s=self.move_s or 0.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 MOVED = "tlt_moved"  # a moved request's stop reason at its source
 MOVED_KEY = "tlt_moved"  # extra_fields key: {"to": destination server id, "state": RequestState}
-MAX_HOPS = 8  # a request moved more often than this is a policy bug: refuse rather than loop
+MAX_HOPS = 8  # a request moved more often than this is a consolidation bug: refuse rather than loop
 
 
 def moved_in(state: RequestState, prompt_ids: list[int]) -> RequestState:
@@ -147,6 +147,9 @@ class ReplicaMoves:
             send = ready and expected is None
             self._idle_sent = self._idle_sent or send
         return send, expected
+
+    def begin_step(self) -> None:
+        self.moved_out = 0
 
     def leave(self, keys: list[str], to: str, batcher_leave: Callable[[list[str]], list[str]]) -> list[str]:
         """The requests ``keys`` leave for server ``to`` (``batcher_leave`` lets them go at the next

@@ -54,7 +54,7 @@ class LoadMeter:
         mean, n = self._step_s.get(rec.batch, (0.0, 0))
         n = min(n, 63)  # a running mean over about the last 64 steps at this batch size
         self._step_s[rec.batch] = ((mean * n + seconds) / (n + 1), n + 1)
-        self._tps = 0.9 * self._tps + 0.1 * rec.committed / rec.batch
+        self._tps = 0.9 * self._tps + 0.1 * (rec.committed / rec.batch)
 
     def publish(self, requests: list[tuple[str, int, int, int]]) -> None:
         """The running requests after a step, with the costs measured so far."""

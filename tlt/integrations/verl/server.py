@@ -308,7 +308,7 @@ class TLTServer:
         if agent is not None and agent.training:
             agent.busy(step)
         self.core.begin_step(step)
-        self.moves.moved_out = 0
+        self.moves.begin_step()
 
     async def end_rollout(self) -> None:
         """The rollout ended (the coordinator has preempted training): nothing to give back, the

@@ -106,7 +106,7 @@ def step_metrics(w: RolloutWindow, *, drafter_version: int, push_rejected: int, 
 
 def step_extra(w: RolloutWindow, *, rounds: dict | None) -> dict[str, Any]:
     """The step record's fields besides the metrics: the coordinator's outcome, spot phases, the
-    proposers, tail moves and batching, and each replica's figures (:func:`.step_stats.replica_fields`)."""
+    proposers, moves and tail batching, and each replica's figures (:func:`.step_stats.replica_fields`)."""
     o, st = w.outcome, w.stats
     return {"stopped": list(o.stopped) if o else [], "lost": list(o.lost) if o else [],
             "timed_out": list(o.timed_out) if o else [], "coordinator_reachable": bool(o.reachable) if o else False,

@@ -102,7 +102,7 @@ class TLTTrainer(PPOTrainerSync):
         tc = self.tlt.tail.consolidate
         if tc.mode != "off":
             self._consolidator = Consolidator(self._servers, tc.rules(self.tlt.engine.max_batch),
-                                    interval_s=tc.interval_s, move_s=tc.move_s)
+                                              interval_s=tc.interval_s, move_s=tc.move_s)
             self._step_requests = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.replay_buffer.poll_interval = self.tlt.replay_poll_s
         self._setup_runtime(config, out)
