@@ -17,8 +17,8 @@ import importlib as _importlib
 # (``tlt.coordinator.consolidation``, ``promotion``, ``states``) load without ZeroMQ: the rollout benches and the
 # cluster simulator read them on machines that have no pyzmq.
 _EXPORTS = {"Coordinator": "broker", "CoordinatorConfig": "broker", "main": "cli", "DriverClient": "driver",
-            "RolloutOutcome": "driver", "Event": "promotion", "PromotionConfig": "promotion", "ProtocolError": "protocol",
-            "WorkerState": "protocol", "WorkerClient": "worker", "WorkerConfig": "worker"}
+            "RolloutOutcome": "driver", "Event": "promotion", "PromotionConfig": "promotion",
+            "ProtocolError": "protocol", "WorkerState": "protocol", "WorkerClient": "worker", "WorkerConfig": "worker"}
 __all__ = sorted(_EXPORTS)
 _RENAMED = {"PolicyConfig": "PromotionConfig"}  # old name -> new: read until the next release
 

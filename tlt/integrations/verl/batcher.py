@@ -21,11 +21,10 @@ consolidation reads.
 Threads and ownership: the event loop owns the futures, the gate and the ``_serving`` flag; a
 generation runs in one worker thread, which owns the engine from its first step to its last, inside
 ``serving()`` (e.g. the replica's serving lock, taken and released in one function). The two meet
-only in ``_mu``-guarded fields: ``_pending`` (event loop appends, worker takes) and the abort and leave
-requests (event loop posts, worker serves). A result is
-handed to the event loop with ``call_soon_threadsafe`` (FIFO with the worker's end, so every answer
-is delivered, and counted out of the in-flight count, before the event loop sees the generation
-end). The worker ends a generation only when, under ``_mu``, the engine is idle and nothing waits; a
+only in ``_mu``-guarded fields: ``_pending`` (event loop appends, worker takes) and the abort and
+leave requests (event loop posts, worker serves). A result is handed to the event loop with
+``call_soon_threadsafe`` (FIFO with the worker's end, so every answer is delivered, and counted out
+of the in-flight count, before the event loop sees the generation end). The worker ends a generation only when, under ``_mu``, the engine is idle and nothing waits; a
 request queued after that is seen by the event loop, which starts the next. A generation that fails
 fails its own requests; the batcher keeps serving.
 """

@@ -4,8 +4,9 @@ Owns the replica's Ray actor (:class:`TLTServer`) and how its parts meet, in the
 process: the engine (:class:`~tlt.integrations.verl.assembly.ReplicaEngine`: target, suffix and
 EAGLE proposers, tuner, feature sink) fed by the request batcher (:mod:`.batcher`); policy and
 drafter updates (:mod:`.weight_sync`); moves (:class:`~.moves.ReplicaMoves`); and forwarding from
-a restarted replica that has not received the current policy yet (:mod:`.forwarding`). What both backends keep (the DataBuffer, the step's
-statistics, the spot agent, the drafter versions) is its :class:`~.replica_core.ReplicaCore`.
+a restarted replica that has not received the current policy yet (:mod:`.forwarding`). What both
+backends keep (the DataBuffer, the step's statistics, the spot agent, the drafter versions) is its
+:class:`~.replica_core.ReplicaCore`.
 
 Device: the one this process has. With a GPU (Ray gave the actor one) the target, drafter and spot
 trainer run there in bf16 with static shapes and graph replay, the GPU tuner arms and nccl;
