@@ -1,8 +1,9 @@
 """What the benches share: the demo target and its cached EAGLE drafter, and the paired bootstrap interval.
 
 Owns :func:`demo_target` (the demo's target) and :func:`demo_drafter` (a warm-up drafter of a
-target: the demo target's as the benches measure it by default), each built once into TLT's cache, and :func:`paired_ci90` (the 90%
-interval of a median paired ratio). Benches import these, never each other's private helpers.
+target; by default the one the benches measure), each built once into TLT's cache, and
+:func:`paired_ci90` (the 90% interval of a median paired ratio). Benches import these, never each
+other's private helpers.
 """
 
 from __future__ import annotations
