@@ -9,7 +9,8 @@
 #     kernel     the attention kernel against its float64 reference on CUDA
 #     attention  one layer's attention against the HBM bound, with a sweep of the kernel's launch shapes;
 #                the best at batch 1 and at batch 8 are exported (TLT_ATTENTION_TUNING) to every later part
-#     profile    the kernels of plain and speculative steps at 32K, batch 8, by device time
+#     profile    the kernels of plain and speculative steps by device time: Llama-8B at 32K, batch 8; the
+#                demo target at 128 tokens, batch 1 and 4
 #     b1         the Llama-8B step at LENGTHS (default 32768 16384 8192), batch 1, against the engine before
 #                the kernel (--baseline); the 8K run adds the mixed-length batch
 #     b8         the same at batch 8 (prefill of 8 long prompts, peak memory)
@@ -71,6 +72,9 @@ if has profile; then
   prof=(--prompt-len 32768 --batch 8)
   [ "${QUICK:-0}" = 1 ] && prof=(--quick --batch 2)
   part profile-32k-b8 150 python examples/profile_step.py "${prof[@]}"
+  for b in 1 4; do
+    part "profile-demo-b$b" 60 python examples/profile_step.py --shape demo --prompt-len 128 --batch "$b" "${quick[@]}"
+  done
 fi
 for b in 1 8; do
   has "b$b" || continue

@@ -1,7 +1,11 @@
-"""Where a decode step's device time goes: the kernels of a few plain and speculative steps of the
-Llama-8B shape at a long context (random bf16 weights, CUDA), by total device time.
+"""Where a decode step's device time goes: the kernels of a few plain and speculative steps of a
+model shape (random bf16 weights, CUDA), by total device time.
 
-    python examples/profile_step.py [--prompt-len 32768] [--batch 8] [--steps 5] [--quick]
+    python examples/profile_step.py [--shape llama-8b] [--prompt-len 32768] [--batch 8] [--steps 5] [--quick]
+
+The Llama-8B shape at 32K and batch 8 shows where a long-context verify's time goes beyond its
+attention; ``--shape demo --prompt-len 128`` at batch 1 and 4, why the demo target's verify at batch
+4 costs what it costs at 32.
 
 Graph replays hide their kernels from the profiler, so the engines run with ``cuda_graphs=False``
 (the same kernels, launched one by one). --quick: the demo shape on CPU.
@@ -28,6 +32,7 @@ from tlt.rollout.target import TargetModel
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama-8b", choices=["demo", *SHAPES])
     ap.add_argument("--prompt-len", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
@@ -35,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
-    fields, plen = (demo_shape(), 128) if a.quick else (SHAPES["llama-8b"], a.prompt_len)
+    fields = demo_shape() if a.quick or a.shape == "demo" else SHAPES[a.shape]
+    plen = 128 if a.quick else a.prompt_len
     cfg = ModelConfig(**fields, max_position_embeddings=max(4096, plen + 128))
     torch.manual_seed(0)
     with dev:
@@ -61,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             if cuda:
                 torch.cuda.synchronize()
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        print(f"== {name}, batch {a.batch}, {plen}-token prompts: {a.steps} steps, kernels by device time")
+        print(f"== {a.shape}, {name}, batch {a.batch}, {plen}-token prompts: {a.steps} steps, kernels by device time")
         print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=70))
         eng.close()
         del eng, prop

@@ -17,8 +17,12 @@ Owns :func:`paged_attention`: two launches per layer.
 
 Bytes read follow the sum of the rows' lengths, and so does the work of each program: the launch
 grid is sized by the batch and the split count only, so one captured graph serves every length,
-and a batch of one 32K row and seven 1K rows spreads the 32K row over most of the programs. The
-query and tail lengths are run-time arguments, so a new prefill or catch-up length compiles nothing.
+and a batch of one 32K row and seven 1K rows spreads the 32K row over most of the programs.
+
+One compile per tile shape, not per step shape: the batch, the query and tail lengths, the split
+count and the strides that follow them are run-time arguments Triton does not specialize on, so a
+new batch size, arm, prefill or catch-up length compiles nothing (a compile costs seconds on a GPU,
+inside a tuner's timed rollout).
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ from tlt.rollout.attention import AttnMeta, Tuning, tuning_for
 
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# What changes from step to step of one engine is not specialized on, and the rows' lengths are read
+# in blocks of at least MIN_BP rows; what stays compile-time is fixed per cache and launch regime
+# (head counts and size, block layout, tile shapes).
+STEP_ARGS = ("QL", "W", "NB", "SPLITS", "st_b", "st_q", "sl_h", "sl_p", "sbt_b")
+SMALL_TENSORS = ("BT", "START", "CTX", "TAIL")  # read a few values per program: alignment buys nothing
+MIN_BP = 64
 
 
 @triton.jit
@@ -77,7 +87,7 @@ def _tile(q, K, V, BT, TAIL, b, kvh, kb, vb, lo, limit, p0, t, m_ok, offs_d, is_
 
 
 @triton.jit
-def _layout(START, CTX, NB, SPLITS: tl.constexpr, BP: tl.constexpr, BLOCK_N: tl.constexpr):
+def _layout(START, CTX, NB, SPLITS, BP: tl.constexpr, BLOCK_N: tl.constexpr):
     """The parts of every row's prefix: one chunk size for the whole batch (its total length over
     ``NB * SPLITS`` chunks, a multiple of BLOCK_N), so a row takes parts in proportion to its length
     and the work follows the sum of the lengths. -> (lengths [BP], chunk, parts per row [BP],
@@ -91,12 +101,12 @@ def _layout(START, CTX, NB, SPLITS: tl.constexpr, BP: tl.constexpr, BLOCK_N: tl.
     return lens, chunk, n, tl.cumsum(n, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_ARGS, do_not_specialize_on_alignment=SMALL_TENSORS)
 def _partials(Q, K, V, BT, START, CTX, TAIL, OP, LP,
               sq_b, sq_h, sq_t, sk_n, sk_h, sk_s, sv_n, sv_h, sv_s, sbt_b, st_b, st_q,
               so_h, so_p, so_m, sl_h, sl_p,
-              scale2, scratch, QL, W, NB,
-              C: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, SPLITS: tl.constexpr, BP: tl.constexpr,
+              scale2, scratch, QL, W, NB, SPLITS,
+              C: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, BP: tl.constexpr,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
     kvh = tl.program_id(0)
@@ -154,9 +164,9 @@ def _partials(Q, K, V, BT, START, CTX, TAIL, OP, LP,
         tl.store(LP + kvh * sl_h + j * sl_p + offs_m, lse, mask=m_ok)
 
 
-@triton.jit
-def _merge(OP, LP, O, START, CTX, so_h, so_p, so_m, sl_h, sl_p, sout_b, sout_h, sout_t, QL, NB,
-           KVH: tl.constexpr, SPLITS: tl.constexpr, BP: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+@triton.jit(do_not_specialize=STEP_ARGS, do_not_specialize_on_alignment=SMALL_TENSORS)
+def _merge(OP, LP, O, START, CTX, so_h, so_p, so_m, sl_h, sl_p, sout_b, sout_h, sout_t, QL, NB, SPLITS,
+           KVH: tl.constexpr, BP: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
            D: tl.constexpr, BLOCK_M: tl.constexpr, PG: tl.constexpr, INTERPRET: tl.constexpr):
     """Per (row x KV head, tile): the row's prefix parts and its tail, merged exactly in one pass
     (a running maximum of the log-sum-exps rescales what is summed so far)."""
@@ -227,7 +237,7 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = t.block_n if d <= 128 else min(t.block_n, 32)
     slots = b * (meta.splits + 1) + b  # prefix parts (at most b * (splits + 1)), then one tail per row
-    bp = triton.next_power_of_2(b)
+    bp = max(MIN_BP, triton.next_power_of_2(b))
     tail = meta.cached("tail_i8", lambda: meta.tail.to(torch.int8) if meta.tail is not None else None)
     op = torch.empty(kvh, slots, rows, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(kvh, slots, rows, dtype=torch.float32, device=q.device)
@@ -239,8 +249,8 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
         q.stride(0), q.stride(1), q.stride(2), kl.stride(0), kl.stride(1), kl.stride(2),
         vl.stride(0), vl.stride(1), vl.stride(2), meta.blocks.stride(0), tails[1], tails[2],
         op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
-        LOG2E / d ** 0.5, meta.scratch, ql, meta.width, b,
-        C=meta.blocks.shape[1], BS=meta.block_size, G=g, SPLITS=meta.splits, BP=bp, D=d, BLOCK_M=block_m,
+        LOG2E / d ** 0.5, meta.scratch, ql, meta.width, b, meta.splits,
+        C=meta.blocks.shape[1], BS=meta.block_size, G=g, BP=bp, D=d, BLOCK_M=block_m,
         BLOCK_N=block_n, CAUSAL=meta.tail is None, PREC=prec, INTERPRET=INTERPRET, num_warps=t.warps,
         num_stages=t.stages)
     out = torch.empty_like(q)
@@ -248,6 +258,6 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
     group = max(1, 128 // block_m)
     _merge[(b * kvh, mtiles)](
         op, lp, out, start, ctx, op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
-        out.stride(0), out.stride(1), out.stride(2), ql, b, KVH=kvh, SPLITS=meta.splits, BP=bp, BLOCK_N=block_n,
+        out.stride(0), out.stride(1), out.stride(2), ql, b, meta.splits, KVH=kvh, BP=bp, BLOCK_N=block_n,
         G=g, D=d, BLOCK_M=block_m, PG=group, INTERPRET=INTERPRET, num_warps=merge_warps)
     return out

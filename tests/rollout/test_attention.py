@@ -222,3 +222,50 @@ def test_launch_shapes_by_regime_and_their_override(monkeypatch):
         monkeypatch.setenv("TLT_ATTENTION_TUNING", bad)
         with pytest.raises(ValueError, match="TLT_ATTENTION_TUNING"):
             Tunings.from_env()
+
+
+def test_a_new_batch_arm_or_split_count_compiles_no_new_kernel(monkeypatch):
+    """Triton compiles a kernel per key of its specialization (constexprs, and each int argument's
+    ==1 / %16 class, each pointer's alignment); a compile costs seconds on a GPU, inside a tuner's
+    timed rollout. The keys the launches of the engine's shapes would compile, computed by Triton's
+    own binder for an H100 target (no GPU needed): batch 1-64, split counts 1-64, a plain step, tree
+    verifies, drafter levels and prefill chunks of any length cost one kernel per tile shape
+    (queries x GQA group: 16, 32 or 64 packed rows) and masking (causal or not), not per step shape."""
+    pytest.importorskip("triton", reason="the kernel's compile keys need triton (the dev extra)")
+    backends = pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's CUDA backend")
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import compute_cache_key, create_function_from_signature
+
+    from tlt.rollout import attention_triton as at
+
+    backend = backends.CUDABackend(GPUTarget("cuda", 90, 32))
+    keys: dict[str, set] = {}
+
+    class Launch:  # the kernel's launch, bound and keyed as Triton's JIT does it; nothing runs
+        def __init__(self, fn):
+            self.fn, self.bind = fn, create_function_from_signature(fn.signature, fn.params, backend)
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                _, spec, options = self.bind(*args, **kwargs)
+                keys.setdefault(self.fn.__name__, set()).add(compute_cache_key({}, spec, backend.parse_options(options)))
+            return launch
+
+    monkeypatch.setattr(at, "_partials", Launch(at._partials))
+    monkeypatch.setattr(at, "_merge", Launch(at._merge))
+    g = torch.Generator().manual_seed(0)
+    slots, kvh, group, d = 512, 2, 4, 16  # an engine's cache: fixed while its steps' shapes change
+    kl, vl = torch.zeros(64, kvh, slots, d), torch.zeros(64, kvh, slots, d)
+    classes = set()
+    for i in range(120):
+        b, splits = int(torch.randint(1, 65, (1,), generator=g)), int(torch.randint(1, 65, (1,), generator=g))
+        q = (1, int(torch.randint(2, 9, (1,), generator=g)), 2, int(torch.randint(1, 17, (1,), generator=g)))[i % 4]
+        w = q if i % 4 != 2 else int(torch.randint(3, 12, (1,), generator=g))  # drafter levels: W > Q
+        causal = i % 4 == 3  # a prefill chunk
+        tail = None if causal else torch.rand(b, q, w, generator=g) < 0.5
+        ctx = torch.randint(0, slots - w, (b,), generator=g)
+        meta = AttnMeta.rows(ctx, w, slots, tail=tail, splits=splits)
+        at.paged_attention(torch.zeros(b, kvh * group, q, d), kl, vl, meta)
+        rows = q * group  # packed rows: queries x the GQA group
+        classes.add((16 if rows <= 16 else 32 if rows <= 32 else 64, causal))
+    assert len(keys["_partials"]) == len(classes) and len(keys["_merge"]) <= len(classes), (len(keys["_partials"]), classes)

@@ -97,8 +97,9 @@ def test_bench_rollout_quick(tmp_path, capsys):
     assert half["steps"] > variants["AR"]["steps"] and (half["evicted"] > 0) == (half["recomputed"] > 0)
     assert any(line.startswith("  KV memory:") for line in r["summary"])
     assert variants["AR again (control)"]["sd_steps"] == 0
-    for v in variants.values():  # the last rollout's time split: captures (none on a CPU), slow steps
-        assert v["capture_s"] == 0.0 and 0.0 <= v["slow_steps_s"] <= v["seconds_all"][-1]
+    for v in variants.values():  # the last rollout's time split: captures and compiles (none on a CPU), slow steps
+        assert v["capture_s"] == 0.0 and (v["compiles"], v["compile_s"]) == (0, 0.0)
+        assert 0.0 <= v["slow_steps_s"] <= v["seconds_all"][-1]
         assert v["slow_steps_s"] > 5 * v["median_step_s"] * v["slow_steps"] or v["slow_steps"] == 0
     for w in r["workloads"].values():
         assert w["adaptive_vs_ar_paired"] == variants[w["variant"]]["paired_vs_ar"]

@@ -9,9 +9,10 @@ Every variant runs between two AR rollouts, and its paired ratio is their mean t
 (the machine's speed drifts by tens of percent within a minute); a second, identical AR engine runs
 as a control: its paired ratio is the run's noise floor.
 
-Each variant's row also splits its last timed rollout's time: graph captures, and the steps that
-took over ``SLOW_STEP`` times the rollout's median step (captures, kernel compiles, a shape's first
-eager use): where a tuner that cannot win loses its time.
+Each variant's row also splits its last timed rollout's time: graph captures, Triton's kernel
+compiles (:mod:`tlt.bench.compiles`), and the steps that took over ``SLOW_STEP`` times the rollout's
+median step (captures, compiles, a shape's first eager use): where a tuner that cannot win loses its
+time.
 
 ``workloads.<name>.adaptive_vs_ar`` (tokens/s of the adaptive engine over AR's, same run):
 ``long_tail`` — EAGLE + BEG-MAB; ``ngram_siblings`` — the suffix drafter over the GRPO siblings +
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from tlt.bench import torch_threads
+from tlt.bench.compiles import count_compiles
 from tlt.bench.fixtures import demo_drafter, demo_target, paired_ci90
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.eagle_proposer import EagleProposer
@@ -199,7 +201,8 @@ def _timed_rollouts(w: Workload, engines: dict[str, RolloutEngine], repeats: int
 
     def timed(name: str) -> float:  # one rollout, checked against AR's tokens; its seconds
         nonlocal ref
-        res = engines[name].generate(w.prompts, w.params, w.groups)
+        with count_compiles() as compiles:
+            res = engines[name].generate(w.prompts, w.params, w.groups)
         if ref is None:
             ref = res.outputs
         elif res.outputs != ref:
@@ -210,6 +213,7 @@ def _timed_rollouts(w: Workload, engines: dict[str, RolloutEngine], repeats: int
         slow = [s.seconds for s in res.steps if s.seconds > SLOW_STEP * med]  # captures, compiles, first uses
         rows[name] = {"tokens": res.tokens, "sd_steps": sum(s.sd for s in res.steps),
                       "capture_s": sum(s.capture_seconds for s in res.steps), "slow_steps": len(slow),
+                      "compiles": compiles.count, "compile_s": compiles.seconds,
                       "slow_steps_s": sum(slow), "median_step_s": med,
                       "steps": len(res.steps), "mean_accept_length": sum(al) / len(al) if al else None,
                       "kv_peak_positions": max(s.positions for s in res.steps),
@@ -303,6 +307,7 @@ def _summary(w: Workload, rows: dict, best_static: str, by_batch: dict, workload
         lines.append(f"  {k:34s} {r['tokens_per_s']:7.0f} tok/s  {r['speedup_vs_ar']:5.2f}x AR "
                      f"(paired {r['paired_vs_ar']:4.2f}x)  {al}  "
                      f"SD steps {r['sd_steps']}/{r['steps']}; captures {r['capture_s']:.2f} s, "
+                     f"{r['compiles']} kernel compiles {r['compile_s']:.2f} s, "
                      f"{r['slow_steps']} steps over {SLOW_STEP}x the median {r['slow_steps_s']:.2f} s")
     lines.append(f"  EAGLE+BEG-MAB (paired ratios) vs best static ({best_static}): {vs(tuned, best_static):.2f}x, "
                  f"vs default static {ENGINE_DEFAULT}: {vs(tuned, f'EAGLE static {ENGINE_DEFAULT}'):.2f}x, "
