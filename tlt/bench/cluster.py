@@ -137,7 +137,7 @@ def simulate_scale(name: str, record: Path, gpu_accept: bool, scale, steps: int,
                         for j, ln in enumerate(p[:scale.responses])]
                 outs.append(run_step(system, reqs, plain, spec, scale.replicas, knobs))
         rows[system] = _mean(outs)
-        log.info("%s, %d replicas, %s: %.1f s per step", name, scale.replicas, system, rows[system]["rollout_s"])
+        log.debug("%s, %d replicas, %s: %.1f s per step", name, scale.replicas, system, rows[system]["rollout_s"])
     tlt = rows["tlt"]["rollout_s"]
     best = min(rows, key=lambda p: rows[p]["rollout_s"])
     return {"replicas": scale.replicas, "prompts": scale.prompts, "responses": scale.responses,
