@@ -364,3 +364,30 @@ def test_a_waiter_interrupted_gives_its_turn_up():
     assert lock.acquire() and lock.acquire()  # reentrant, True as a threading lock returns
     lock.release()
     lock.release()
+
+
+def test_capturing_holds_the_lock_and_the_collector_off_without_a_collection(monkeypatch):
+    """Inside ``capturing()`` no collection can run (it is disabled) and CAPTURE_LOCK is held; entering
+    makes no full pass of its own (0.1 s in a bench's process, at every capture of a tuner's new
+    shape); on leaving, the collector is as it was, even after an error."""
+    import gc
+
+    from tlt.rollout.graph_pool import capturing
+
+    passes = []
+    monkeypatch.setattr(gc, "collect", lambda *a: passes.append(a) or 0)
+    assert gc.isenabled()
+    with capturing():
+        assert not gc.isenabled() and CAPTURE_LOCK._owner == threading.get_ident()
+    assert gc.isenabled() and CAPTURE_LOCK._owner is None and not passes
+    with pytest.raises(ValueError):
+        with capturing():
+            raise ValueError("a capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with capturing():
+            pass
+        assert not gc.isenabled()  # a caller's disabled collector stays disabled
+    finally:
+        gc.enable()
