@@ -1,7 +1,7 @@
 """Capture and replay of the planned CUDA graphs (CUDA only), and when and how safely to capture.
 
 Owns :class:`CaptureGate` (a shape is captured at its ``after``-th use), :func:`capturing` (below)
-with its :class:`FairLock`, and :class:`CudaGraphPool`: warm-up on a side stream, capture into one
+with its :class:`FairLock`, and :class:`CudaGraphPool`: warm-up and capture on one side stream, into one
 shared graph-memory pool per scheme, replay with inputs copied into the static buffers, and the
 measured memory of each graph. It is model-agnostic: the engine hands it a factory
 ``make_step(key) -> (static_inputs, fn)`` for the keys of :mod:`tlt.rollout.graphs` (or whole plans
@@ -184,7 +184,7 @@ class CudaGraphPool:
         self.warmup_iters = warmup_iters
         self._pools: dict[str, tuple] = {}
         self._graphs: dict[tuple[str, GraphKey], _Captured] = {}
-        self._side = torch.cuda.Stream(device=self.device)  # one warm-up stream: one cuBLAS workspace
+        self._side = torch.cuda.Stream(device=self.device)  # warm-ups and captures: one stream, one cuBLAS workspace
         self._followed: dict[str, tuple[int, tuple[int, ...]]] = {}  # what: (address, shape) the graphs read
 
     def follow(self, what: str, tensor: torch.Tensor | None) -> None:
@@ -221,17 +221,19 @@ class CudaGraphPool:
             if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
                 raise ValueError(f"{key}: static input {name!r} must be a CUDA tensor, got "
                                  f"{type(t).__name__} on {getattr(t, 'device', None)}")
-        # Warm-up on a side stream, as the PyTorch CUDA-graph docs prescribe.
+        # Warm-up on the side stream the graph is then captured on (libraries that keep state per
+        # stream set it up here, not mid-capture): the pool's first capture warmup_iters times, later
+        # ones once (the stream's state exists; one run loads this step's own kernels).
         self._side.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(self._side):
-            for _ in range(self.warmup_iters):
+            for _ in range(self.warmup_iters if not self._graphs else 1):
                 fn(inputs)
         torch.cuda.current_stream().wait_stream(self._side)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # so the reserved delta below is the graph pool's growth only
         free0, alloc0, res0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=pool):
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=self._side):
             outputs = fn(inputs)
         torch.cuda.synchronize()
         if not isinstance(outputs, Mapping) or not all(isinstance(v, torch.Tensor) for v in outputs.values()):
