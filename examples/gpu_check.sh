@@ -73,7 +73,7 @@ if has profile; then
   [ "${QUICK:-0}" = 1 ] && prof=(--quick --batch 2)
   part profile-32k-b8 150 python examples/profile_step.py "${prof[@]}"
   for b in 1 4; do
-    part "profile-demo-b$b" 60 python examples/profile_step.py --shape demo --prompt-len 128 --batch "$b" "${quick[@]}"
+    part "profile-demo-b$b" 90 python examples/profile_step.py --shape demo --prompt-len 128 --batch "$b" "${quick[@]}"
   done
 fi
 for b in 1 8; do

@@ -14,6 +14,7 @@ Graph replays hide their kernels from the profiler, so the engines run with ``cu
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 import torch
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
-    fields = demo_shape() if a.quick or a.shape == "demo" else SHAPES[a.shape]
+    shape = "demo" if a.quick else a.shape
+    fields = demo_shape() if shape == "demo" else SHAPES[shape]
     plen = 128 if a.quick else a.prompt_len
     cfg = ModelConfig(**fields, max_position_embeddings=max(4096, plen + 128))
     torch.manual_seed(0)
@@ -67,10 +69,13 @@ def main(argv: list[str] | None = None) -> int:
             if cuda:
                 torch.cuda.synchronize()
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        print(f"== {a.shape}, {name}, batch {a.batch}, {plen}-token prompts: {a.steps} steps, kernels by device time")
+        print(f"== {shape}, {name}, batch {a.batch}, {plen}-token prompts: {a.steps} steps, kernels by device time")
         print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=70))
         eng.close()
         del eng, prop
+        gc.collect()  # the engine's cache goes now, before the next engine allocates its own
+        if cuda:
+            torch.cuda.empty_cache()
     return 0
 
 

@@ -222,4 +222,3 @@ def test_launch_shapes_by_regime_and_their_override(monkeypatch):
         monkeypatch.setenv("TLT_ATTENTION_TUNING", bad)
         with pytest.raises(ValueError, match="TLT_ATTENTION_TUNING"):
             Tunings.from_env()
-

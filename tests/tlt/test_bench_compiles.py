@@ -37,7 +37,8 @@ def test_compiles_are_counted_and_hooks_already_set_still_run():
 
     fill, options = _kernel()
     seen = []
-    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name.rsplit(".", 1)[-1])
+    before = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    ours = knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name.rsplit(".", 1)[-1])
     try:
         with count_compiles() as found:
             for size in (16, 32):
@@ -45,9 +46,9 @@ def test_compiles_are_counted_and_hooks_already_set_still_run():
                 assert fill._do_compile(key, {"X": "*fp32", "B": "constexpr"}, 0, constexprs, options, {}, False)
         assert (found.count, found.kernels, seen) == (2, ["fill", "fill"], ["fill", "fill"])
         assert found.seconds >= 0
-        assert knobs.runtime.jit_cache_hook is None and knobs.runtime.jit_post_compile_hook is not None
+        assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == (before[0], ours)
         with count_compiles() as none:
             pass
         assert none.count == 0
     finally:
-        knobs.runtime.jit_post_compile_hook = None
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
