@@ -1,8 +1,8 @@
 """Counting Triton's kernel compiles in a block of code.
 
 Owns :func:`count_compiles`. A Triton kernel compiles once per key of its specialization, at its
-first launch under that key; each compile costs seconds on a GPU. In a timed rollout that is time
-spent neither drafting nor verifying: the rollout bench splits it out of each variant's time, beside
+first launch under that key; each compile costs about a second on a GPU. In a timed rollout that
+is time spent neither drafting nor verifying: the rollout bench records it for each variant, beside
 graph captures. Triton's runtime calls one hook before a compile and one after
 (``triton.knobs.runtime.jit_cache_hook`` and ``jit_post_compile_hook``); this wraps both for the
 block, keeping any hook already set. Without Triton, or where nothing compiles (the CPU runs the

@@ -9,10 +9,10 @@ Every variant runs between two AR rollouts, and its paired ratio is their mean t
 (the machine's speed drifts by tens of percent within a minute); a second, identical AR engine runs
 as a control: its paired ratio is the run's noise floor.
 
-Each variant's row also splits its last timed rollout's time: graph captures, Triton's kernel
-compiles (:mod:`tlt.bench.compiles`), and the steps that took over ``SLOW_STEP`` times the rollout's
-median step (captures, compiles, a shape's first eager use): where a tuner that cannot win loses its
-time.
+Each variant's row also records where its last timed rollout's time went beyond its steady steps:
+graph captures, Triton's kernel compiles (:mod:`tlt.bench.compiles`), and the steps that took over
+``SLOW_STEP`` times the rollout's median step (a capture, a compile, a shape's first eager use; the
+three overlap): where a tuner that cannot win loses its time.
 
 ``workloads.<name>.adaptive_vs_ar`` (tokens/s of the adaptive engine over AR's, same run):
 ``long_tail`` — EAGLE + BEG-MAB; ``ngram_siblings`` — the suffix drafter over the GRPO siblings +
