@@ -56,6 +56,14 @@ class World:
     def state(self, wid):
         return self.p.workers[wid].state
 
+    def three_in_session(self):
+        """Workers a, b, c registered and idle; a leads, b and c joined its session."""
+        for wid in "abc":
+            self.register(wid)
+        self.report("a", I)
+        self.accept(self.report("b", I))
+        self.accept(self.report("c", I))
+
 
 def promotes(d):
     return {wid: m for wid, m in d.sends if isinstance(m, Promote)}
@@ -190,11 +198,7 @@ def test_lost_during_barrier_is_reported_as_lost():
 
 def test_lost_leader_ends_session_and_members_regroup_under_a_new_leader():
     w = World(idle_threshold=2)
-    for wid in "abc":
-        w.register(wid)
-    w.report("a", I)
-    w.accept(w.report("b", I))
-    w.accept(w.report("c", I))
+    w.three_in_session()
     sid = w.p.workers["a"].session
     d = w.p.lose("a", "heartbeat", w.tick())
     assert set(stops(d)) == {"b", "c"} and stops(d)["b"].reason == "leader_lost"
@@ -238,11 +242,7 @@ def test_epochs_are_unique_across_sessions():
 
 def test_lost_member_updates_every_member():
     w = World(idle_threshold=2)
-    for wid in "abc":
-        w.register(wid)
-    w.report("a", I)
-    w.accept(w.report("b", I))
-    w.accept(w.report("c", I))
+    w.three_in_session()
     w.p.session_updates()
     d = _merge(w.p.lose("c", "heartbeat", w.tick()), w.p.session_updates())
     assert [(wid, m.members) for wid, m in d.sends if isinstance(m, Session)] == [
