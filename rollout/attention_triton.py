@@ -48,10 +48,11 @@ MIN_BP = 64
 @triton.jit
 def _tile(q, K, V, BT, TAIL, b, kvh, kb, vb, lo, limit, p0, t, m_ok, offs_d, is_tail, m_i, l_i, acc,
           sk_n, sk_h, sk_s, sv_n, sv_h, sv_s, sbt_b, st_b, st_q, scale2, scratch,
-          QL, W, C: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-          PREC: tl.constexpr):
+          QL, W, C: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          CAUSAL: tl.constexpr, PREC: tl.constexpr):
     """One tile of BLOCK_N positions lo + p0 .. of a part: the online-softmax update. ``kb``, ``vb``:
-    the row's K and V at its one block (C == 1), read by position with no table lookup in the loop."""
+    the row's K and V at its one block (C == 1), read by position with no table lookup in the loop.
+    ``TAIL``: the tree mask as bits (:func:`tail_bits`), a word per query and 32 tail positions."""
     offs_n = p0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < limit
     pos = lo + offs_n
@@ -73,8 +74,15 @@ def _tile(q, K, V, BT, TAIL, b, kvh, kb, vb, lo, limit, p0, t, m_ok, offs_d, is_
         if CAUSAL:
             vis = vis & (offs_n[None, :] <= qi[:, None])
         else:
-            tm = tl.load(TAIL + b * st_b + t[:, None] * st_q + offs_n[None, :], mask=vis, other=0)
-            vis = vis & (tm != 0)
+            # a word per query row, not a mask element per (row, position): a [BLOCK_M, BLOCK_N] tile of
+            # pointers and loads would take registers from every program of the kernel, prefix parts too
+            seen = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+            w0 = p0 // 32
+            for i in tl.static_range((BLOCK_N + 31) // 32):
+                word = tl.load(TAIL + b * st_b + t * st_q + w0 + i, mask=m_ok & (w0 + i < tl.cdiv(W, 32)), other=0)
+                bit = (word[:, None] >> (offs_n % 32)[None, :]) & 1
+                seen = tl.where((offs_n // 32 == w0 + i)[None, :], bit, seen)
+            vis = vis & (seen != 0)
     s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -150,13 +158,13 @@ def _partials(Q, K, V, BT, START, CTX, TAIL, OP, LP,
             while p0 < limit:
                 m_i, l_i, acc = _tile(q, K, V, BT, TAIL, b, kvh, kb, vb, lo, limit, p0, t, m_ok, offs_d, is_tail,
                                       m_i, l_i, acc, sk_n, sk_h, sk_s, sv_n, sv_h, sv_s, sbt_b, st_b, st_q, scale2,
-                                      scratch, QL, W, C, BS, BLOCK_N, CAUSAL, PREC)
+                                      scratch, QL, W, C, BS, BLOCK_M, BLOCK_N, CAUSAL, PREC)
                 p0 += BLOCK_N
         else:
             for p0 in range(0, limit, BLOCK_N):
                 m_i, l_i, acc = _tile(q, K, V, BT, TAIL, b, kvh, kb, vb, lo, limit, p0, t, m_ok, offs_d, is_tail,
                                       m_i, l_i, acc, sk_n, sk_h, sk_s, sv_n, sv_h, sv_s, sbt_b, st_b, st_q, scale2,
-                                      scratch, QL, W, C, BS, BLOCK_N, CAUSAL, PREC)
+                                      scratch, QL, W, C, BS, BLOCK_M, BLOCK_N, CAUSAL, PREC)
         seen = l_i > 0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
@@ -238,7 +246,7 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
     block_n = t.block_n if d <= 128 else min(t.block_n, 32)
     slots = b * (meta.splits + 1) + b  # prefix parts (at most b * (splits + 1)), then one tail per row
     bp = max(MIN_BP, triton.next_power_of_2(b))
-    tail = meta.cached("tail_i8", lambda: meta.tail.to(torch.int8) if meta.tail is not None else None)
+    tail = meta.cached("tail_bits", lambda: tail_bits(meta.tail) if meta.tail is not None else None)
     op = torch.empty(kvh, slots, rows, d, dtype=torch.float32, device=q.device)
     lp = torch.empty(kvh, slots, rows, dtype=torch.float32, device=q.device)
     tails = (tail, tail.stride(0), tail.stride(1)) if tail is not None else (q, 0, 0)  # any pointer when causal
@@ -261,3 +269,16 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
         out.stride(0), out.stride(1), out.stride(2), ql, b, meta.splits, KVH=kvh, BP=bp, BLOCK_N=block_n,
         G=g, D=d, BLOCK_M=block_m, PG=group, INTERPRET=INTERPRET, num_warps=merge_warps)
     return out
+
+
+def tail_bits(tail: torch.Tensor) -> torch.Tensor:
+    """tail [B, Q, W] bool -> [B, Q, ceil(W / 32)] int32: bit ``j % 32`` of word ``j // 32`` is
+    ``tail[b, i, j]`` (the bits are distinct, so their int32 sum is their OR, bit 31 included). Three
+    small launches per step where W <= 32 (a shift by position, a sum), a padding copy above."""
+    b, q, w = tail.shape
+    words = -(-w // 32)
+    if words > 1 and words * 32 != w:
+        tail = torch.nn.functional.pad(tail, (0, words * 32 - w))
+    n = tail.shape[-1] // words  # bits per word: 32, or W for one word
+    shifts = torch.arange(n, dtype=torch.int32, device=tail.device)
+    return (tail.reshape(b, q, words, n) << shifts).sum(-1, dtype=torch.int32)  # [B, Q, words]

@@ -173,7 +173,9 @@ def triton_cases(device: str = "cpu", big: bool = False) -> list[dict]:
            dict(b=5, q=5, tail="tree", bs=None, max_ctx=400, splits=2),  # one block per row, rows of mixed lengths
            dict(b=4, q=1, w=1, tail="causal", bs=16, max_ctx=500, splits=3),
            dict(b=3, q=5, tail="tree", bs=None, spare=0, max_ctx=200, splits=3),  # one column: the block once
-           dict(b=2, q=1, w=1, tail="causal", bs=None, spare=0, max_ctx=300, splits=2)]
+           dict(b=2, q=1, w=1, tail="causal", bs=None, spare=0, max_ctx=300, splits=2),
+           # tails past one 32-bit word of the mask: two words in one tile; three over two tiles
+           dict(b=2, q=40, tail="tree", max_ctx=90), dict(b=2, q=3, w=70, tail="levels", bs=None, splits=2)]
     if big:
         kws += [dict(b=8, h=32, kvh=8, d=128, q=5, tail="tree", max_ctx=3000, splits=8),
                 dict(b=3, h=32, kvh=8, d=128, q=64, tail="causal", max_ctx=1000, splits=1, bs=16)]
@@ -186,6 +188,20 @@ def triton_cases(device: str = "cpu", big: bool = False) -> list[dict]:
     return out
 
 
+def test_the_kernels_tail_mask_is_one_bit_per_position():
+    pytest.importorskip("triton", reason="the kernel's module needs triton (the dev extra)")
+    from tlt.rollout.attention_triton import tail_bits
+
+    g = torch.Generator().manual_seed(3)
+    for w in (1, 5, 31, 32, 33, 64, 70):
+        tail = torch.rand(3, 4, w, generator=g) < 0.5
+        tail[0, 0] = True  # every bit of a word set, bit 31 (the sign) included
+        words = tail_bits(tail)
+        assert words.dtype == torch.int32 and words.shape == (3, 4, -(-w // 32))
+        back = torch.stack([(words[..., j // 32] >> (j % 32)) & 1 for j in range(w)], -1).bool()
+        assert torch.equal(back, tail), w
+
+
 def test_triton_kernel_interpreted_equals_the_reference():
     pytest.importorskip("triton", reason="the Triton kernel's interpreter test needs triton (the dev extra)")
     code = ("import json; from tests.rollout.test_attention import triton_cases; "
@@ -194,7 +210,7 @@ def test_triton_kernel_interpreted_equals_the_reference():
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     errs = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(errs) == 8 and all(e["err"] < 1e-5 for e in errs), errs
+    assert len(errs) == 10 and all(e["err"] < 1e-5 for e in errs), errs
 
 
 @pytest.mark.gpu

@@ -17,35 +17,27 @@ import torch
 from tlt.rollout.attention import AttnMeta
 
 pytest.importorskip("triton", reason="the kernel's compile keys need triton (the dev extra)")
-nvidia = pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's CUDA backend")
+pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's CUDA backend")
 
-SMS = 132  # an H100 SXM's multiprocessors
+from tests.rollout.sm90 import SMS, backend, record_launches  # noqa: E402
 
 
 @pytest.fixture
 def launches(monkeypatch) -> collections.Counter:
     """The kernel's launches, keyed as Triton's JIT keys them for an H100: Counter of (kernel, key)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.jit import compute_cache_key, create_function_from_signature
+    from triton.runtime.jit import compute_cache_key
 
     from tlt.rollout import attention_triton as at
     from tlt.rollout.attention import TUNINGS
 
-    backend = nvidia.CUDABackend(GPUTarget("cuda", 90, 32))
+    target = backend()
     keys: collections.Counter = collections.Counter()
 
-    class Launch:
-        def __init__(self, fn):
-            self.fn, self.bind = fn, create_function_from_signature(fn.signature, fn.params, backend)
+    def key(launch) -> None:
+        _, spec, options = launch.bound
+        keys[launch.kernel, compute_cache_key({}, spec, target.parse_options(options))] += 1
 
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                _, spec, options = self.bind(*args, **kwargs)
-                keys[self.fn.__name__, compute_cache_key({}, spec, backend.parse_options(options))] += 1
-            return launch
-
-    monkeypatch.setattr(at, "_partials", Launch(at._partials))
-    monkeypatch.setattr(at, "_merge", Launch(at._merge))
+    record_launches(monkeypatch, key)
     monkeypatch.setattr(at, "tuning_for", lambda batch, kv_heads, device: TUNINGS.pick(batch, kv_heads, SMS))
     return keys
 

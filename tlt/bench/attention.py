@@ -8,6 +8,8 @@ CUDA, fp32 on CPU), with two kernels side by side on the same cache:
   own length, the context split to fill the device);
 - ``sdpa``: the engine before it, SDPA under an additive mask over the whole cache (the torch path
   with one split and no length hint).
+Every step attends under its tree mask, as the engine's do (a plain step's is one position); each
+row also times the kernel with the same tail causal (``causal_ms``: what the mask costs).
 The bound is the bytes of K and V the rows' real lengths hold, divided by the device's bandwidth
 (nominal: 3.35 TB/s for an H100 SXM, 4.8 TB/s for an H200; measured: a device-to-device copy, in
 the record too). ``--sweep`` times candidate launch shapes of the kernel
@@ -91,26 +93,36 @@ SWEEP = (Tuning(block_n=64, stages=3, warps=4, programs_per_sm=2), Tuning(block_
 PAGED_BLOCK = 16  # the paged rows' block size (tlt.rollout.blocks)
 
 
+def chain_tail(b: int, q: int, w: int, dev: torch.device) -> torch.Tensor:
+    """[B, Q, W] bool: a chain's tree mask over a tail of ``w`` whose last ``q`` are the queries (each
+    sees the tail up to itself: the positions a causal tail shows)."""
+    return torch.ones(w, w, dtype=torch.bool, device=dev).tril()[w - q:].expand(b, q, w)
+
+
 def case(dev: torch.device, dtype: torch.dtype, lengths: list[int], q: int, w: int, slots: int, kernel: str,
-         repeats: int, seed: int, tuning: Tuning | None = None, block: int | None = None) -> float:
+         repeats: int, seed: int, tuning: Tuning | None = None, block: int | None = None,
+         masked: bool = True) -> float:
     """Seconds of one attention call: rows of ``lengths`` cached tokens (prefix), a tail of ``w`` with
-    the last ``q`` as queries (causal), a cache of ``slots`` per row (``tuning``: the Triton kernel's;
-    ``block``: a paged cache of blocks this size, each row's blocks scattered over the pool)."""
+    the last ``q`` as queries, a cache of ``slots`` per row (``tuning``: the Triton kernel's;
+    ``block``: a paged cache of blocks this size, each row's blocks scattered over the pool).
+    ``masked``: the tail under a chain's tree mask, as the engine's steps attend (``False``: causal,
+    the kernel's other variant; the same positions seen)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     b, h, kvh, d = len(lengths), SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
     qs = torch.randn(b, h, q, d, generator=g, device=dev, dtype=dtype)
     ctx = torch.tensor(lengths, device=dev)
     splits = default_splits(b, kvh, slots, dev, kernel, tuning, d)
+    tail = chain_tail(b, q, w, dev) if masked else None
     if block is None:
         kl = torch.randn(b, kvh, slots, d, generator=g, device=dev, dtype=dtype)
         vl = torch.randn(b, kvh, slots, d, generator=g, device=dev, dtype=dtype)
-        meta = AttnMeta.rows(ctx, w, slots, splits=splits, kernel=kernel)
+        meta = AttnMeta.rows(ctx, w, slots, tail=tail, splits=splits, kernel=kernel)
     else:
         cols = -(-slots // block)
         kl = torch.randn(b * cols + 1, kvh, block, d, generator=g, device=dev, dtype=dtype)  # (the last: scratch)
         vl = torch.randn(b * cols + 1, kvh, block, d, generator=g, device=dev, dtype=dtype)
         blocks = torch.randperm(b * cols, generator=g, device=dev).to(torch.int32).view(b, cols)
-        meta = AttnMeta(blocks, block, torch.zeros_like(ctx), ctx, w, splits=splits, scratch=b * cols, kernel=kernel)
+        meta = AttnMeta(blocks, block, torch.zeros_like(ctx), ctx, w, tail, splits=splits, scratch=b * cols, kernel=kernel)
     if tuning is not None:
         from tlt.rollout.attention_triton import paged_attention
 
@@ -161,11 +173,12 @@ def run(args: argparse.Namespace) -> dict:
             for kind, (q, w) in kinds.items():
                 bound = b * (ctx + w) * kv_bytes / (tbs * 1e12)
                 t = {k: case(dev, dtype, [ctx] * b, q, w, ctx + 64, k, repeats, args.seed) for k in ("auto", "torch")}
+                causal = case(dev, dtype, [ctx] * b, q, w, ctx + 64, "auto", repeats, args.seed, masked=False)
                 rows.append({"context": ctx, "batch": b, "kind": kind, "engine_ms": 1e3 * t["auto"],
-                             "sdpa_ms": 1e3 * t["torch"], "bound_ms": 1e3 * bound})
+                             "causal_ms": 1e3 * causal, "sdpa_ms": 1e3 * t["torch"], "bound_ms": 1e3 * bound})
                 lines.append(f"  {ctx:6d} x {b}: {kind:11s} engine {1e3 * t['auto']:.3f} ms ({t['auto'] / bound:.1f}x the "
-                             f"bound), SDPA over the cache {1e3 * t['torch']:.3f} ms ({t['torch'] / bound:.1f}x); bound "
-                             f"{1e3 * bound:.3f} ms")
+                             f"bound; causal {1e3 * causal:.3f} ms), SDPA over the cache {1e3 * t['torch']:.3f} ms "
+                             f"({t['torch'] / bound:.1f}x); bound {1e3 * bound:.3f} ms")
     paged = []  # the paged layout (the memory issue's): the same verify over blocks of PAGED_BLOCK, scattered
     for b in batches:
         ctx = max(contexts)

@@ -1,0 +1,52 @@
+"""The draft tree's mask costs the attention kernel no occupancy.
+
+Every decode, verify and draft-level step of the engine attends under a tail mask (a plain step's is
+one position). ptxas allocates one register count for the whole kernel, so what the tail's programs
+hold live is paid by every program of the launch, the prefix parts that stream the context too:
+with the mask read as a [rows x positions] tile of int8 loads, the verify (5 tokens) took 191
+registers a thread against 138 causal, and an H100 multiprocessor then held 2 of its programs, not
+3, while :func:`~tlt.rollout.attention.default_splits` plans about ``programs_per_sm`` (2) of them
+per multiprocessor plus its rounding. Read as one bit per position, the mask costs a few registers.
+
+No GPU here: the kernel is compiled for an H100 (sm_90a) by Triton's own compiler from the engine's
+launch arguments, and its bundled ptxas reports the allocation (:mod:`tests.rollout.sm90`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tlt.rollout.attention import AttnMeta, Tunings
+
+pytest.importorskip("triton", reason="compiling the kernel needs triton (the dev extra)")
+pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's CUDA backend")
+
+from tests.rollout.sm90 import record_launches, resources  # noqa: E402
+
+
+def partials(launches: list, tuning, q: int, masked: bool):
+    """The prefix-and-tail kernel of one step of the Llama-8B shape at batch 8: ``q`` query tokens,
+    under a tree mask or causal (``launches``: :func:`record_launches`'s list)."""
+    from tlt.rollout.attention_triton import paged_attention
+
+    launches.clear()
+    b, kvh, slots = 8, 8, 4096
+    kl = torch.zeros(b, kvh, slots, 128, dtype=torch.bfloat16)
+    tail = torch.ones(q, q, dtype=torch.bool).tril().expand(b, q, q) if masked else None
+    meta = AttnMeta.rows(torch.full((b,), 1000), q, slots, tail=tail, splits=5)
+    paged_attention(torch.zeros(b, 32, q, 128, dtype=torch.bfloat16), kl, kl, meta, tuning)
+    (launch,) = [x for x in launches if x.kernel == "_partials"]
+    return resources(launch)
+
+
+@pytest.mark.parametrize("regime", ["few", "many"])
+@pytest.mark.parametrize("q", [1, 5], ids=["plain", "verify"])
+def test_the_tree_mask_leaves_room_for_the_planned_parts(monkeypatch, regime, q):
+    """Under the mask the kernel spills nothing and a multiprocessor holds as many of its programs as
+    the causal kernel's, up to the ``programs_per_sm`` the split plans plus one for its rounding."""
+    tuning, launches = getattr(Tunings(), regime), record_launches(monkeypatch)
+    masked = partials(launches, tuning, q, masked=True)
+    causal = partials(launches, tuning, q, masked=False)
+    assert masked.spill_bytes == 0, masked
+    assert masked.programs_per_sm() >= min(causal.programs_per_sm(), tuning.programs_per_sm + 1), (masked, causal)
