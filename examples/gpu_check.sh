@@ -64,7 +64,7 @@ if has kernel; then
   part attention-kernel 120 python -m pytest -q -m gpu -p no:cacheprovider tests/rollout/test_attention.py
 fi
 if has attention; then
-  part attention 150 tlt -q bench attention --sweep "${quick[@]}" --json "$logs/attention_gpu.json"
+  part attention 200 tlt -q bench attention --sweep "${quick[@]}" --json "$logs/attention_gpu.json"
 fi
 best=$(tuned)
 [ -n "$best" ] && export TLT_ATTENTION_TUNING="$best" && echo "TLT_ATTENTION_TUNING=$best" | tee -a "$logs/status.txt"

@@ -51,11 +51,17 @@ class Tuning:
     warps: int = 4
     programs_per_sm: int = 2  # context splits: about this many programs per multiprocessor
     max_splits: int = 64
+    # splits rounded down, so a batch of equal rows fills whole waves of programs_per_sm per
+    # multiprocessor (rounded up, the parts past them wait for a second wave where a multiprocessor
+    # holds no more than programs_per_sm of them)
+    whole_waves: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "stages", "warps", "programs_per_sm", "max_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Tuning.{name}={getattr(self, name)}: must be >= 1")
+        if not isinstance(self.whole_waves, bool):
+            raise ValueError(f"Tuning.whole_waves={self.whole_waves!r}: true or false")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"Tuning.block_n={self.block_n}: a power of two >= 16")
 
@@ -330,13 +336,15 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
 def default_splits(batch: int, kv_heads: int, slots: int, device: torch.device, kernel: str = "auto",
                    tuning: Tuning | None = None, head_dim: int = 128) -> int:
     """Prefix chunks per row so that a step fills the device: for the Triton kernel about
-    ``programs_per_sm`` programs per multiprocessor over (rows x KV heads), no chunk under 256
-    positions, at most ``max_splits``; 1 wherever the torch path runs (one SDPA call)."""
+    ``programs_per_sm`` programs per multiprocessor over (rows x KV heads; at most that with
+    ``whole_waves``), no chunk under 256 positions, at most ``max_splits``; 1 wherever the torch
+    path runs (one SDPA call)."""
     if device.type != "cuda" or kernel != "auto" or head_dim < 16 or head_dim & (head_dim - 1) or not _has_triton():
         return 1
     sms = _sms(device)
     t = tuning or TUNINGS.pick(batch, kv_heads, sms)
-    want = -(-t.programs_per_sm * sms // max(batch * kv_heads, 1))
+    programs, pairs = t.programs_per_sm * sms, max(batch * kv_heads, 1)
+    want = programs // pairs if t.whole_waves else -(-programs // pairs)
     return max(1, min(want, t.max_splits, slots // 256))
 
 

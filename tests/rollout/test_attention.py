@@ -221,6 +221,24 @@ def test_triton_kernel_on_cuda_equals_the_reference():
         assert e["err"] < (1e-5 if "float32" in e["dtype"] else 2e-2), e
 
 
+def test_splits_fill_the_device_in_whole_waves_when_asked(monkeypatch):
+    """About ``programs_per_sm`` programs per multiprocessor over (rows x KV heads), rounded up; with
+    ``whole_waves`` rounded down, so that batch 1 of 8 KV heads at one program per multiprocessor
+    takes 128 parts of 132, not 136 (4 of them waiting for a second wave)."""
+    from tlt.rollout import attention
+    from tlt.rollout.attention import Tuning, default_splits
+
+    monkeypatch.setattr(attention, "_sms", lambda device: 132)
+    monkeypatch.setattr(attention, "_has_triton", lambda: True)
+    cuda, few = torch.device("cuda"), Tuning(block_n=128, stages=3, programs_per_sm=1)
+    whole = Tuning(block_n=128, stages=3, programs_per_sm=1, whole_waves=True)
+    assert [default_splits(b, 8, 32768, cuda, tuning=few) for b in (1, 2, 4)] == [17, 9, 5]
+    assert [default_splits(b, 8, 32768, cuda, tuning=whole) for b in (1, 2, 4, 32)] == [16, 8, 4, 1]
+    assert default_splits(8, 8, 32768, cuda, tuning=Tuning(programs_per_sm=3, whole_waves=True)) == 6
+    assert default_splits(1, 8, 1024, cuda, tuning=whole) == 4  # no part under 256 positions
+    assert default_splits(1, 8, 32768, torch.device("cpu"), tuning=whole) == 1  # the torch path: one SDPA call
+
+
 def test_launch_shapes_by_regime_and_their_override(monkeypatch):
     """Batch 1-4 of 8 KV heads on a 132-multiprocessor card take the ``few`` shape, batch 8 ``many``;
     TLT_ATTENTION_TUNING sets one shape for both or each apart, and a bad value names the variable."""
@@ -234,7 +252,7 @@ def test_launch_shapes_by_regime_and_their_override(monkeypatch):
     monkeypatch.setenv("TLT_ATTENTION_TUNING", '{"few": {"block_n": 128}, "many": {"warps": 8}, "few_upto": 0.5}')
     two = Tunings.from_env()
     assert (two.few.block_n, two.many.warps, two.few_upto) == (128, 8, 0.5)
-    for bad in ('{"few": 3}', "[1]", '{"block_n": 48}', '{"splits": 2}', "not json"):
+    for bad in ('{"few": 3}', "[1]", '{"block_n": 48}', '{"splits": 2}', '{"whole_waves": 1}', "not json"):
         monkeypatch.setenv("TLT_ATTENTION_TUNING", bad)
         with pytest.raises(ValueError, match="TLT_ATTENTION_TUNING"):
             Tunings.from_env()

@@ -89,7 +89,11 @@ def time_call(dev: torch.device, fn, repeats: int) -> float:
 SWEEP = (Tuning(block_n=64, stages=3, warps=4, programs_per_sm=2), Tuning(block_n=64, stages=4, warps=4, programs_per_sm=2),
          Tuning(block_n=64, stages=3, warps=4, programs_per_sm=4), Tuning(block_n=128, stages=2, warps=4, programs_per_sm=2),
          Tuning(block_n=128, stages=3, warps=4, programs_per_sm=1), Tuning(block_n=128, stages=2, warps=8, programs_per_sm=2),
-         Tuning(block_n=32, stages=4, warps=4, programs_per_sm=4))
+         Tuning(block_n=32, stages=4, warps=4, programs_per_sm=4),
+         # the parts in whole waves: batch 1's at one program per multiprocessor (shared memory holds no
+         # more at 128-position tiles in 3 stages); batch 8's at the 3 its verify's registers allow
+         Tuning(block_n=128, stages=3, warps=4, programs_per_sm=1, whole_waves=True),
+         Tuning(block_n=64, stages=2, warps=4, programs_per_sm=3, whole_waves=True))
 PAGED_BLOCK = 16  # the paged rows' block size (tlt.rollout.blocks)
 
 
