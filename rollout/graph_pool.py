@@ -11,8 +11,8 @@ A capture is safe by construction against the two things that invalidated one
 (``cudaErrorStreamCaptureInvalidated``, "operation not permitted when stream is capturing"): the
 garbage collector, which could free a dropped engine's graphs mid-capture, is disabled during the
 warm-up and capture (those graphs go at the first collection after it); and other threads' device
-work (a replica's drift probe) takes :data:`CAPTURE_LOCK`, which a capture holds throughout and gets
-in its turn. A capture makes no collection of its own: a full pass over the heap (0.1 s in a bench's
+work (a replica's drift probe) and :meth:`CudaGraphPool.close` take :data:`CAPTURE_LOCK`, which a
+capture holds throughout and gets in its turn. A capture makes no collection of its own: a full pass over the heap (0.1 s in a bench's
 process) at every capture of a tuner's new shape is time its rollout pays.
 """
 
@@ -94,7 +94,9 @@ class FairLock:
         self.release()
 
 
-# Held by every capture; device work on any other thread of the process takes it too.
+# Held by every capture; device work on any other thread of the process, and closing a pool, take it
+# too. Taken after a replica's serving lock where both are (a batch's captures, the drift probe's
+# forwards, a drafter push closing the replaced proposer's graphs), never before it.
 CAPTURE_LOCK = FairLock()
 
 
@@ -288,10 +290,13 @@ class CudaGraphPool:
         return report
 
     def close(self) -> None:
-        """Drop every graph and its buffers, and return the cached memory to the device."""
-        for cap in self._graphs.values():
-            cap.graph.reset()
-        self._graphs.clear()
-        self._pools.clear()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        """Drop every graph and its buffers, and return the cached memory to the device; never
+        during a capture (a replaced proposer's pool may be closed from another thread than the one
+        capturing), so it waits for CAPTURE_LOCK."""
+        with CAPTURE_LOCK:
+            for cap in self._graphs.values():
+                cap.graph.reset()
+            self._graphs.clear()
+            self._pools.clear()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()

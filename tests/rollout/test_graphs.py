@@ -391,3 +391,29 @@ def test_capturing_holds_the_lock_and_the_collector_off_without_a_collection(mon
         assert not gc.isenabled()  # a caller's disabled collector stays disabled
     finally:
         gc.enable()
+
+
+def test_a_pool_closed_from_another_thread_waits_for_a_capture(monkeypatch):
+    """A replaced proposer's pool can be closed from another thread than the one capturing; its
+    graphs are destroyed only once the capture is over. (CUDA graphs cannot exist here: the pool is
+    built without its constructor, its graphs are stand-ins that record their reset.)"""
+    from tlt.rollout.graph_pool import CudaGraphPool, capturing
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    events = []
+
+    class Graph:
+        def reset(self):
+            events.append("reset")
+
+    pool = object.__new__(CudaGraphPool)
+    pool._graphs, pool._pools = {("bucketed", "key"): type("Cap", (), {"graph": Graph()})()}, {"bucketed": ()}
+    closer = threading.Thread(target=pool.close)
+    with capturing():
+        closer.start()
+        _until(lambda: CAPTURE_LOCK._tickets > CAPTURE_LOCK._serving + 1)  # the closer waits its turn
+        time.sleep(0.05)
+        events.append("capture ends")
+    closer.join(5)
+    assert events == ["capture ends", "reset"] and not pool._graphs
