@@ -244,6 +244,8 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
     rows = ql * g
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = t.block_n if d <= 128 else min(t.block_n, 32)
+    if block_m == 64:  # (64 rows by 128 positions spill at head dim 128: 255 registers, 112 bytes on sm_90)
+        block_n = min(block_n, 64)
     slots = b * (meta.splits + 1) + b  # prefix parts (at most b * (splits + 1)), then one tail per row
     bp = max(MIN_BP, triton.next_power_of_2(b))
     tail = meta.cached("tail_bits", lambda: tail_bits(meta.tail) if meta.tail is not None else None)

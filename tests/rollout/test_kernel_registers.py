@@ -1,4 +1,4 @@
-"""The draft tree's mask costs the attention kernel no occupancy.
+"""The draft tree's mask costs the attention kernel no occupancy, and no tile shape spills.
 
 Every decode, verify and draft-level step of the engine attends under a tail mask (a plain step's is
 one position). ptxas allocates one register count for the whole kernel, so what the tail's programs
@@ -7,6 +7,7 @@ with the mask read as a [rows x positions] tile of int8 loads, the verify (5 tok
 registers a thread against 138 causal, and an H100 multiprocessor then held 2 of its programs, not
 3, while :func:`~tlt.rollout.attention.default_splits` plans about ``programs_per_sm`` (2) of them
 per multiprocessor plus its rounding. Read as one bit per position, the mask costs a few registers.
+Tiles of 64 packed rows (prefill chunks, wide trees) take at most 64 positions: by 128 they spilled.
 
 No GPU here: the kernel is compiled for an H100 (sm_90a) by Triton's own compiler from the engine's
 launch arguments, and its bundled ptxas reports the allocation (:mod:`tests.rollout.sm90`).
@@ -25,17 +26,18 @@ pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's CUDA bac
 from tests.rollout.sm90 import record_launches, resources  # noqa: E402
 
 
-def partials(launches: list, tuning, q: int, masked: bool):
-    """The prefix-and-tail kernel of one step of the Llama-8B shape at batch 8: ``q`` query tokens,
-    under a tree mask or causal (``launches``: :func:`record_launches`'s list)."""
+def partials(launches: list, tuning, q: int, masked: bool, heads: tuple[int, int] = (32, 8)):
+    """The prefix-and-tail kernel of one step at batch 8, head dim 128 (``heads``: query and KV heads,
+    the Llama-8B shape's by default): ``q`` query tokens, under a tree mask or causal
+    (``launches``: :func:`record_launches`'s list)."""
     from tlt.rollout.attention_triton import paged_attention
 
     launches.clear()
-    b, kvh, slots = 8, 8, 4096
+    (h, kvh), b, slots = heads, 8, 4096
     kl = torch.zeros(b, kvh, slots, 128, dtype=torch.bfloat16)
     tail = torch.ones(q, q, dtype=torch.bool).tril().expand(b, q, q) if masked else None
     meta = AttnMeta.rows(torch.full((b,), 1000), q, slots, tail=tail, splits=5)
-    paged_attention(torch.zeros(b, 32, q, 128, dtype=torch.bfloat16), kl, kl, meta, tuning)
+    paged_attention(torch.zeros(b, h, q, 128, dtype=torch.bfloat16), kl, kl, meta, tuning)
     (launch,) = [x for x in launches if x.kernel == "_partials"]
     return resources(launch)
 
@@ -50,3 +52,13 @@ def test_the_tree_mask_leaves_room_for_the_planned_parts(monkeypatch, regime, q)
     causal = partials(launches, tuning, q, masked=False)
     assert masked.spill_bytes == 0, masked
     assert masked.programs_per_sm() >= min(causal.programs_per_sm(), tuning.programs_per_sm + 1), (masked, causal)
+
+
+@pytest.mark.parametrize("regime", ["few", "many"])
+def test_sixty_four_row_tiles_spill_nothing(monkeypatch, regime):
+    """A prefill chunk (64 tokens, causal) and a tree of 8 nodes under Qwen2-1.5B's 6 query heads a
+    KV head (48 packed rows) take 64-row tiles; with 128-position tiles those spilled."""
+    tuning, launches = getattr(Tunings(), regime), record_launches(monkeypatch)
+    chunk = partials(launches, tuning, 64, masked=False)
+    tree = partials(launches, tuning, 8, masked=True, heads=(12, 2))
+    assert chunk.spill_bytes == 0 and tree.spill_bytes == 0, (chunk, tree)
