@@ -162,7 +162,7 @@ class AttnMeta:
         return self.blocks.shape[1] * self.block_size
 
     def cached(self, key, make):
-        """``make()`` once per step (what every layer shares: masks, write indices, a tail's int8 copy)."""
+        """``make()`` once per step (what every layer shares: masks, write indices, the tail's bits)."""
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]

@@ -1,6 +1,7 @@
 """The Triton kernels of :mod:`tlt.rollout.attention` (CUDA; on CPU under ``TRITON_INTERPRET=1``).
 
-Owns :func:`paged_attention`: two launches per layer.
+Owns :func:`paged_attention` (two launches per layer) and :func:`tail_bits`, the tree mask in the
+form the kernel reads: one bit per position.
 1. ``_partials``: one program per (KV head, slot, tile of packed query rows). The packed rows of one
    KV head are its ``G`` query heads times the step's ``Q`` tokens (row ``m``: token ``m // G``,
    head ``m % G``), so K and V are read once per KV head, not once per query head. The first
@@ -244,7 +245,7 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
     rows = ql * g
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = t.block_n if d <= 128 else min(t.block_n, 32)
-    if block_m == 64:  # (64 rows by 128 positions spill at head dim 128: 255 registers, 112 bytes on sm_90)
+    if block_m == 64 and d >= 128:  # (64 rows by 128 positions of head dim 128 spill: 255 registers on sm_90)
         block_n = min(block_n, 64)
     slots = b * (meta.splits + 1) + b  # prefix parts (at most b * (splits + 1)), then one tail per row
     bp = max(MIN_BP, triton.next_power_of_2(b))

@@ -55,6 +55,7 @@ import torch
 from tlt.drafter.seeds import derive
 from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from tlt.rollout.generate import SamplingParams
+from tlt.rollout.graph_pool import CAPTURE_LOCK
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, CaptureSizes
 from tlt.rollout.attention import KERNELS, AttnMeta, default_splits, physical
 from tlt.rollout.blocks import BlockPool
@@ -596,7 +597,8 @@ class RolloutEngine:
             self._features_buf = None
         self.close()
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            with CAPTURE_LOCK:  # (it frees device memory: never during another thread's capture)
+                torch.cuda.empty_cache()
         return freed
 
     def restore_memory(self) -> None:

@@ -11,9 +11,10 @@ A capture is safe by construction against the two things that invalidated one
 (``cudaErrorStreamCaptureInvalidated``, "operation not permitted when stream is capturing"): the
 garbage collector, which could free a dropped engine's graphs mid-capture, is disabled during the
 warm-up and capture (those graphs go at the first collection after it); and other threads' device
-work (a replica's drift probe) and :meth:`CudaGraphPool.close` take :data:`CAPTURE_LOCK`, which a
-capture holds throughout and gets in its turn. A capture makes no collection of its own: a full pass over the heap (0.1 s in a bench's
-process) at every capture of a tuner's new shape is time its rollout pays.
+work (a replica's drift probe) and :meth:`CudaGraphPool.close` take :data:`CAPTURE_LOCK`, which
+a capture holds throughout and gets in its turn. A capture makes no collection of its own: a full
+pass over the heap (0.1 s in a bench's process) at every capture of a tuner's new shape is time its
+rollout pays.
 """
 
 from __future__ import annotations

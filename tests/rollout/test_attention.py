@@ -195,7 +195,7 @@ def test_the_kernels_tail_mask_is_one_bit_per_position():
     g = torch.Generator().manual_seed(3)
     for w in (1, 5, 31, 32, 33, 64, 70):
         tail = torch.rand(3, 4, w, generator=g) < 0.5
-        tail[0, 0] = True  # every bit of a word set, bit 31 (the sign) included
+        tail[0, 0] = True  # every bit of a word set (from w = 32: bit 31, the sign, too)
         words = tail_bits(tail)
         assert words.dtype == torch.int32 and words.shape == (3, 4, -(-w // 32))
         back = torch.stack([(words[..., j // 32] >> (j % 32)) & 1 for j in range(w)], -1).bool()
@@ -224,7 +224,8 @@ def test_triton_kernel_on_cuda_equals_the_reference():
 def test_splits_fill_the_device_in_whole_waves_when_asked(monkeypatch):
     """About ``programs_per_sm`` programs per multiprocessor over (rows x KV heads), rounded up; with
     ``whole_waves`` rounded down, so that batch 1 of 8 KV heads at one program per multiprocessor
-    takes 128 parts of 132, not 136 (4 of them waiting for a second wave)."""
+    asks for 16 parts a head, 128 programs on 132 multiprocessors, not 17 (136: 4 of them waiting for
+    a second wave where the rounding of a part to whole tiles does not absorb the 17th)."""
     from tlt.rollout import attention
     from tlt.rollout.attention import Tuning, default_splits
 
@@ -237,6 +238,13 @@ def test_splits_fill_the_device_in_whole_waves_when_asked(monkeypatch):
     assert default_splits(8, 8, 32768, cuda, tuning=Tuning(programs_per_sm=3, whole_waves=True)) == 6
     assert default_splits(1, 8, 1024, cuda, tuning=whole) == 4  # no part under 256 positions
     assert default_splits(1, 8, 32768, torch.device("cpu"), tuning=whole) == 1  # the torch path: one SDPA call
+
+    def parts(length: int, splits: int, block_n: int = 128) -> int:  # a row's parts, as the kernel's _layout cuts
+        chunk = -(-(-(-length // splits)) // block_n) * block_n
+        return -(-length // chunk)
+
+    assert [parts(30000, 17), parts(30000, 16)] == [17, 16]
+    assert [parts(32768, 17), parts(32768, 16)] == [16, 16]  # 2,048-position parts either way
 
 
 def test_launch_shapes_by_regime_and_their_override(monkeypatch):

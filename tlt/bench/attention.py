@@ -91,7 +91,7 @@ SWEEP = (Tuning(block_n=64, stages=3, warps=4, programs_per_sm=2), Tuning(block_
          Tuning(block_n=128, stages=3, warps=4, programs_per_sm=1), Tuning(block_n=128, stages=2, warps=8, programs_per_sm=2),
          Tuning(block_n=32, stages=4, warps=4, programs_per_sm=4),
          # the parts in whole waves: batch 1's at one program per multiprocessor (shared memory holds no
-         # more at 128-position tiles in 3 stages); batch 8's at the 3 its verify's registers allow
+         # more at 128-position tiles in 3 stages); batch 8's at 3 (what the verify's registers allow)
          Tuning(block_n=128, stages=3, warps=4, programs_per_sm=1, whole_waves=True),
          Tuning(block_n=64, stages=2, warps=4, programs_per_sm=3, whole_waves=True))
 PAGED_BLOCK = 16  # the paged rows' block size (tlt.rollout.blocks)
@@ -136,9 +136,11 @@ def case(dev: torch.device, dtype: torch.dtype, lengths: list[int], q: int, w: i
 
 def sweep(dev: torch.device, dtype: torch.dtype, kv_bytes: int, tbs: float, repeats: int, seed: int) -> dict:
     """The kernel's launch shapes on decode and verify, scored apart for the two regimes of
-    :class:`~tlt.rollout.attention.Tunings`: ``few`` at batch 1 (32K and 16K), ``many`` at batch 8
-    (32K and 16K); each candidate's time over the bound, summed per regime; the best first."""
-    regimes = {"few": ((32768, 1), (16384, 1)), "many": ((32768, 8), (16384, 8))}
+    :class:`~tlt.rollout.attention.Tunings`: ``few`` at batch 1, ``many`` at batch 8, each at 30,000
+    and 15,000 tokens; each candidate's time over the bound, summed per regime; the best first. (Not
+    at a power of two: there the rounding of a part to whole tiles can hide how a split rounds, as a
+    batch-1 row of 32,768 tokens asking for 17 parts gets 16 of 2,048, and of 30,000 gets 17.)"""
+    regimes = {"few": ((30000, 1), (15000, 1)), "many": ((30000, 8), (15000, 8))}
     seen = {}
     for t in (TUNINGS.few, TUNINGS.many, *SWEEP):
         if t in seen:
