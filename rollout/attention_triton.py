@@ -244,9 +244,7 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
     start, ctx = meta.start.contiguous(), meta.ctx.contiguous()  # [B] each, read as a whole by every program
     rows = ql * g
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = t.block_n if d <= 128 else min(t.block_n, 32)
-    if block_m == 64 and d >= 128:  # (64 rows by 128 positions of head dim 128 spill: 255 registers on sm_90)
-        block_n = min(block_n, 64)
+    block_n = tile_positions(t, block_m, d, causal=meta.tail is None)
     slots = b * (meta.splits + 1) + b  # prefix parts (at most b * (splits + 1)), then one tail per row
     bp = max(MIN_BP, triton.next_power_of_2(b))
     tail = meta.cached("tail_bits", lambda: tail_bits(meta.tail) if meta.tail is not None else None)
@@ -272,6 +270,18 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
         out.stride(0), out.stride(1), out.stride(2), ql, b, meta.splits, KVH=kvh, BP=bp, BLOCK_N=block_n,
         G=g, D=d, BLOCK_M=block_m, PG=group, INTERPRET=INTERPRET, num_warps=merge_warps)
     return out
+
+
+def tile_positions(t: Tuning, block_m: int, d: int, causal: bool) -> int:
+    """Positions per tile: the tuning's, but at most 32 past head dim 128, and at most 64 for the
+    tiles that spill registers at 128 with head dim 128 (ptxas for sm_90: 64 packed rows, 255
+    registers and 112 bytes a thread; 32 rows of a causal tail, as a drafter's catch-up of a few
+    tokens, 20 bytes; a masked 32-row tile stays at 200 registers)."""
+    if d > 128:
+        return min(t.block_n, 32)
+    if d == 128 and (block_m == 64 or (block_m == 32 and causal)):
+        return min(t.block_n, 64)
+    return t.block_n
 
 
 def tail_bits(tail: torch.Tensor) -> torch.Tensor:

@@ -70,12 +70,17 @@ class Resources:
     shared: int  # bytes per program
     warps: int
 
+    def by_registers(self) -> int:
+        """Programs of this kernel an H100 multiprocessor's registers hold (allocated per warp in
+        units of 256)."""
+        return REGISTERS_PER_SM // (-(-self.registers * 32 // 256) * 256 * self.warps)
+
+    def by_shared_memory(self) -> int:
+        """Programs its shared memory holds (each with a 1 KiB reserve), and its warp slots."""
+        return min(SHARED_PER_SM // (self.shared + 1024), MAX_WARPS_PER_SM // self.warps)
+
     def programs_per_sm(self) -> int:
-        """How many programs of this kernel an H100 multiprocessor holds at once (registers are
-        allocated per warp in units of 256; shared memory per program plus its 1 KiB reserve)."""
-        per_warp = -(-self.registers * 32 // 256) * 256
-        return min(REGISTERS_PER_SM // (per_warp * self.warps), SHARED_PER_SM // (self.shared + 1024),
-                   MAX_WARPS_PER_SM // self.warps)
+        return min(self.by_registers(), self.by_shared_memory())
 
 
 def resources(launch: Launch) -> Resources:
