@@ -1,7 +1,8 @@
 """The Triton kernels of :mod:`tlt.rollout.attention` (CUDA; on CPU under ``TRITON_INTERPRET=1``).
 
-Owns :func:`paged_attention` (two launches per layer) and :func:`tail_bits`, the tree mask in the
-form the kernel reads: one bit per position.
+Owns :func:`paged_attention` (two launches per layer), :func:`tile_positions` (the tiles that
+would spill registers get shorter ones) and :func:`tail_bits`, the tree mask in the form the kernel
+reads: one bit per position.
 1. ``_partials``: one program per (KV head, slot, tile of packed query rows). The packed rows of one
    KV head are its ``G`` query heads times the step's ``Q`` tokens (row ``m``: token ``m // G``,
    head ``m % G``), so K and V are read once per KV head, not once per query head. The first
