@@ -65,9 +65,10 @@ def _tile(q, K, V, BT, TAIL, b, kvh, kb, vb, lo, limit, p0, t, m_ok, offs_d, is_
     else:
         col = pos // BS
         blk = tl.load(BT + b * sbt_b + col, mask=n_ok & (col < C), other=scratch).to(tl.int64)
-        off = pos % BS
-        kp = K + blk[:, None] * sk_n + kvh * sk_h + off[:, None] * sk_s + offs_d[None, :]
-        vp = V + blk[:, None] * sv_n + kvh * sv_h + off[:, None] * sv_s + offs_d[None, :]
+        # one tile of offsets for K and V (V laid out as K: paged_attention checks), not two
+        row = blk * sk_n + (pos % BS) * sk_s  # [BLOCK_N]
+        kp = (K + kvh * sk_h) + row[:, None] + offs_d[None, :]
+        vp = (V + kvh * sk_h) + row[:, None] + offs_d[None, :]
     k = tl.load(kp, mask=n_ok[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2  # [BLOCK_M, BLOCK_N], base 2
     vis = n_ok[None, :] & m_ok[:, None]
@@ -240,12 +241,13 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
     g = h // kvh
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if kl.stride(-1) != 1 or vl.stride(-1) != 1:
-        raise ValueError("the cache's head dimension must be contiguous")
+    if kl.stride(-1) != 1 or vl.stride() != kl.stride():
+        raise ValueError(f"the cache's K and V must share one layout with a contiguous head dimension "
+                         f"(strides {kl.stride()}, {vl.stride()})")
     start, ctx = meta.start.contiguous(), meta.ctx.contiguous()  # [B] each, read as a whole by every program
     rows = ql * g
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = tile_positions(t, block_m, d, causal=meta.tail is None)
+    block_n = tile_positions(t, block_m, d, causal=meta.tail is None, paged=meta.blocks.shape[1] > 1)
     slots = b * (meta.splits + 1) + b  # prefix parts (at most b * (splits + 1)), then one tail per row
     bp = max(MIN_BP, triton.next_power_of_2(b))
     tail = meta.cached("tail_bits", lambda: tail_bits(meta.tail) if meta.tail is not None else None)
@@ -273,14 +275,15 @@ def paged_attention(q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, meta: A
     return out
 
 
-def tile_positions(t: Tuning, block_m: int, d: int, causal: bool) -> int:
+def tile_positions(t: Tuning, block_m: int, d: int, causal: bool, paged: bool) -> int:
     """Positions per tile: the tuning's, but at most 32 past head dim 128, and at most 64 for the
     tiles that spill registers at 128 with head dim 128 (ptxas for sm_90: 64 packed rows, 255
     registers and 112 bytes a thread; 32 rows of a causal tail, as a drafter's catch-up of a few
-    tokens, 20 bytes; a masked 32-row tile stays at 200 registers)."""
+    tokens, 20 bytes; 32 rows over a paged cache's blocks, 212 bytes; a masked 32-row tile over one
+    block per row stays at 200 registers)."""
     if d > 128:
         return min(t.block_n, 32)
-    if d == 128 and (block_m == 64 or (block_m == 32 and causal)):
+    if d == 128 and (block_m == 64 or (block_m == 32 and (causal or paged))):
         return min(t.block_n, 64)
     return t.block_n
 

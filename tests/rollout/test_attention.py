@@ -202,6 +202,17 @@ def test_the_kernels_tail_mask_is_one_bit_per_position():
         assert torch.equal(back, tail), w
 
 
+def test_the_kernel_refuses_k_and_v_of_different_layouts():
+    """A paged tile's offsets serve K and V alike, so the kernel takes them only in one layout."""
+    pytest.importorskip("triton", reason="the kernel's module needs triton (the dev extra)")
+    from tlt.rollout.attention_triton import paged_attention
+
+    case = make_case(1, b=2)
+    vl = case["vl"].transpose(0, 1).contiguous().transpose(0, 1)  # the same values, other strides
+    with pytest.raises(ValueError, match="share one layout"):
+        paged_attention(case["q"], case["kl"], vl, case["meta"])
+
+
 def test_triton_kernel_interpreted_equals_the_reference():
     pytest.importorskip("triton", reason="the Triton kernel's interpreter test needs triton (the dev extra)")
     code = ("import json; from tests.rollout.test_attention import triton_cases; "

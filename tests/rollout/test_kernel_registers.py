@@ -29,17 +29,26 @@ pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's CUDA bac
 from tests.rollout.sm90 import record_launches, resources  # noqa: E402
 
 
-def partials(launches: list, tuning, q: int, masked: bool, heads: tuple[int, int] = (32, 8)):
+def partials(launches: list, tuning, q: int, masked: bool, heads: tuple[int, int] = (32, 8),
+             block: int | None = None):
     """The prefix-and-tail kernel of one step at batch 8, head dim 128 (``heads``: query and KV heads,
-    the Llama-8B shape's by default): ``q`` query tokens, under a tree mask or causal
-    (``launches``: :func:`record_launches`'s list)."""
+    the Llama-8B shape's by default): ``q`` query tokens, under a tree mask or causal, over one block
+    per row or (``block``) a paged cache of blocks this size (``launches``: :func:`record_launches`'s
+    list)."""
     from tlt.rollout.attention_triton import paged_attention
 
     launches.clear()
     (h, kvh), b, slots = heads, 8, 4096
-    kl = torch.zeros(b, kvh, slots, 128, dtype=torch.bfloat16)
     tail = torch.ones(q, q, dtype=torch.bool).tril().expand(b, q, q) if masked else None
-    meta = AttnMeta.rows(torch.full((b,), 1000), q, slots, tail=tail, splits=5)
+    if block is None:
+        kl = torch.zeros(b, kvh, slots, 128, dtype=torch.bfloat16)
+        meta = AttnMeta.rows(torch.full((b,), 1000), q, slots, tail=tail, splits=5)
+    else:
+        cols = slots // block
+        kl = torch.zeros(b * cols + 1, kvh, block, 128, dtype=torch.bfloat16)  # (the last: scratch)
+        blocks = torch.arange(b * cols, dtype=torch.int32).view(b, cols)
+        meta = AttnMeta(blocks, block, torch.zeros(b, dtype=torch.long), torch.full((b,), 1000), q, tail, splits=5,
+                        scratch=b * cols)
     paged_attention(torch.zeros(b, h, q, 128, dtype=torch.bfloat16), kl, kl, meta, tuning)
     (launch,) = [x for x in launches if x.kernel == "_partials"]
     return resources(launch)
@@ -47,12 +56,14 @@ def partials(launches: list, tuning, q: int, masked: bool, heads: tuple[int, int
 
 @pytest.mark.parametrize("regime", ["few", "many"])
 @pytest.mark.parametrize("q", [1, 5], ids=["plain", "verify"])
-def test_the_tree_mask_leaves_room_for_the_planned_parts(monkeypatch, regime, q):
+@pytest.mark.parametrize("block", [None, 16], ids=["rows", "paged"])
+def test_the_tree_mask_leaves_room_for_the_planned_parts(monkeypatch, regime, q, block):
     """Under the mask the kernel spills nothing, and its registers leave a multiprocessor room for the
     ``programs_per_sm`` programs the split plans plus one for its rounding, wherever its shared
-    memory does."""
+    memory does: over one block per row and over a paged cache's blocks of 16 (whose tile offsets
+    K and V share: two tiles of them took the paged verify to 201 registers, 2 programs)."""
     tuning = getattr(Tunings(), regime)
-    masked = partials(record_launches(monkeypatch), tuning, q, masked=True)
+    masked = partials(record_launches(monkeypatch), tuning, q, masked=True, block=block)
     assert masked.spill_bytes == 0, masked
     assert masked.by_registers() >= min(tuning.programs_per_sm + 1, masked.by_shared_memory()), masked
 
