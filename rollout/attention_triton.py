@@ -279,7 +279,7 @@ def tile_positions(t: Tuning, block_m: int, d: int, causal: bool, paged: bool) -
     """Positions per tile: the tuning's, but at most 32 past head dim 128, and at most 64 for the
     tiles that spill registers at 128 with head dim 128 (ptxas for sm_90: 64 packed rows, 255
     registers and 112 bytes a thread; 32 rows of a causal tail, as a drafter's catch-up of a few
-    tokens, 20 bytes; 32 rows over a paged cache's blocks, 212 bytes; a masked 32-row tile over one
+    tokens, 20 bytes; 32 rows over a paged cache's blocks, 196 bytes; a masked 32-row tile over one
     block per row stays at 200 registers)."""
     if d > 128:
         return min(t.block_n, 32)

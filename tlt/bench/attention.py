@@ -10,7 +10,7 @@ CUDA, fp32 on CPU), with two kernels side by side on the same cache:
   with one split and no length hint).
 Every step attends under its tree mask, as the engine's do (a plain step's is one position); each
 row also times the kernel's causal variant over the same positions (``causal_ms``; at batch 1 a
-5-token causal tail takes shorter tiles, as a drafter's catch-up does).
+5-token causal tail takes shorter tiles, as a drafter's catch-up does, and so does a paged verify).
 The bound is the bytes of K and V the rows' real lengths hold, divided by the device's bandwidth
 (nominal: 3.35 TB/s for an H100 SXM, 4.8 TB/s for an H200; measured: a device-to-device copy, in
 the record too). ``--sweep`` times candidate launch shapes of the kernel
