@@ -10,7 +10,7 @@ programs, not 3, while :func:`~tlt.rollout.attention.default_splits` plans about
 (2) of them per multiprocessor plus its rounding. Read as one bit per position, the mask costs a few
 registers.
 Tiles of 64 packed rows (prefill chunks, wide trees), and of 32 under a causal tail (a drafter's
-catch-up), take at most 64 positions: by 128 they spilled.
+catch-up) or over a paged cache, take at most 64 positions: by 128 they spilled.
 
 No GPU here: the kernel is compiled for an H100 (sm_90a) by Triton's own compiler from the engine's
 launch arguments, and its bundled ptxas reports the allocation (:mod:`tests.rollout.sm90`).
