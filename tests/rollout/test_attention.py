@@ -250,13 +250,6 @@ def test_splits_fill_the_device_in_whole_waves_when_asked(monkeypatch):
     assert default_splits(1, 8, 1024, cuda, tuning=whole) == 4  # no part under 256 positions
     assert default_splits(1, 8, 32768, torch.device("cpu"), tuning=whole) == 1  # the torch path: one SDPA call
 
-    def parts(length: int, splits: int, block_n: int = 128) -> int:  # a row's parts, as the kernel's _layout cuts
-        chunk = -(-(-(-length // splits)) // block_n) * block_n
-        return -(-length // chunk)
-
-    assert [parts(30000, 17), parts(30000, 16)] == [17, 16]
-    assert [parts(32768, 17), parts(32768, 16)] == [16, 16]  # 2,048-position parts either way
-
 
 def test_launch_shapes_by_regime_and_their_override(monkeypatch):
     """Batch 1-4 of 8 KV heads on a 132-multiprocessor card take the ``few`` shape, batch 8 ``many``;

@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tlt.bench.attention import chain_tail
 from tlt.rollout.attention import AttnMeta, Tunings
 
 pytest.importorskip("triton", reason="compiling the kernel needs triton (the dev extra)")
@@ -39,7 +40,7 @@ def partials(launches: list, tuning, q: int, masked: bool, heads: tuple[int, int
 
     launches.clear()
     (h, kvh), b, slots = heads, 8, 4096
-    tail = torch.ones(q, q, dtype=torch.bool).tril().expand(b, q, q) if masked else None
+    tail = chain_tail(b, q, q, torch.device("cpu")) if masked else None
     if block is None:
         kl = torch.zeros(b, kvh, slots, 128, dtype=torch.bfloat16)
         meta = AttnMeta.rows(torch.full((b,), 1000), q, slots, tail=tail, splits=5)
