@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import secrets
+import select
 import signal
 import socket
 import threading
@@ -182,18 +183,36 @@ class Coordinator:
 
     def serve_forever(self, until: Callable[[], bool] | None = None) -> None:
         """Run until SIGINT/SIGTERM or ``until()`` (checked every 0.5 s); standalone use, from the
-        main thread."""
-        done = threading.Event()
-        previous = {sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        main thread.
+
+        The signal handler only writes a byte to a socket pair that the loop selects on. Python runs a
+        handler in the main thread between any two of its lines, locks held included, so a handler
+        that takes a lock (``threading.Event.set``) can deadlock the loop waiting on that lock."""
+        wake_r, wake_w = socket.socketpair()
+        wake_w.setblocking(False)
+
+        def on_signal(signum: int, frame: object) -> None:
+            try:
+                wake_w.send(b"\0")
+            except OSError:  # buffer full: a byte is already waiting
+                pass
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.start()
-            while not done.wait(0.5) and self._thread is not None and self._thread.is_alive():
+            while self._thread is not None and self._thread.is_alive():
+                if select.select([wake_r], [], [], 0.5)[0]:
+                    break
                 if until is not None and until():
                     break
         finally:
-            self.stop()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            try:
+                self.stop()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+                wake_r.close()
+                wake_w.close()
 
     def __enter__(self) -> Coordinator:
         return self.start()

@@ -279,7 +279,12 @@ class SimLoop:
             self._coord.stop()
         if self._coord_proc is not None and self._coord_proc.poll() is None:
             self._coord_proc.terminate()
-            self._coord_proc.wait(10)
+            try:
+                self._coord_proc.wait(10)
+            except subprocess.TimeoutExpired:  # a coordinator that ignores SIGTERM is a bug: fail, leak nothing
+                self._coord_proc.kill()
+                self._coord_proc.wait()
+                raise
 
     def __enter__(self) -> SimLoop:
         return self

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,7 +16,7 @@ from tlt.coordinator import CoordinatorConfig, DriverClient, WorkerConfig, Worke
 from tlt.coordinator import protocol as P
 from tlt.coordinator.protocol import Promote, Stop
 
-from .conftest import HB, free_port
+from .conftest import HB, REPO, free_port
 from .rawpeer import RawPeer
 
 B, I, T = WorkerState.BUSY, WorkerState.IDLE, WorkerState.TRAINING
@@ -235,3 +238,32 @@ def test_standalone_process_serves_and_exits_on_sigterm(procs, make_worker):
     while w.connected.is_set() and time.monotonic() < end:
         time.sleep(HB / 5)
     assert not w.connected.is_set()
+
+
+# A SIGTERM handler runs in the main thread between any two lines it executes, even while that thread
+# holds a lock (CPython gh-126434). This calls the installed handler at every line the serving main
+# thread runs: a handler that takes a lock the serve loop holds (``threading.Event.set`` while the
+# loop sits in ``Event.wait``) deadlocks here, as the coordinator did once in CI on a real SIGTERM.
+_HANDLER_AT_EVERY_LINE = """
+import signal, sys
+from tlt.coordinator import Coordinator, CoordinatorConfig
+
+def trace(frame, event, arg):
+    if event in ("call", "line"):
+        handler = signal.getsignal(signal.SIGTERM)
+        if callable(handler):
+            handler(signal.SIGTERM, frame)
+    return trace
+
+sys.settrace(trace)
+Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0")).serve_forever()
+sys.settrace(None)
+print("stopped", flush=True)
+"""
+
+
+def test_sigterm_handler_is_safe_at_any_line_of_the_serve_loop():
+    r = subprocess.run([sys.executable, "-c", _HANDLER_AT_EVERY_LINE], cwd=REPO, capture_output=True,
+                       text=True, timeout=30, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "stopped"
