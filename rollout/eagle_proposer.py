@@ -123,7 +123,7 @@ class EagleProposer(Proposer):
             else:
                 from tlt.rollout.graph_pool import CudaGraphPool
 
-                self.pool = CudaGraphPool(lambda key: self.loop_graph_step(key, self._features), device=self.device)
+                self.pool = CudaGraphPool(self._make_step, device=self.device)
         self._features: torch.Tensor | None = None  # the feature buffer the graphs read (their address)
         self._capture_inputs: dict[str, torch.Tensor] | None = None  # the step being captured
         self.static_proposals = 0  # proposals at static shapes (a test and the bench read it)
@@ -218,6 +218,10 @@ class EagleProposer(Proposer):
                 out = self._loop(x, inp.features, arm, window, sampled)
         tokens, parents, depth, valid = (out[name][:b].clone() for name in ("tokens", "parents", "depth", "valid"))
         return DraftTree(tokens, parents, valid, depth)
+
+    def _make_step(self, key: DraftLoopGraphKey):
+        """What the pool captures for ``key`` (a method, so the pool holds this proposer weakly)."""
+        return self.loop_graph_step(key, self._features)
 
     def loop_graph_step(self, key: DraftLoopGraphKey, features: torch.Tensor):
         """Static input buffers for ``key`` and the function a :class:`CudaGraphPool` captures:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Hashable
@@ -234,6 +235,13 @@ class _Live:
                                    handed_over=self.handed_over)
 
 
+def _features_of(hidden: bool, layers: tuple[int, ...], out) -> torch.Tensor | None:
+    """What the engine keeps per position: [B, T, F] = the post-norm last hidden state (``hidden``:
+    the sink or an EAGLE proposer reads it), then the inputs of ``layers``; None: nothing."""
+    parts = ([out.hidden] if hidden else []) + [out.aux[i] for i in layers]
+    return torch.cat(parts, -1) if parts else None
+
+
 def reach(arm: Arm) -> int:
     """Positions past a request's tokens that a step of ``arm`` writes: the verified tree's nodes, and
     an EAGLE drafter's levels (``topk`` candidates each after the first, from the last pair on)."""
@@ -321,8 +329,11 @@ class RolloutEngine:
 
     def _new_static_step(self) -> StaticTargetStep:
         sizes = tuple(c for c in DEFAULT_CAPTURE_BATCH_SIZES if c < self.cfg.max_batch) + (self.cfg.max_batch,)
+        # the features as of now (set_proposers builds a new step when they change), not a method:
+        # the step would hold the engine, and a dropped engine would keep its cache until a collection
+        features = functools.partial(_features_of, self._stores_hidden, self._capture)
         return StaticTargetStep(self.target, self.cache, CaptureSizes(sizes),
-                                self._capture, self._features, cuda_graphs=self.cfg.cuda_graphs,
+                                self._capture, features, cuda_graphs=self.cfg.cuda_graphs,
                                 attention=self.cfg.attention, capture_after=self.cfg.capture_after,
                                 paged=(self.cfg.block_size, self.table_width, self.pool.scratch) if self.pool else None)
 
@@ -767,10 +778,7 @@ class RolloutEngine:
         return self.sink is not None or any(p.feature_layers == () for p in self.proposers.values())
 
     def _features(self, out) -> torch.Tensor | None:
-        """What the engine keeps per position: [B, T, F] = the post-norm last hidden state (when the
-        sink or an EAGLE proposer reads it), then the captured layers' inputs; None: nothing."""
-        parts = ([out.hidden] if self._stores_hidden else []) + [out.aux[i] for i in self._capture]
-        return torch.cat(parts, -1) if parts else None
+        return _features_of(self._stores_hidden, self._capture, out)
 
     def _proposer_features(self, proposer: Proposer) -> torch.Tensor | None:
         """A proposer's view of the feature buffer [max_batch, S, F] (hidden, or the layers)."""

@@ -10,9 +10,10 @@ of :func:`tlt.bench.graph_plan.plan_graphs`).
 A capture is safe by construction against the two things that invalidated one
 (``cudaErrorStreamCaptureInvalidated``, "operation not permitted when stream is capturing"): the
 garbage collector, which could free a dropped engine's graphs mid-capture, is disabled during the
-warm-up and capture (those graphs go at the first collection after it); and other threads' device
-work (a replica's drift probe) and :meth:`CudaGraphPool.close` take :data:`CAPTURE_LOCK`, which
-a capture holds throughout and gets in its turn. A capture makes no collection of its own: a full
+warm-up and capture (graphs in a reference cycle go at the first collection after it); and other
+threads' device work (a replica's drift probe), :meth:`CudaGraphPool.close`, and a pool dropped
+without it (an engine goes with its last reference, in whichever thread) take :data:`CAPTURE_LOCK`,
+which a capture holds throughout and gets in its turn. A capture makes no collection of its own: a full
 pass over the heap (0.1 s in a bench's process) at every capture of a tuner's new shape is time its
 rollout pays.
 """
@@ -23,8 +24,10 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import inspect
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -117,6 +120,16 @@ StepFn = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 MakeStep = Callable[[GraphKey], tuple[dict[str, torch.Tensor], StepFn]]
 
 
+def held_weakly(fn: Callable) -> Callable[[], Callable | None]:
+    """``fn`` as its holder should keep it: a bound method weakly (None once its object is gone), any
+    other callable strongly. A pool is an attribute of the object whose method makes its steps: a
+    strong reference back would make a cycle that keeps that object -- and the KV cache it holds --
+    alive after its owner drops it, until a garbage collection."""
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GraphMemory:
     """Measured cost of one capture (bytes)."""
@@ -168,6 +181,9 @@ class CudaGraphPool:
     ``replay`` returns are valid only until the next replay of *any* graph of that pool (a later
     graph's outputs may sit in an earlier graph's freed workspace): consume or clone them first.
 
+    ``make_step`` may be a method of the object that holds the pool: it is held weakly, so that
+    object (an engine's step, with the KV cache) goes with its last reference, not at a collection.
+
     Needs CUDA: constructing it without a device raises RuntimeError (check
     ``CudaGraphPool.available()`` and run the step functions eagerly on CPU). Step functions must
     be capturable: no host syncs (``.item()``, ``int(tensor)``, dynamic-NTK RoPE), no allocation
@@ -183,7 +199,7 @@ class CudaGraphPool:
             raise ValueError(f"warmup_iters={warmup_iters}: at least 1 warm-up run is needed "
                              "before capture (cuBLAS handles, lazy init)")
         self.device = torch.device(device if device is not None else "cuda")
-        self._make_step = make_step
+        self._make_step = held_weakly(make_step)
         self.warmup_iters = warmup_iters
         self._pools: dict[str, tuple] = {}
         self._graphs: dict[tuple[str, GraphKey], _Captured] = {}
@@ -219,7 +235,10 @@ class CudaGraphPool:
         return out
 
     def _capture_one(self, scheme: str, key: GraphKey, pool: tuple) -> GraphMemory:
-        inputs, fn = self._make_step(key)
+        make_step = self._make_step()
+        if make_step is None:
+            raise RuntimeError(f"{key}: the object whose method makes this pool's steps is gone")
+        inputs, fn = make_step(key)
         for name, t in inputs.items():
             if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
                 raise ValueError(f"{key}: static input {name!r} must be a CUDA tensor, got "
@@ -301,3 +320,9 @@ class CudaGraphPool:
             self._pools.clear()
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+    def __del__(self) -> None:
+        # dropped without close() (its owner's last reference went, in whichever thread): its graphs
+        # are destroyed as close() destroys them, never during another thread's capture
+        if getattr(self, "_graphs", None):
+            self.close()

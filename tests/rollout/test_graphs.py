@@ -226,6 +226,72 @@ def test_pool_without_cuda_raises():
         CudaGraphPool(lambda key: ({}, lambda x: {}))
 
 
+def test_held_weakly_lets_a_method_owner_go_and_keeps_a_function():
+    """A pool made by its owner's method must not keep its owner (and the owner's KV cache) alive."""
+    from tlt.rollout.graph_pool import held_weakly
+
+    class Owner:
+        def make(self, key):
+            return {"key": key}, None
+
+    owner = Owner()
+    get = held_weakly(owner.make)
+    assert get()(7) == ({"key": 7}, None)
+    del owner
+    assert get() is None
+    fn = lambda key: ({}, None)  # noqa: E731  (a closure: only the pool holds it)
+    get = held_weakly(fn)
+    del fn
+    assert get() is not None and get()(0) == ({}, None)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_a_dropped_engine_frees_its_memory_without_a_collection(device):
+    """An engine dropped without ``close()`` (static shapes, EAGLE and suffix proposers; on CUDA with
+    graphs captured) goes with its last reference: nothing it holds points back at it. A cycle would
+    keep its KV cache -- tens of GiB at 32K x 8 on a GPU -- until a collection, and the next engine
+    would not fit."""
+    import gc
+    import weakref
+
+    from tlt.drafter.eagle import Drafter, DrafterConfig
+    from tlt.drafter.model_config import ModelConfig
+    from tlt.rollout.eagle_proposer import EagleProposer
+    from tlt.rollout.engine import EngineConfig, RolloutEngine
+    from tlt.rollout.generate import SamplingParams
+    from tlt.rollout.suffix import SuffixProposer
+    from tlt.rollout.target import TargetModel
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    target = TargetModel(cfg).to(device).eval()
+    drafter = Drafter(DrafterConfig.for_target(cfg), target.embed_weight, target.lm_head.weight).to(device).eval()
+    prompts = [[3, 4, 5, 6, 3, 4, 5, 6], [7, 8, 9, 7, 8, 9]]
+
+    def build_run_drop() -> list:
+        eagle = EagleProposer(drafter, max_batch=2, max_len=96, static_shapes=True, capture_after=1)
+        engine = RolloutEngine(target, EngineConfig(max_batch=2, max_len=96, static_shapes=True, capture_after=1,
+                                                    arm=Arm(3, 1, 3)),
+                               proposers={"": eagle, "suffix": SuffixProposer()})
+        engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16))
+        held = [engine, engine.static_step, engine.cache, engine.cache.k, eagle]
+        if device == "cuda":  # the graphs go with their pools
+            assert engine.static_step.replays > 0 and eagle.replays > 0
+            held += [engine.static_step.pool, eagle.pool]
+        return [weakref.ref(x) for x in held]
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        gone = build_run_drop()
+        assert [r() for r in gone] == [None] * len(gone)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 # --------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
@@ -393,10 +459,12 @@ def test_capturing_holds_the_lock_and_the_collector_off_without_a_collection(mon
         gc.enable()
 
 
-def test_a_pool_closed_from_another_thread_waits_for_a_capture(monkeypatch):
-    """A replaced proposer's pool can be closed from another thread than the one capturing; its
-    graphs are destroyed only once the capture is over. (CUDA graphs cannot exist here: the pool is
-    built without its constructor, its graphs are stand-ins that record their reset.)"""
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_pool_closed_from_another_thread_waits_for_a_capture(monkeypatch, how):
+    """A replaced proposer's pool can be closed from another thread than the one capturing, or be
+    dropped there with its engine (its last reference goes: no close() called); either way its graphs
+    are destroyed only once the capture is over. (CUDA graphs cannot exist here: the pool is built
+    without its constructor, its graphs are stand-ins that record their reset.)"""
     from tlt.rollout.graph_pool import CudaGraphPool, capturing
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
@@ -409,11 +477,17 @@ def test_a_pool_closed_from_another_thread_waits_for_a_capture(monkeypatch):
 
     pool = object.__new__(CudaGraphPool)
     pool._graphs, pool._pools = {("bucketed", "key"): type("Cap", (), {"graph": Graph()})()}, {"bucketed": ()}
-    closer = threading.Thread(target=pool.close)
+    graphs = pool._graphs
+    if how == "close":
+        closer = threading.Thread(target=pool.close)
+    else:
+        held = [pool]
+        closer = threading.Thread(target=held.clear)  # the last reference goes in that thread
+    del pool
     with capturing():
         closer.start()
         _until(lambda: CAPTURE_LOCK._tickets > CAPTURE_LOCK._serving + 1)  # the closer waits its turn
         time.sleep(0.05)
         events.append("capture ends")
     closer.join(5)
-    assert events == ["capture ends", "reset"] and not pool._graphs
+    assert events == ["capture ends", "reset"] and not graphs

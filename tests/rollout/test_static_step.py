@@ -283,7 +283,7 @@ def test_captures_survive_collections_and_a_probe_thread(setup, trained_target, 
                                 proposer=EagleProposer(drafter, max_batch=8, max_len=600))
             res = eng.generate(prompts, params, seeds=[1, 2, 3, 4])
             assert eng.static_step.replays + eng.static_step.gate.eager == len(res.steps) and res.outputs == ref.outputs, (i, arm)
-            del eng  # not closed: its graphs go with a collection, maybe during the next capture
+            del eng  # not closed: its graphs go now, by reference count (a cycle would leave them to a collection)
     finally:
         stop.set()
         thread.join()
