@@ -264,8 +264,8 @@ def test_a_dropped_engine_frees_its_memory_without_a_collection(device):
     from tlt.rollout.target import TargetModel
 
     torch.manual_seed(0)
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # head dim 16: the Triton kernel on CUDA
     target = TargetModel(cfg).to(device).eval()
     drafter = Drafter(DrafterConfig.for_target(cfg), target.embed_weight, target.lm_head.weight).to(device).eval()
     prompts = [[3, 4, 5, 6, 3, 4, 5, 6], [7, 8, 9, 7, 8, 9]]
