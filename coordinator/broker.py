@@ -26,7 +26,6 @@ import logging
 import os
 import re
 import secrets
-import select
 import signal
 import socket
 import threading
@@ -185,10 +184,14 @@ class Coordinator:
         """Run until SIGINT/SIGTERM or ``until()`` (checked every 0.5 s); standalone use, from the
         main thread.
 
-        The signal handler only writes a byte to a socket pair that the loop selects on. Python runs a
+        The signal handler only writes a byte to a socket pair that the loop waits on. Python runs a
         handler in the main thread between any two of its lines, locks held included, so a handler
         that takes a lock (``threading.Event.set``) can deadlock the loop waiting on that lock."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("serve_forever handles SIGINT/SIGTERM: call it from the main thread "
+                               "(elsewhere, use start() and stop())")
         wake_r, wake_w = socket.socketpair()
+        wake_r.settimeout(0.5)
         wake_w.setblocking(False)
 
         def on_signal(signum: int, frame: object) -> None:
@@ -201,8 +204,11 @@ class Coordinator:
         try:
             self.start()
             while self._thread is not None and self._thread.is_alive():
-                if select.select([wake_r], [], [], 0.5)[0]:
+                try:
+                    wake_r.recv(1)  # a signal's byte
                     break
+                except TimeoutError:
+                    pass
                 if until is not None and until():
                     break
         finally:

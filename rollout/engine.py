@@ -56,7 +56,7 @@ import torch
 from tlt.drafter.seeds import derive
 from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from tlt.rollout.generate import SamplingParams
-from tlt.rollout.graph_pool import CAPTURE_LOCK
+from tlt.rollout.graph_pool import CAPTURE_LOCK, destroy_dropped_graphs
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, CaptureSizes
 from tlt.rollout.attention import KERNELS, AttnMeta, default_splits, physical
 from tlt.rollout.blocks import BlockPool
@@ -264,6 +264,8 @@ class RolloutEngine:
         self.set_proposers(named, tuner)
         mc = target.config
         self.device = target.embed_weight.device
+        if self.device.type == "cuda":  # what dropped engines' graphs hold goes back before this one sizes its cache
+            destroy_dropped_graphs()
         # rows layout: cache row r = running row r, of cfg.slots slots; paged: blocks of a BlockPool,
         # the last one scratch, each row's table in RowState.blocks [B, table_width]
         self.pool: BlockPool | None = None

@@ -10,10 +10,10 @@ of :func:`tlt.bench.graph_plan.plan_graphs`).
 A capture is safe by construction against the two things that invalidated one
 (``cudaErrorStreamCaptureInvalidated``, "operation not permitted when stream is capturing"): the
 garbage collector, which could free a dropped engine's graphs mid-capture, is disabled during the
-warm-up and capture (graphs in a reference cycle go at the first collection after it); and other
-threads' device work (a replica's drift probe), :meth:`CudaGraphPool.close`, and a pool dropped
-without it (an engine goes with its last reference, in whichever thread) take :data:`CAPTURE_LOCK`,
-which a capture holds throughout and gets in its turn. A capture makes no collection of its own: a full
+warm-up and capture; other threads' device work (a replica's drift probe) and
+:meth:`CudaGraphPool.close` take :data:`CAPTURE_LOCK`, which a capture holds throughout and gets in
+its turn; and a pool dropped without ``close()`` (its engine went with its last reference, in any
+thread, or at a collection) leaves its graphs to the next holder of that lock outside a capture. A capture makes no collection of its own: a full
 pass over the heap (0.1 s in a bench's process) at every capture of a tuner's new shape is time its
 rollout pays.
 """
@@ -103,11 +103,35 @@ class FairLock:
 # forwards, a drafter push closing the replaced proposer's graphs), never before it.
 CAPTURE_LOCK = FairLock()
 
+# The graphs of pools dropped without close(). A pool's finalizer runs in whichever thread drops its
+# last reference, or at a collection, at any line: inside a capture, or inside CAPTURE_LOCK's own
+# acquire with its inner lock held. So it takes no lock and destroys nothing: it hands its graphs over
+# here (a list append), and the next holder of CAPTURE_LOCK outside a capture destroys them.
+_DROPPED: list[dict] = []
+
+
+def _destroy_dropped() -> None:
+    """Destroy the graphs of dropped pools; the caller holds CAPTURE_LOCK and captures nothing."""
+    while _DROPPED:
+        graphs = _DROPPED.pop()
+        for cap in graphs.values():
+            cap.graph.reset()
+        graphs.clear()
+
+
+def destroy_dropped_graphs() -> None:
+    """Destroy the graphs of pools dropped without close() now (their memory goes back to the
+    allocator), waiting for a capture in another thread to end. A new engine calls it before it
+    allocates; the next capture and every close() do it too."""
+    with CAPTURE_LOCK:
+        _destroy_dropped()
+
 
 @contextlib.contextmanager
 def capturing():
     """No collection and no other thread's device work while a graph is warmed up and captured."""
     with CAPTURE_LOCK:
+        _destroy_dropped()  # before the capture starts
         enabled = gc.isenabled()
         gc.disable()
         try:
@@ -314,15 +338,13 @@ class CudaGraphPool:
         during a capture (a replaced proposer's pool may be closed from another thread than the one
         capturing), so it waits for CAPTURE_LOCK."""
         with CAPTURE_LOCK:
-            for cap in self._graphs.values():
-                cap.graph.reset()
-            self._graphs.clear()
+            _DROPPED.append(self._graphs)
+            _destroy_dropped()
             self._pools.clear()
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
     def __del__(self) -> None:
-        # dropped without close() (its owner's last reference went, in whichever thread): its graphs
-        # are destroyed as close() destroys them, never during another thread's capture
-        if getattr(self, "_graphs", None):
-            self.close()
+        graphs = getattr(self, "_graphs", None)
+        if graphs:  # dropped without close(): no lock here, see _DROPPED
+            _DROPPED.append(graphs)

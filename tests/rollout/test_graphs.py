@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -461,9 +462,10 @@ def test_capturing_holds_the_lock_and_the_collector_off_without_a_collection(mon
 
 @pytest.mark.parametrize("how", ["close", "drop"])
 def test_a_pool_closed_from_another_thread_waits_for_a_capture(monkeypatch, how):
-    """A replaced proposer's pool can be closed from another thread than the one capturing, or be
-    dropped there with its engine (its last reference goes: no close() called); either way its graphs
-    are destroyed only once the capture is over. (CUDA graphs cannot exist here: the pool is built
+    """A replaced proposer's pool can be closed from another thread than the one capturing: its
+    graphs are destroyed once the capture is over. Or it is dropped there with its engine (its last
+    reference goes, no close()): the drop waits for nothing and destroys nothing, and the next
+    capture destroys its graphs before it starts. (CUDA graphs cannot exist here: the pool is built
     without its constructor, its graphs are stand-ins that record their reset.)"""
     from tlt.rollout.graph_pool import CudaGraphPool, capturing
 
@@ -486,8 +488,68 @@ def test_a_pool_closed_from_another_thread_waits_for_a_capture(monkeypatch, how)
     del pool
     with capturing():
         closer.start()
-        _until(lambda: CAPTURE_LOCK._tickets > CAPTURE_LOCK._serving + 1)  # the closer waits its turn
-        time.sleep(0.05)
+        if how == "close":
+            _until(lambda: CAPTURE_LOCK._tickets > CAPTURE_LOCK._serving + 1)  # the closer waits its turn
+            time.sleep(0.05)
+        else:
+            closer.join(5)
+            assert not closer.is_alive() and events == []  # dropped mid-capture: nothing destroyed
         events.append("capture ends")
     closer.join(5)
+    if how == "drop":
+        assert events == ["capture ends"]
+        with capturing():
+            pass
     assert events == ["capture ends", "reset"] and not graphs
+
+
+# A collection runs at any allocation, so a pool left in a reference cycle can be finalized inside
+# CAPTURE_LOCK's own acquire or release, while its thread holds the lock's inner (not reentrant)
+# lock. This collects such a pool at every line those two run: a finalizer that takes CAPTURE_LOCK
+# (as close() does) deadlocks here.
+_COLLECTED_INSIDE_THE_LOCK = """
+import gc, sys
+import torch
+from tlt.rollout.graph_pool import CAPTURE_LOCK, CudaGraphPool, FairLock, capturing
+
+torch.cuda.synchronize = lambda *a: None
+torch.cuda.empty_cache = lambda *a: None
+resets = []
+
+class Graph:
+    def reset(self):
+        resets.append(1)
+
+def cyclic_pool():
+    pool = object.__new__(CudaGraphPool)
+    pool._graphs, pool._pools = {("bucketed", "key"): type("Cap", (), {"graph": Graph()})()}, {}
+    pool.cycle = pool
+
+def trace(frame, event, arg):
+    if event == "line" and frame.f_code in (FairLock.acquire.__code__, FairLock.release.__code__):
+        cyclic_pool()
+        gc.collect()
+    return trace
+
+gc.disable()
+sys.settrace(trace)
+with CAPTURE_LOCK:
+    pass
+sys.settrace(None)
+made = len(resets)
+with capturing():
+    pass
+print(made, len(resets) > made, flush=True)
+"""
+
+
+def test_a_pool_collected_inside_the_capture_lock_does_not_deadlock():
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _COLLECTED_INSIDE_THE_LOCK], capture_output=True, text=True,
+                       timeout=30, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                           [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["0", "True"]  # nothing destroyed inside the lock; the next capture did it
