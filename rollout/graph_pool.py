@@ -13,9 +13,9 @@ garbage collector, which could free a dropped engine's graphs mid-capture, is di
 warm-up and capture; other threads' device work (a replica's drift probe) and
 :meth:`CudaGraphPool.close` take :data:`CAPTURE_LOCK`, which a capture holds throughout and gets in
 its turn; and a pool dropped without ``close()`` (its engine went with its last reference, in any
-thread, or at a collection) leaves its graphs to the next holder of that lock outside a capture. A capture makes no collection of its own: a full
-pass over the heap (0.1 s in a bench's process) at every capture of a tuner's new shape is time its
-rollout pays.
+thread, or at a collection) leaves its graphs to the next holder of that lock outside a capture. A
+capture makes no collection of its own: a full pass over the heap (0.1 s in a bench's process) at
+every capture of a tuner's new shape is time its rollout pays.
 """
 
 from __future__ import annotations
@@ -338,7 +338,9 @@ class CudaGraphPool:
         during a capture (a replaced proposer's pool may be closed from another thread than the one
         capturing), so it waits for CAPTURE_LOCK."""
         with CAPTURE_LOCK:
-            _DROPPED.append(self._graphs)
+            for cap in self._graphs.values():
+                cap.graph.reset()
+            self._graphs.clear()
             _destroy_dropped()
             self._pools.clear()
             torch.cuda.synchronize()
