@@ -56,7 +56,7 @@ import torch
 from tlt.drafter.seeds import derive
 from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, right_pad
 from tlt.rollout.generate import SamplingParams
-from tlt.rollout.graph_pool import CAPTURE_LOCK, destroy_dropped_graphs
+from tlt.rollout.graph_pool import destroy_dropped_graphs
 from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, CaptureSizes
 from tlt.rollout.attention import KERNELS, AttnMeta, default_splits, physical
 from tlt.rollout.blocks import BlockPool
@@ -609,9 +609,8 @@ class RolloutEngine:
             freed += self._features_buf.nbytes
             self._features_buf = None
         self.close()
-        if self.device.type == "cuda":
-            with CAPTURE_LOCK:  # (it frees device memory: never during another thread's capture)
-                torch.cuda.empty_cache()
+        if self.device.type == "cuda":  # with dropped engines' graphs, under CAPTURE_LOCK
+            destroy_dropped_graphs()
         return freed
 
     def restore_memory(self) -> None:

@@ -9,7 +9,7 @@ of :func:`tlt.bench.graph_plan.plan_graphs`).
 
 A capture is safe by construction against the two things that invalidated one
 (``cudaErrorStreamCaptureInvalidated``, "operation not permitted when stream is capturing"): the
-garbage collector, which could free a dropped engine's graphs mid-capture, is disabled during the
+garbage collector, whose passes freed dropped engines' graphs mid-capture, is disabled during the
 warm-up and capture; other threads' device work (a replica's drift probe) and
 :meth:`CudaGraphPool.close` take :data:`CAPTURE_LOCK`, which a capture holds throughout and gets in
 its turn; and a pool dropped without ``close()`` (its engine went with its last reference, in any
@@ -111,20 +111,25 @@ _DROPPED: list[dict] = []
 
 
 def _destroy_dropped() -> None:
-    """Destroy the graphs of dropped pools; the caller holds CAPTURE_LOCK and captures nothing."""
+    """Destroy the graphs of dropped pools; the caller holds CAPTURE_LOCK and captures nothing. A
+    graph that fails to go is logged: the error belongs to an engine long gone, not to the caller."""
     while _DROPPED:
         graphs = _DROPPED.pop()
-        for cap in graphs.values():
-            cap.graph.reset()
+        for key, cap in graphs.items():
+            try:
+                cap.graph.reset()
+            except Exception:
+                log.exception("destroying the graph %s of a dropped pool failed", key)
         graphs.clear()
 
 
 def destroy_dropped_graphs() -> None:
-    """Destroy the graphs of pools dropped without close() now (their memory goes back to the
-    allocator), waiting for a capture in another thread to end. A new engine calls it before it
-    allocates; the next capture and every close() do it too."""
+    """Destroy the graphs of pools dropped without close() and return the cached memory to the
+    device, waiting for a capture in another thread to end. A new CUDA engine calls it before it
+    sizes its cache, and ``release_memory`` does; the next capture and every close() destroy them too."""
     with CAPTURE_LOCK:
         _destroy_dropped()
+        torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager
@@ -346,7 +351,7 @@ class CudaGraphPool:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-    def __del__(self) -> None:
+    def __del__(self, _dropped: list[dict] = _DROPPED) -> None:  # (bound now: module globals go at exit)
         graphs = getattr(self, "_graphs", None)
         if graphs:  # dropped without close(): no lock here, see _DROPPED
-            _DROPPED.append(graphs)
+            _dropped.append(graphs)
