@@ -241,9 +241,10 @@ def test_standalone_process_serves_and_exits_on_sigterm(procs, make_worker):
 
 
 # A SIGTERM handler runs in the main thread between any two lines it executes, even while that thread
-# holds a lock (CPython gh-126434). This calls the installed handler at every line the serving main
-# thread runs: a handler that takes a lock the serve loop holds (``threading.Event.set`` while the
-# loop sits in ``Event.wait``) deadlocks here, as the coordinator did once in CI on a real SIGTERM.
+# holds a lock (CPython gh-126434 reports it for multiprocessing.Event). This calls the installed
+# handler at every line the serving main thread runs: a handler that takes a lock the serve loop holds
+# (``threading.Event.set`` while the loop sits in ``Event.wait``) deadlocks here -- the likely cause
+# of a coordinator that ignored a SIGTERM once in CI.
 _HANDLER_AT_EVERY_LINE = """
 import signal, sys
 from tlt.coordinator import Coordinator, CoordinatorConfig
