@@ -467,7 +467,7 @@ def test_capturing_holds_the_lock_and_the_collector_off_without_a_collection(mon
 
 
 @pytest.mark.parametrize("how", ["close", "drop"])
-def test_a_pool_closed_from_another_thread_waits_for_a_capture(monkeypatch, how):
+def test_a_pool_closed_or_dropped_in_another_thread_destroys_no_graph_in_a_capture(monkeypatch, how):
     """A replaced proposer's pool can be closed from another thread than the one capturing: its
     graphs are destroyed once the capture is over. Or it is dropped there with its engine (its last
     reference goes, no close()): the drop waits for nothing and destroys nothing, and the next
