@@ -179,6 +179,41 @@ def test_a_generation_that_cannot_start_or_fails_fails_its_requests_and_serving_
     asyncio.run(asyncio.wait_for(main(), 120))  # a lost answer fails, never hangs
 
 
+@pytest.mark.parametrize("where", ["add", "abort"])
+def test_a_generation_that_fails_adding_or_aborting_answers_every_request_and_abort(where):
+    """An engine error other than a refusal (e.g. out of memory restoring a released cache in
+    ``add``, or the sink failing as ``abort`` hands requests over) fails the requests being added
+    with the ones running, and an abort-all taken in that step returns: nobody waits forever."""
+    eng = _batcher_engine()
+    real = getattr(eng, where)
+    broken = [True]
+
+    def fail_once(*args, **kwargs):
+        if broken[0] and (where == "add" or eng.running):
+            broken[0] = False
+            raise RuntimeError(f"{where} broke")
+        return real(*args, **kwargs)
+
+    setattr(eng, where, fail_once)
+
+    async def main():
+        b = RequestBatcher(lambda: eng, window_s=0.05, max_batch=4)
+        reqs = [asyncio.ensure_future(b.submit(_state(i, 120), f"r{i}")) for i in range(2)]  # one window
+        if where == "abort":
+            await _until(lambda: len(eng.steps) >= 3)
+            assert sorted(await b.abort_all()) == ["r0", "r1"]
+            b.resume()
+        for r in reqs:
+            with pytest.raises(RuntimeError, match=f"{where} broke"):
+                await r
+        assert b.idle and not eng.active
+        done = await b.submit(_state(2, 4), "r2")  # serving goes on
+        assert done.reason == "length" and b.idle
+
+    asyncio.run(asyncio.wait_for(main(), 120))  # a lost answer fails, never hangs
+    assert not broken[0]
+
+
 def test_policy_copy_checks_every_tensor_before_writing():
     model, new = _target(0), _target(1)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -26,7 +26,8 @@ leave requests (event loop posts, worker serves). A result is handed to the even
 ``call_soon_threadsafe`` (FIFO with the worker's end, so every answer is delivered, and counted out
 of the in-flight count, before the event loop sees the generation end). The worker ends a generation only when, under ``_mu``, the engine is idle and nothing waits; a
 request queued after that is seen by the event loop, which starts the next. A generation that fails
-fails its own requests; the batcher keeps serving.
+fails its own requests (those in its engine and those it was adding) and returns the abort-alls it
+took; the batcher keeps serving.
 """
 
 from __future__ import annotations
@@ -249,6 +250,7 @@ class RequestBatcher:
         exits are served, each result is answered as it finishes. Returns what the generation did
         (a failure fails its own requests and ends it)."""
         live: dict[int, Request] = {}
+        held = _Held()  # taken from the event loop's side, not yet in the engine or answered
         done: list[Finished] = []
         first, tokens, counts = eng.steps_run, 0, collections.Counter(eng.lifecycle)
 
@@ -261,16 +263,19 @@ class RequestBatcher:
                 loop.call_soon_threadsafe(self._answer, req, f)
 
         try:
-            while self._step_once(eng, loop, live, answer):
+            while self._step_once(eng, loop, live, held, answer):
                 pass
-        except Exception as e:  # the engine is emptied, then the generation's requests learn the error
-            log.exception("%s: a generation of %d requests failed", self.name, len(live))
+        except Exception as e:  # the engine is emptied, then every request it held or was to hold learns the error
+            failed = [*live.values(), *held.joining]
+            log.exception("%s: a generation of %d requests failed", self.name, len(failed))
             try:
                 eng.abort()
             except Exception:
                 log.exception("%s: emptying the engine after the failure failed too", self.name)
-            for req in live.values():
+            for req in failed:
                 loop.call_soon_threadsafe(self._answer, req, e)
+            for f in held.aborts:  # (after the answers: an abort-all returns once its requests did)
+                loop.call_soon_threadsafe(_resolve, f, [r.key for r in failed])
         finally:
             steps = eng.steps_since(first)
             eng.forget_steps(eng.steps_run)  # handed over with the generation: the engine keeps no history
@@ -278,34 +283,41 @@ class RequestBatcher:
                           dict(collections.Counter(eng.lifecycle) - counts))
 
     def _step_once(self, eng: RolloutEngine, loop: asyncio.AbstractEventLoop, live: dict[int, Request],
-                   answer: Callable[[list[Finished]], None]) -> bool:
+                   held: _Held, answer: Callable[[list[Finished]], None]) -> bool:
         """One step boundary: aborts, exits and arrivals served, then one engine step. False when the
-        engine is idle and nothing waits (the generation ends; decided under ``_mu``)."""
+        engine is idle and nothing waits (the generation ends; decided under ``_mu``). What it takes
+        from the event loop's side stays in ``held`` until served, so a failure reaches it."""
         with self._mu:
-            aborts, self._abort_all = self._abort_all, []
+            held.aborts += self._abort_all
+            self._abort_all = []
             exits, self._exits = self._exits, {}
-            take, self._pending = self._pending, []  # the engine's queue admits them (rows, blocks)
-            if not take and not eng.active:
+            held.joining += self._pending  # the engine's queue admits them (rows, blocks)
+            self._pending = []
+            if not held.joining and not eng.active:
                 if self.meter is not None:
                     self.meter.clear()
-                for f in aborts:
+                for f in held.aborts:
                     loop.call_soon_threadsafe(_resolve, f, [])
+                held.aborts = []
                 return False
-        if aborts:
+        if held.aborts:
             gone = [r.key for r in live.values()]
             answer(eng.abort(list(live)))
-            for f in aborts:
+            for f in held.aborts:
                 loop.call_soon_threadsafe(_resolve, f, gone)
+            held.aborts = []
         for reason in ("aborted", "left"):
             named = [rid for rid, r in live.items() if exits.get(r.key) == reason]
             if named:
                 answer(eng.abort(named) if reason == "aborted" else eng.leave(named))
-        for req in take:  # one by one: a request the engine refuses fails alone
+        while held.joining:  # one by one: a request the engine refuses fails alone
+            req = held.joining[0]
             try:
                 (rid,) = eng.add([req.state])
             except ValueError as e:
-                loop.call_soon_threadsafe(self._answer, req, e)
+                loop.call_soon_threadsafe(self._answer, held.joining.pop(0), e)
                 continue
+            held.joining.pop(0)
             req.rid, live[rid] = rid, req
         if eng.active:
             n_steps, t_step, joins = eng.steps_run, time.monotonic(), eng.lifecycle["joined"]
@@ -327,6 +339,14 @@ class RequestBatcher:
             made = have - len(r.state.output)  # here, from ``steps`` steps: the rest were accepted drafts
             reqs.append((r.key, have, max(made - r.steps, 0), r.state.params.max_new_tokens))
         self.meter.publish(reqs)
+
+
+@dataclasses.dataclass
+class _Held:
+    """What a generation took from the event loop's side and has not served yet (worker thread)."""
+
+    joining: list[Request] = dataclasses.field(default_factory=list)  # taken from _pending, not yet added
+    aborts: list[asyncio.Future] = dataclasses.field(default_factory=list)  # abort-alls taken, not yet resolved
 
 
 def _resolve(fut: asyncio.Future, value: Any) -> None:
