@@ -4,19 +4,22 @@ Over several epochs of a shuffled dataloader, with random finishing times and dr
 is trained exactly once per epoch (the flush at the epoch's end included), every trained group has
 exactly R0 finished responses, an epoch takes as many steps as without tail batching, and a state
 saved mid-epoch (queue not empty) goes on as if nothing had stopped. The choice takes the first P0
-prompts to finish R0 responses and never counts a dropped response.
+prompts to finish R0 responses and never counts a dropped response. The driver's end of a round
+(tail_round) resumes every replica whatever fails, with the replicas and Ray's ``get`` stood in.
 """
 
 from __future__ import annotations
 
 import pickle
 import random
+import sys
+import types
 
 import numpy as np
 import pytest
 import torch
 
-from tlt.integrations.verl.tail_batching import Choice, Done, TailBatcher, cat, choose, n_rows, take
+from tlt.integrations.verl.tail_batching import Choice, Done, Round, TailBatcher, cat, choose, n_rows, take
 
 
 class Loader:
@@ -165,3 +168,31 @@ def test_columns_take_and_cat_keep_rows_aligned():
     assert t["x"].tolist() == [5, 0, 3] and list(t["y"]) == ["f", "a", "d"]
     with pytest.raises(ValueError, match="columns"):
         cat(a, {"x": torch.arange(1)})
+
+
+def test_a_replica_whose_drop_fails_leaves_no_replica_dropping(monkeypatch):
+    """The drop reaches every replica; one fails (a timeout): the replicas that dropped must not
+    go on refusing every request, so the round's end resumes them all before it raises."""
+    pytest.importorskip("ray", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
+    from tlt.integrations.verl import tail_round
+
+    class Replica:  # a Ray actor handle's shape: replica.method.remote() -> a reference
+        def __init__(self, rank: int) -> None:
+            self.drop_requests = types.SimpleNamespace(remote=lambda: ("drop", rank))
+            self.resume_generation = types.SimpleNamespace(remote=lambda: ("resume", rank))
+
+    calls = []
+
+    def get(refs, timeout):
+        calls.append(refs)
+        if refs[0][0] == "drop":
+            raise TimeoutError("replica 1 did not drop within 300 s")
+        return [None] * len(refs)
+
+    monkeypatch.setattr(tail_round, "ray", types.SimpleNamespace(get=get))
+    monkeypatch.setattr(tail_round, "read_done", lambda want: [Done("a", 0, False, 1.0, 5)])
+    monkeypatch.setitem(sys.modules, "transfer_queue", types.SimpleNamespace())  # (nothing reaches it)
+    replicas = [Replica(0), Replica(1)]
+    with pytest.raises(TimeoutError, match="did not drop"):
+        tail_round.finish_short_round(Round("short", {}, 1, 1, 1), ["a"], lambda: replicas, poll_s=0.01)
+    assert calls == [[("drop", 0), ("drop", 1)], [("resume", 0), ("resume", 1)]]

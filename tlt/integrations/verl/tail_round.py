@@ -105,8 +105,8 @@ def finish_short_round(rnd: Round, uids: Sequence[str], servers: Callable[[], li
     if before_drop is not None:
         before_drop()
     handles = servers()
-    dropped = sum(ray.get([s.drop_requests.remote() for s in handles], timeout=300))
-    try:
+    try:  # (a replica whose drop failed leaves the others dropping every request: all resume)
+        dropped = sum(ray.get([s.drop_requests.remote() for s in handles], timeout=300))
         while not _terminal(want):
             if time.monotonic() - t_keep > timeout_s:
                 raise RuntimeError(f"tail batching: the dropped round's prompts did not all end within "
