@@ -422,6 +422,43 @@ def test_a_generation_holds_the_serving_lock_from_its_first_step_to_its_last():
     assert events[-1] == ("busy", True)  # the second generation never stepped
 
 
+@pytest.mark.parametrize("ends", ["failed", "dropped"])
+def test_a_request_that_ends_while_leaving_can_leave_again(ends):
+    """A request asked to move (``ReplicaMoves.leave``) that fails, or is dropped by tail batching,
+    before its move took effect is no longer leaving: verl resubmits it under the same id, and a
+    later move of it must not be skipped as already under way."""
+    pytest.importorskip("verl", reason="the verl extra is not installed (pip install 'tlt-rollout[verl]')")
+    from tlt.integrations.verl.moves import ReplicaMoves
+    from tlt.integrations.verl.server import TLTServer
+    from tlt.rollout.request import Finished
+
+    server = object.__new__(TLTServer)  # generate's bookkeeping without a model, Ray or an engine
+    server.forwarding = types.SimpleNamespace(stale=False)
+    server.max_len, server.response_length, server.seed, server.weight_version = 64, 16, 0, 3
+    server.model = types.SimpleNamespace(config=types.SimpleNamespace(eos_ids=(0,)))
+    server._partial, server._dropping, server.moves = {}, ends == "dropped", ReplicaMoves()
+
+    async def submit(state, key):
+        assert server.moves.leave([key], "server-2", lambda keys: keys) == []  # asked to move: under way
+        if ends == "failed":
+            raise RuntimeError("the generation failed")
+        return Finished(0, state, "aborted")
+
+    server.batcher = types.SimpleNamespace(submit=submit)
+    assert server.moves.leave(["r0"], "server-1", lambda keys: keys) == ["r0"]
+
+    async def main():
+        if ends == "failed":
+            with pytest.raises(RuntimeError, match="generation failed"):
+                await server.generate("r0", [1, 2, 3], {"temperature": 1.0})
+        else:
+            out = await server.generate("r0", [1, 2, 3], {"temperature": 1.0})
+            assert out.token_ids == [] and out.stop_reason == "tlt_dropped"
+
+    asyncio.run(main())
+    assert server.moves.leave(["r0"], "server-2", lambda keys: keys) == ["r0"] and server.moves.moved_out == 0
+
+
 def test_a_drafter_the_engine_refuses_leaves_the_previous_one_serving(monkeypatch):
     """A pushed drafter the engine refuses (no room in its memory): the replica serves its drafter
     on under the pushed version (so the push guard's read-back rejects the push), and the guard's

@@ -218,7 +218,11 @@ class TLTServer:
             state = self._partial.pop(request_id, None)
             if state is None or list(prompt_ids) != list(state.prompt + state.output):
                 state = RequestState(tuple(prompt_ids), params, seed, group=tuple(prompt_ids))
-        fin = await self.batcher.submit(state, request_id)
+        fin = None
+        try:
+            fin = await self.batcher.submit(state, request_id)
+        finally:  # answered, dropped, failed or cancelled: a move it was on is over either way
+            to = self.moves.departed(request_id, left=fin is not None and fin.reason == "left")
         if fin.reason == "aborted" and self._dropping:  # tail batching's drop: not resubmitted
             return TokenOutput(token_ids=list(fin.state.output[len(state.output):]),
                                log_probs=list(fin.state.logprobs[len(state.output):])
@@ -230,7 +234,6 @@ class TLTServer:
                 self._partial.pop(next(iter(self._partial)))
         new = len(state.output)  # a resubmission returns what it added to the partial output verl holds
         extra = {"global_steps": self.weight_version}
-        to = self.moves.departed(request_id, left=fin.reason == "left")
         if fin.reason == "left":  # moved: the client goes on at the destination with this state
             extra[MOVED_KEY] = {"to": to, "state": fin.state}
         return TokenOutput(token_ids=list(fin.state.output[new:]),
