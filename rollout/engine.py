@@ -390,6 +390,10 @@ class RolloutEngine:
         if st.done:
             raise ValueError(f"{name} already ended ({len(st.output)} of max_new_tokens="
                              f"{st.params.max_new_tokens} tokens, last {st.output[-1:]}): nothing to generate")
+        vocab = self.target.config.vocab_size
+        bad = [t for t in (*st.prompt, *st.output) if not 0 <= t < vocab]  # (an embedding lookup fails on them)
+        if bad:
+            raise ValueError(f"{name}: token ids {bad[:5]} are outside the target's vocabulary 0..{vocab - 1}")
         if len(st.prompt) + st.params.max_new_tokens + 1 > self.cfg.max_len:
             raise ValueError(f"{name}: {len(st.prompt)} prompt tokens + max_new_tokens "
                              f"{st.params.max_new_tokens} exceed EngineConfig.max_len={self.cfg.max_len}")
@@ -496,19 +500,27 @@ class RolloutEngine:
             self._plens.clear()
             self._groups.clear()
         b0 = len(self._rows)
+        before = self.sched.snapshot()
         batch = self.sched.take(n, b0)
         for rid, st in batch:
             self._reqs[rid] = _Live(st, list(st.prompt) + list(st.output), list(st.logprobs), st.handed_over)
             self._seqs[rid], self._plens[rid] = self._reqs[rid].seq, len(st.prompt)
             self._groups[rid] = st.group if st.group is not None else ("request", self._generation, rid)
-        with intended_sync(self.device):  # prefill: uploads the requests, reads the first tokens
-            tables = None
-            if self.pool is not None:  # blocks for each prompt and the pending token's slot
-                for rid, st in batch:
-                    self.pool.grow(rid, len(st.prompt) + len(st.output) + 1)
-                tables = torch.tensor(self.pool.table([rid for rid, _ in batch], self.table_width), dtype=torch.int32,
-                                      device=self.device)
-            first, first_lp, state = self._prefill([self._reqs[rid] for rid, _ in batch], b0, tables)
+        try:
+            with intended_sync(self.device):  # prefill: uploads the requests, reads the first tokens
+                tables = None
+                if self.pool is not None:  # blocks for each prompt and the pending token's slot
+                    for rid, st in batch:
+                        self.pool.grow(rid, len(st.prompt) + len(st.output) + 1)
+                    tables = torch.tensor(self.pool.table([rid for rid, _ in batch], self.table_width),
+                                          dtype=torch.int32, device=self.device)
+                first, first_lp, state = self._prefill([self._reqs[rid] for rid, _ in batch], b0, tables)
+        except BaseException:  # (e.g. out of memory) the batch waits again as it was: nothing lost, no block held
+            if self.pool is not None:
+                for rid, _ in batch:
+                    self.pool.release(rid)
+            self.sched.restore(before)
+            raise
         self._state = state if self._state is None or not self._rows else self._state.cat(state)
         self._rows += [rid for rid, _ in batch]
         fresh = [(k, [tok], [lp]) for k, (tok, lp, (_, st)) in enumerate(zip(first, first_lp, batch)) if not st.output]

@@ -27,6 +27,9 @@ class SamplingParams:
     stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+        if any(not 0 <= t < 2**63 for t in self.stop_ids):
+            raise ValueError(f"stop_ids must be token ids (0 <= id < 2**63), got {self.stop_ids}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

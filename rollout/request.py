@@ -14,6 +14,7 @@ tokens it would have drawn without the move: in fp32, and in bf16 up to near-tie
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Hashable
 
 from tlt.rollout.generate import SamplingParams
@@ -39,6 +40,8 @@ class RequestState:
         object.__setattr__(self, "logprobs", tuple(float(x) for x in self.logprobs))
         if not self.prompt:
             raise ValueError("RequestState.prompt is empty")
+        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool):
+            raise ValueError(f"RequestState.seed={self.seed!r}: an int (the coupled-sampling seed)")
         if len(self.logprobs) != len(self.output):
             raise ValueError(f"RequestState: {len(self.output)} output tokens but {len(self.logprobs)} log-probs")
         if not 0 <= self.handed_over <= len(self.output):

@@ -73,6 +73,16 @@ class Scheduler:
             self.lifecycle["joined"] += joined
         return batch
 
+    def snapshot(self) -> tuple:
+        """The queue and admission state, for :meth:`restore` if an admission fails."""
+        return (list(self.queue), self._admitted, dict(self._admitted_at), set(self._evicted), self._recomputed_now,
+                self.lifecycle.copy())
+
+    def restore(self, snap: tuple) -> None:
+        """Back to a :meth:`snapshot` (the batch taken since waits again, as it was)."""
+        queue, self._admitted, admitted_at, evicted, self._recomputed_now, lifecycle = snap
+        self.queue, self._admitted_at, self._evicted, self.lifecycle = list(queue), dict(admitted_at), set(evicted), lifecycle.copy()
+
     def victims(self, running: Sequence[int], tokens: Mapping[int, int], short: int) -> list[int]:
         """Running requests to evict, by the configured rule, to free ``short`` blocks of the paged
         cache (never the last one); ``tokens``: each one's prompt and tokens so far."""

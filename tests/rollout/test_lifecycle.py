@@ -242,6 +242,39 @@ def test_a_pool_holding_one_request_at_a_time_finishes_every_request(setup, warm
     assert eng.lifecycle["evicted"] > 0 and not eng.active and eng.pool.free == eng.pool.capacity
 
 
+def test_a_failed_admission_loses_no_request_and_holds_no_block(setup):
+    """A prefill that fails (out of memory, say) as requests join, one of them back from an
+    eviction: the batch waits again as it was, the pool holds the running rows' blocks only, and
+    once the fault is gone every request samples the uninterrupted run's tokens."""
+    model, tok, prompts = setup
+    states = _states(tok, prompts, "t1")
+    ref = _reference(model, states)
+    eng = _engine(model, "plain", None, None, paged=_paged(states))
+    real, faults = eng._prefill, []
+
+    def prefill(reqs, row0, tables=None):
+        if any(r.state.output for r in reqs) and not faults:  # a request back from an eviction joins
+            faults.append(len(reqs))
+            raise RuntimeError("out of memory")
+        return real(reqs, row0, tables)
+
+    eng._prefill = prefill
+    rids, done, steps = eng.add(states[:3]), {}, 0
+    while eng.active:
+        steps += 1
+        if steps == 4:  # the rest join a running batch (as in _join: the pool runs short)
+            rids += eng.add(states[3:])
+        waiting, running = list(eng.sched.queue), list(eng._rows)
+        try:
+            done.update((f.rid, f) for f in eng.step())
+        except RuntimeError as e:
+            assert "out of memory" in str(e)
+            assert eng.sched.queue == waiting and eng._rows == running and eng.sched.holds_evicted
+            assert eng.pool.used == sum(len(eng.pool.held(r)) for r in running)
+    assert faults and eng.pool.used == 0
+    _check([(done[r].state.output, done[r].state.logprobs) for r in rids], ref)
+
+
 class RecordingSink:
     aux_layers = ()
 
@@ -303,6 +336,14 @@ def test_lifecycle_errors_are_clear(setup):
         RequestState((1,), p, 0, output=(3,))
     with pytest.raises(ValueError, match="not running or waiting"):
         eng.leave([123])
+    vocab = model.config.vocab_size
+    for bad in ((1, vocab), (-1, 2)):  # refused at add, not failing a prefill others share
+        with pytest.raises(ValueError, match="outside the target's vocabulary"):
+            eng.add([RequestState(bad, p, 0)])
+    with pytest.raises(ValueError, match="seed"):
+        RequestState((1, 2), p, None)
+    with pytest.raises(ValueError, match="stop_ids"):
+        SamplingParams(max_new_tokens=4, stop_ids=(-1,))
     rids = eng.add([RequestState((1, 2, 3), p, s) for s in range(3)])  # one more than max_batch: it waits
     eng.step()
     assert eng.running == 2 and eng.active
