@@ -47,7 +47,7 @@ from tlt.drafter.resume_state import WarmStore
 from tlt.drafter.spot import SpotConfig, SpotTrainer
 from tlt.drafter.ttt import TTTConfig
 from tlt.ports import free_port
-from tlt.spot_agent import AgentConfig, FormationRecord, SpotAgent
+from tlt.spot_agent import AgentConfig, FormationRecord, SpotAgent, TrainingDidNotStop
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,11 @@ def _worker(i: int, cfg: SimConfig, coord_addr: str, port: int, root: str, ctl, 
         while (msg := ctl.get(timeout=600))[0] != "exit":
             step = msg[1]
             t0 = time.monotonic()
-            out.put(("busy", wid, step, agent.busy(step)))
+            try:
+                agent.busy(step)
+                out.put(("busy", wid, step, True))
+            except TrainingDidNotStop:  # the driver sees a worker still training
+                out.put(("busy", wid, step, False))
             for s in rollout_samples(step, cfg.samples_per_step):
                 buf.add(s, step)
             try:  # the rollout runs; an "exit" ends it early

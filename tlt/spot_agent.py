@@ -23,6 +23,8 @@ rollout begins. Everything between is the agent's:
   ``leader_lost`` / ``coordinator_lost`` (still idle in this rollout: the coordinator regroups it).
   Leaving on its own (``max_steps``, ``no_data``, failure) acks BUSY: nothing to train until the
   next rollout, so the coordinator does not promote it straight back.
+- ``busy()`` returns once training stopped, or raises :class:`TrainingDidNotStop` after
+  ``busy_timeout_s`` (the session still holds the device: its caller must not serve meanwhile).
 - ``busy()`` wins every race: a session it interrupts acks BUSY whatever stopped it first, and a
   PROMOTE that arrives after ``busy()`` (decided on the earlier IDLE) starts nothing; the queued
   BUSY report declines it. Each PROMOTE gets its own state, so a late thread of an earlier
@@ -47,6 +49,10 @@ from tlt.coordinator.protocol import Promote, Session, Stop
 from tlt.drafter.spot import NextBatch, PreemptFlag, SessionResult, SessionSpec, SpotTrainer
 
 log = logging.getLogger(__name__)
+
+
+class TrainingDidNotStop(RuntimeError):
+    """A session asked to stop by ``busy()`` still runs after ``AgentConfig.busy_timeout_s``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,10 +173,10 @@ class SpotAgent:
             self._step, self._idle = step, True
         self.client.report("IDLE", step)
 
-    def busy(self, step: int) -> bool:
+    def busy(self, step: int) -> None:
         """Rollout of ``step`` begins: stop training (checkpointed) if any, then report BUSY.
-        Returns False if a session did not stop within ``busy_timeout_s``: it is left running and
-        acks BUSY itself when it ends (nothing is reported now)."""
+        :class:`TrainingDidNotStop` if a session did not stop within ``busy_timeout_s``: it is left
+        running and acks BUSY itself when it ends (nothing is reported now)."""
         with self._cond:
             self._idle = False  # a PROMOTE racing this call is refused (the BUSY below declines it)
             cur = self._cur if self._running() else None
@@ -182,12 +188,11 @@ class SpotAgent:
         if cur is not None:
             cur.thread.join(self.cfg.busy_timeout_s)
             if cur.thread.is_alive():
-                log.error("worker %s: training did not stop within %.0fs", self.worker_id,
-                          self.cfg.busy_timeout_s)
-                return False
+                raise TrainingDidNotStop(f"worker {self.worker_id}: spot session {cur.promote.session} did not stop "
+                                         f"within busy_timeout_s={self.cfg.busy_timeout_s:.0f}s; it still holds "
+                                         "the device (it acks BUSY when it ends)")
         self._step = step
         self.client.report("BUSY", step)
-        return True
 
     @property
     def training(self) -> bool:
@@ -195,7 +200,10 @@ class SpotAgent:
             return self._running()
 
     def close(self) -> None:
-        self.busy(self._step)
+        try:
+            self.busy(self._step)
+        except TrainingDidNotStop:  # (a daemon thread: it goes with the process)
+            log.exception("worker %s: closing with a session still running", self.worker_id)
         self.client.close()
 
     def __enter__(self) -> SpotAgent:

@@ -14,12 +14,12 @@ import time
 import pytest
 
 from tlt.coordinator import Coordinator, CoordinatorConfig, PromotionConfig, WorkerConfig
-from tlt.coordinator.protocol import Promote, Role, Stop
+from tlt.coordinator.protocol import Promote, Role, Session, Stop
 from tlt.drafter.checkpoint import latest
 from tlt.drafter.spot import SpotTrainer
 from tlt.ports import free_port
 from simloop import SimConfig, rollout_samples, target
-from tlt.spot_agent import AgentConfig, SpotAgent, rendezvous_endpoint
+from tlt.spot_agent import AgentConfig, SpotAgent, TrainingDidNotStop, rendezvous_endpoint
 
 HB = 0.05
 
@@ -120,14 +120,14 @@ def test_promote_racing_busy_is_declined_and_busy_overrides_the_ack(tmp_path):
     by leader_lost acks BUSY, not IDLE, once busy() has been called."""
     agent, reports = _spied(tmp_path, formation_wait_s=30)
     agent.idle(0)
-    assert agent.busy(1)
+    agent.busy(1)
     agent._on_command(_promote(5))
     assert not agent.training and reports == [("IDLE", 0, True), ("BUSY", 1, True)]
 
     agent.idle(1)
     agent._on_command(_promote(6))
     agent._on_command(Stop(session=6, step=1, reason="leader_lost", deadline_ms=1000))
-    assert agent.busy(2)
+    agent.busy(2)
     assert reports[-2:] == [("BUSY", 1, True), ("BUSY", 2, True)], reports
 
 
@@ -154,3 +154,40 @@ def test_a_session_thread_runs_at_the_configured_nice_value(tmp_path):
         assert not agent.training
     assert seen == [max(19, own), own]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+
+
+def test_a_session_that_does_not_stop_in_time_is_an_error_not_a_busy_replica(tmp_path):
+    """A trainer blocked where it cannot see the stop (a collective waiting on a dead peer): busy()
+    raises after busy_timeout_s instead of letting the replica serve beside the session, reports
+    nothing, and the session acks BUSY itself once it ends."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Stuck:
+        def run(self, next_batch, flag):
+            entered.set()
+            release.wait(30)
+            raise RuntimeError("the collective timed out")
+
+    agent, reports = _spied(tmp_path, formation_wait_s=30, busy_timeout_s=0.2)
+    agent._make_trainer = lambda spec: Stuck()
+    agent.idle(0)
+    agent._on_command(_promote())
+    agent._on_command(Session(session=4, epoch=1, members=("w0",)))
+    assert entered.wait(10)
+    with pytest.raises(TrainingDidNotStop, match="did not stop within busy_timeout_s=0s"):
+        agent.busy(1)
+    assert agent.training and reports == [("IDLE", 0, True)]
+    release.set()
+    agent._cur.thread.join(5)
+    assert not agent.training and reports[-1][0] == "BUSY"
+
+
+def test_the_replicas_agent_waits_out_a_sessions_slowest_stop():
+    """The verl replica's agent: busy() outlasts a collective blocked for the group's whole timeout,
+    then the final checkpoint's collective as long again."""
+    from tlt.integrations.verl.config import TLTConfig
+    from tlt.integrations.verl.spot_wiring import agent_config, spot_config
+
+    cfg = TLTConfig.from_mapping({})
+    spot = spot_config(cfg, seed=0)
+    assert agent_config(cfg, spot).busy_timeout_s > 2 * spot.timeout_s

@@ -67,6 +67,15 @@ def spot_config(cfg: TLTConfig, seed: int) -> SpotConfig:
                       preempt_s=s.preempt_s, ttt=TTTConfig(steps=s.ttt_steps), seed=seed)
 
 
+def agent_config(cfg: TLTConfig, spot: SpotConfig):
+    """The spot agent's settings. ``busy()`` waits out a session's slowest stop: a collective
+    blocked on a dead peer returns at the group's ``timeout_s``, the final checkpoint's collective
+    may wait as long again, then the save; the replica never serves while a session runs."""
+    from tlt.spot_agent import AgentConfig
+
+    return AgentConfig(port_span=PORT_SPAN, nice=cfg.spot.nice, busy_timeout_s=2 * spot.timeout_s + 60)
+
+
 def start_spot_agent(*, cfg: TLTConfig, rank: int, seed: int, model: TargetModel, drafter_cfg: DrafterConfig,
                      buffer: DataBuffer, spot_root: str, coordinator: str, node_ip: str, base_port: int,
                      on_record: Callable, spot_rate: Callable[[], float | None], warm_store: WarmStore,
@@ -74,7 +83,7 @@ def start_spot_agent(*, cfg: TLTConfig, rank: int, seed: int, model: TargetModel
     """This replica's spot agent, connected to the coordinator and idle until told otherwise;
     sessions train on ``device`` (default: the model's) and resume from ``warm_store`` (the replica's)."""
     from tlt.coordinator import WorkerConfig
-    from tlt.spot_agent import AgentConfig, SpotAgent
+    from tlt.spot_agent import SpotAgent
 
     spot = spot_config(cfg, seed)
 
@@ -94,5 +103,5 @@ def start_spot_agent(*, cfg: TLTConfig, rank: int, seed: int, model: TargetModel
                           heartbeat_interval_s=cc.heartbeat_s, liveness=cc.liveness,
                           reconnect_initial_s=cc.heartbeat_s, reconnect_max_s=8 * cc.heartbeat_s)
     agent = SpotAgent(worker, make_trainer=make_trainer, batches=batches, on_record=on_record,
-                      config=AgentConfig(port_span=PORT_SPAN, nice=cfg.spot.nice))
+                      config=agent_config(cfg, spot))
     return agent.start(0)
