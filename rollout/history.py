@@ -33,15 +33,17 @@ _HISTORY_STAMP = -(1 << 40)  # history stamps count up from here: older than eve
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HistoryConfig:
-    visits: int = 2  # a prompt's responses from its last this many rollouts (the policy moves: older mislead)
+    visits: int = 2  # a prompt's responses from its last this many rollouts (the policy moves: older mislead); 0: none
     per_prompt: int = 32  # at most this many of a prompt's responses, newest kept
     max_prompts: int = 4096  # prompts kept; the least recently visited goes first
     global_tokens: int = 8192  # recent responses across prompts (0: no global pool)
 
     def __post_init__(self) -> None:
-        for name in ("visits", "per_prompt", "max_prompts"):
+        for name in ("per_prompt", "max_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"HistoryConfig.{name}={getattr(self, name)}: use >= 1")
+        if self.visits < 0:
+            raise ValueError(f"HistoryConfig.visits={self.visits}: use >= 0 (0: no per-prompt history)")
         if self.global_tokens < 0:
             raise ValueError(f"HistoryConfig.global_tokens={self.global_tokens}: use >= 0 (0: no global pool)")
 
@@ -76,14 +78,15 @@ class ResponseHistory:
             if not resp:
                 continue
             resp = list(key[-self.suffix.max_n:]) + resp
-            q = self._by_prompt.pop(key, None) or collections.deque()  # re-inserted: last visited last
-            q.append((step, resp))
-            visits = sorted({s for s, _ in q})[-cfg.visits:]
-            while len(q) > cfg.per_prompt or q[0][0] < visits[0]:
-                q.popleft()
-            self._by_prompt[key] = q
+            if cfg.visits:
+                q = self._by_prompt.pop(key, None) or collections.deque()  # re-inserted: last visited last
+                q.append((step, resp))
+                visits = sorted({s for s, _ in q})[-cfg.visits:]
+                while len(q) > cfg.per_prompt or q[0][0] < visits[0]:
+                    q.popleft()
+                self._by_prompt[key] = q
+                touched.add(key)
             self._recent.append((step, resp))
-            touched.add(key)
             added += 1
         while len(self._by_prompt) > cfg.max_prompts:
             touched.add(next(iter(self._by_prompt)))
@@ -114,7 +117,9 @@ class ResponseHistory:
 
     def pairs(self) -> list[tuple[int, list[int], list[int]]]:
         """Everything kept per prompt, as (step, prompt, response) in step order: what a restarted
-        replica needs to rebuild this history (``add`` them back step by step, in this order)."""
+        replica needs to rebuild this history (``add`` them back step by step, in this order). The
+        global pool is rebuilt from them too; with ``visits=0`` there are none, and a restarted
+        replica's pool refills from the next step's responses."""
         cut = self.suffix.max_n
         return sorted(((s, list(k), r[min(cut, len(k)):]) for k, q in self._by_prompt.items() for s, r in q),
                       key=lambda x: x[0])

@@ -48,9 +48,24 @@ def test_history_keeps_each_prompts_last_visits_however_long_ago_bounded_everywh
     h.add(11, [(r, [30])])  # a third prompt: the least recently visited one (p) goes
     assert {tuple(k) for _, k, _ in h.pairs()} == {tuple(q), tuple(r)}
     assert h.sources(tuple(p)) == [h.sources(tuple(r))[-1]]  # p drafts from the global pool only
-    for bad in ({"visits": 0}, {"per_prompt": 0}, {"max_prompts": 0}):
+    for bad in ({"visits": -1}, {"per_prompt": 0}, {"max_prompts": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             HistoryConfig(**bad)
+
+
+def test_the_global_pool_drafts_without_per_prompt_history():
+    """visits=0 (no prompt's own responses) leaves the pool across prompts on, as the verl keys
+    ``history_visits: 0`` and ``history_global_tokens`` say; both 0: no history at all."""
+    from tlt.integrations.verl.config import TLTConfig
+
+    h = ResponseHistory(HistoryConfig(visits=0, global_tokens=40))
+    h.add(1, [([1, 2, 3], [10, 11]), ([4, 5], [20])])
+    assert h.pairs() == [] and h.stats()["global_tokens"] > 0
+    assert len(h.sources((1, 2, 3))) == 1 and h.sources((1, 2, 3)) == h.sources((9,))  # the pool only
+    spec = TLTConfig.from_mapping({"speculation": {"history_visits": 0}}).speculation
+    assert spec.history_config() == HistoryConfig(visits=0, global_tokens=8192)
+    both = {"speculation": {"history_visits": 0, "history_global_tokens": 0}}
+    assert TLTConfig.from_mapping(both).speculation.history_config() is None
 
 
 @pytest.fixture(scope="module")

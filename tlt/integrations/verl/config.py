@@ -57,7 +57,7 @@ class SpeculationSection:
 
     def history_config(self) -> HistoryConfig | None:
         """The suffix drafter's history bounds (None: no history)."""
-        if not self.history_visits:
+        if not self.history_visits and not self.history_global_tokens:
             return None
         return HistoryConfig(visits=self.history_visits, global_tokens=self.history_global_tokens)
 
