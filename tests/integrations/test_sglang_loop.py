@@ -197,3 +197,5 @@ def test_one_request_aborts_with_its_partial_output_and_resumes_token_for_token(
     aborts = [c for c in r["calls"] if c["endpoint"] == "abort_request"]
     assert [c["body"] for c in aborts] == [{"rid": "a", "abort_all": False}]
     assert not [c for c in r["calls"] if "error" in c]
+    # each posted once, though each ran past the client's (shrunk) default timeout
+    assert [c["rid"] for c in r["calls"] if c["endpoint"] == "generate"] == ["ref", "a", "a"]

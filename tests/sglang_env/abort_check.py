@@ -34,6 +34,13 @@ def main(site: str, model: str, max_len: str, out_dir: str) -> None:
     from tlt.integrations.verl.sglang_push import TLTHttpEngine
     from tlt.integrations.verl.replica_core import ReplicaCore
     from tlt.integrations.verl.sglang_server import TLTSGLangServer
+    from verl.workers.rollout.sglang_rollout.http_server_engine import AsyncHttpServerAdapter
+
+    # verl's client times a request out (60 s) and posts it again: every request here runs longer
+    # than a default shrunk to 50 ms, so a /generate left on the default would be posted again
+    defaults = list(AsyncHttpServerAdapter._make_async_request.__defaults__)  # (payload, method, timeout, only_master)
+    defaults[2] = 0.05
+    AsyncHttpServerAdapter._make_async_request.__defaults__ = tuple(defaults)
 
     out = Path(out_dir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}

@@ -65,6 +65,11 @@ from tlt.integrations.verl.tail_batching import DROPPED
 
 log = logging.getLogger(__name__)
 
+# A rollout request runs as long as its tokens take (minutes at the tail). verl's client times a
+# request out at 60 s and posts it again under the same rid (which SGLang refuses as a duplicate):
+# /generate waits this long instead, so it never does.
+GENERATE_TIMEOUT_S = 24 * 3600.0
+
 
 class TLTSGLangServer(SGLangHttpServer):
     """The Ray actor of one SGLang replica (``ray.remote`` is applied by the replica class)."""
@@ -168,7 +173,7 @@ class TLTSGLangServer(SGLangHttpServer):
             sp["sampling_seed"] = sp.pop("seed")
         logprob = bool(sp.pop("logprobs", False))
         body = {"rid": request_id, "input_ids": prompt_ids, "sampling_params": sp, "return_logprob": logprob}
-        out = await self.http._make_async_request("generate", body)
+        out = await self.http._make_async_request("generate", body, timeout=GENERATE_TIMEOUT_S)
         meta = out.get("meta_info", {})
         tokens = list(out.get("output_ids", []))
         self.core.stats.request(tokens=len(tokens), verifies=int(meta.get("spec_verify_ct", 0) or 0), eagle=self.eagle)
