@@ -94,6 +94,8 @@ def test_plugin_inside_sglang(version, model_path, tmp_path):
     # the push guard's read-back: the draft model's weights by name, the target's otherwise
     rb = r["readback"]
     assert rb["draft"] == rb["want"] and len(rb["want"]) == 4 and rb["target"] == [7.0]
+    if version == "0.5.12":  # the worker SGLang builds for a tlt run's EAGLE arguments (spec v2)
+        assert rb["worker"] == "EAGLEWorkerV2"
 
 
 def test_plugin_failure_stops_the_process(tmp_path):

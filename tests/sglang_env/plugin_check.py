@@ -168,11 +168,16 @@ def _speculation(version: str, model: str) -> dict:
     return out
 
 
-def _readback(version: str) -> dict:
+def _readback(version: str, model: str) -> dict:
     """The hooked get_weights_by_name reads ``tlt.draft/<name>`` from the draft model, anything else
-    from SGLang's own code (the target)."""
+    from SGLang's own code (the target). 0.5.12: on the draft worker class SGLang builds from a tlt
+    run's EAGLE arguments (``worker``: its name), its draft runner set where SGLang puts it."""
     import torch
     from sglang.srt.managers.io_struct import GetWeightsByNameReqInput
+    from sglang.srt.server_args import ServerArgs
+
+    from tlt.integrations.sglang import launch
+    from tlt.integrations.verl.config import TLTConfig
 
     if version == "0.5.23":
         from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager as owner
@@ -181,13 +186,26 @@ def _readback(version: str) -> dict:
     draft = torch.nn.Module()
     draft.fc = torch.nn.Linear(3, 2, bias=False)
     runner = types.SimpleNamespace(model=torch.nn.ModuleDict({"model": draft}))
-    worker = (types.SimpleNamespace(weight_update_runners=lambda: [("draft", runner)]) if version == "0.5.23"
-              else types.SimpleNamespace(draft_model_runner=runner))
+    if version == "0.5.23":
+        worker = types.SimpleNamespace(weight_update_runners=lambda: [("draft", runner)])
+    else:
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        cfg = TLTConfig.from_mapping({"drafter": {"init_path": model}})
+        args = ServerArgs(model_path=model, device="cuda", **launch.server_args(
+            cfg, version=version, drafter_path=model, max_running_requests=128))
+        cls = SpeculativeAlgorithm.from_string(args.speculative_algorithm).create_worker(args)
+        worker = object.__new__(cls)  # (its constructor loads the models on a GPU)
+        if hasattr(cls, "draft_model_runner"):  # EAGLEWorker: itself the draft's model worker
+            worker.model_runner = runner
+        else:  # EAGLEWorkerV2: its EagleDraftWorker holds the draft's runner
+            worker._draft_worker = types.SimpleNamespace(draft_runner=runner)
     target = types.SimpleNamespace(get_weights_by_name=lambda req: [7.0])
     me = types.SimpleNamespace(draft_worker=worker, tp_worker=target)
     got = owner.get_weights_by_name(me, GetWeightsByNameReqInput(name="tlt.draft/model.fc.weight", truncate_size=4))
     other = owner.get_weights_by_name(me, GetWeightsByNameReqInput(name="model.fc.weight", truncate_size=4))
-    return {"draft": got.parameter, "want": draft.fc.weight.flatten()[:4].tolist(), "target": other.parameter}
+    return {"draft": got.parameter, "want": draft.fc.weight.flatten()[:4].tolist(), "target": other.parameter,
+            "worker": type(worker).__name__}
 
 
 def _refused(fn) -> str | None:
@@ -292,7 +310,7 @@ def main(site: str, out_path: str, model: str, trace_path: str, *flags: str) -> 
     result["guard"] = _guard(version, model)
     result["speculation"] = _speculation(version, model)
     result["idle"] = _idle()
-    result["readback"] = _readback(version)
+    result["readback"] = _readback(version, model)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=2, default=str)
 

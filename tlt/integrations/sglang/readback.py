@@ -16,14 +16,18 @@ PREFIX = "tlt.draft/"
 
 
 def draft_models(draft_worker: Any) -> list:
-    """The draft model(s) of an SGLang speculative worker (0.5.12 EAGLEWorker, 0.5.23 workers
-    with ``weight_update_runners``); [] for none (NGRAM, no speculation)."""
+    """The draft model(s) of an SGLang speculative worker (0.5.23 workers with
+    ``weight_update_runners``; 0.5.12's EAGLEWorkerV2, the default for EAGLE with the overlap
+    scheduler, through its draft worker's ``draft_runner``; 0.5.12's EAGLEWorker); [] for none (NGRAM,
+    no speculation)."""
     if draft_worker is None:
         return []
     runners = getattr(draft_worker, "weight_update_runners", None)
     if callable(runners):
         return [r.model for _, r in runners()]
-    runner = getattr(draft_worker, "draft_model_runner", None) or getattr(draft_worker, "model_runner", None)
+    inner = getattr(draft_worker, "draft_worker", None)  # (a V2 worker holds no runner of its own)
+    runner = (getattr(inner, "draft_runner", None) or getattr(draft_worker, "draft_model_runner", None)
+              or getattr(draft_worker, "model_runner", None))
     return [runner.model] if runner is not None else []
 
 
