@@ -96,6 +96,8 @@ def test_plugin_inside_sglang(version, model_path, tmp_path):
     assert rb["draft"] == rb["want"] and len(rb["want"]) == 4 and rb["target"] == [7.0]
     if version == "0.5.12":  # the worker SGLang builds for a tlt run's EAGLE arguments (spec v2)
         assert rb["worker"] == "EAGLEWorkerV2"
+    # an NGRAM run's draft history: SGLang keeps the tokenizer its external corpus encodes with
+    assert r["corpus"] == {"skip_tokenizer_init": False, "success": True, "message": r["corpus"]["message"], "chunks": 2}
 
 
 def test_plugin_failure_stops_the_process(tmp_path):

@@ -168,6 +168,49 @@ def _speculation(version: str, model: str) -> dict:
     return out
 
 
+def _corpus(version: str, model: str) -> dict:
+    """A tlt NGRAM run's draft history reaches SGLang's external corpus: the arguments it launches
+    with (over verl's, which skip SGLang's tokenizer) keep the tokenizer that SGLang's own
+    ``add_external_corpus`` encodes the documents with. The TokenizerManager is stood in: its
+    tokenizer is None under ``skip_tokenizer_init``, as SGLang's constructor leaves it."""
+    import asyncio
+
+    from sglang.srt.managers import tokenizer_control_mixin as control
+    from sglang.srt.managers.io_struct import AddExternalCorpusReqInput, AddExternalCorpusReqOutput
+    from sglang.srt.server_args import ServerArgs
+    from transformers import AutoTokenizer
+
+    from tlt.integrations.sglang import launch
+    from tlt.integrations.verl.config import TLTConfig
+
+    ours = launch.server_args(TLTConfig.from_mapping({"sglang": {"algorithm": "ngram"}}), version=version,
+                              drafter_path=None, max_running_requests=128)
+    args = ServerArgs(model_path=model, device="cuda", **{"skip_tokenizer_init": True, **ours})  # verl's order
+    if version == "0.5.23":
+        args.resolve_once()
+        from sglang.srt.arg_groups.overrides import resolution_result
+
+        skip = resolution_result(args, "skip_tokenizer_init")
+    else:
+        skip = args.skip_tokenizer_init
+    spec = types.SimpleNamespace(speculative_algorithm="NGRAM", speculative_ngram_external_corpus_max_tokens=10**6)
+    sent = []
+
+    async def communicator(obj):
+        sent.append(obj.token_chunks)
+        return [AddExternalCorpusReqOutput(success=True, corpus_id=obj.corpus_id,
+                                           loaded_token_count=sum(map(len, obj.token_chunks)))]
+
+    manager = types.SimpleNamespace(tokenizer=None if skip else AutoTokenizer.from_pretrained(model),
+                                    auto_create_handle_loop=lambda: None, server_args=spec,
+                                    add_external_corpus_communicator=communicator)
+    control.get_spec = lambda: spec  # (0.5.23 reads the server's spec through it)
+    body = {"corpus_id": "tlt-step-3", "documents": ["12 + 7 = 19", "3 * 4 = 12"]}  # TLTHttpEngine's body
+    out = asyncio.run(control.TokenizerControlMixin.add_external_corpus(manager, AddExternalCorpusReqInput(**body)))
+    return {"skip_tokenizer_init": skip, "success": out.success, "message": out.message,
+            "chunks": len(sent[0]) if sent else 0}
+
+
 def _readback(version: str, model: str) -> dict:
     """The hooked get_weights_by_name reads ``tlt.draft/<name>`` from the draft model, anything else
     from SGLang's own code (the target). 0.5.12: on the draft worker class SGLang builds from a tlt
@@ -311,6 +354,7 @@ def main(site: str, out_path: str, model: str, trace_path: str, *flags: str) -> 
     result["speculation"] = _speculation(version, model)
     result["idle"] = _idle()
     result["readback"] = _readback(version, model)
+    result["corpus"] = _corpus(version, model)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=2, default=str)
 

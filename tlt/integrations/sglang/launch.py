@@ -96,8 +96,9 @@ def server_args(tlt, *, version: str, drafter_path: str | None, max_running_requ
     """SGLang server arguments for one replica of this run (``drafter_path``: the SGLang-format
     drafter the servers start with; None with ``algorithm=ngram``)."""
     p = plan(tlt, version)
-    if p == "ngram":
-        return speculation_args(None, max_running_requests=max_running_requests)
+    if p == "ngram":  # SGLang encodes the draft history's documents with its own tokenizer, which
+        # verl's default (skip_tokenizer_init) leaves out: every /add_external_corpus would fail
+        return {**speculation_args(None, max_running_requests=max_running_requests), "skip_tokenizer_init": False}
     if not drafter_path:
         raise ValueError(f"plan {p}: an exported drafter directory is needed")
     args = speculation_args(drafter_path, max_running_requests=max_running_requests)
