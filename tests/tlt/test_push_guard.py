@@ -65,3 +65,50 @@ def test_soft_check_judges_the_pending_push_against_its_heldout_accept_length():
 def test_guard_config_names_the_bad_value(kw, match):
     with pytest.raises(ValueError, match=match):
         GuardConfig(**kw)
+
+
+def test_a_replica_pushed_its_drafter_again_rolls_back_with_the_others(monkeypatch, tmp_path):
+    """A replica that lost its drafter across a memory release/resume gets the accepted step again
+    (same version); a later soft rejection of that step sends every replica back to the drafter they
+    all served before it, not the lost one to the rejected step. Real pusher and replica drafter
+    records; the replicas' engines, Ray and the checkpoints are stood in."""
+    import types
+
+    import ray
+
+    from tlt.integrations.verl import drafter_push
+    from tlt.integrations.verl.replica_core import DrafterVersions
+
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
+    monkeypatch.setattr(drafter_push, "latest", lambda root: 1)  # spot step 1 is committed
+    monkeypatch.setattr(drafter_push, "pin", lambda root, steps: None)
+    monkeypatch.setattr(drafter_push, "_expected", lambda root, step, served: f"step{step}")
+
+    class Replica:  # what a replica records (DrafterVersions) and what its engine runs
+        def __init__(self):
+            self.drafters, self.engine = DrafterVersions(served="start"), "start"
+            for name in ("load_drafter", "rollback_drafter", "served_drafter"):
+                setattr(self, name, types.SimpleNamespace(remote=getattr(self, "_" + name)))
+
+        def _load_drafter(self, version, step=None):
+            self.engine = step
+            self.drafters.push(step, version)
+            return version
+
+        def _rollback_drafter(self, version):
+            if self.drafters.rollback(version):
+                self.engine = self.drafters.served
+            return version
+
+        def _served_drafter(self):
+            return {"digest": None if self.engine == "start" else f"step{self.engine}", "dtype": "torch.float32"}
+
+    replicas = [Replica(), Replica()]
+    pusher = drafter_push.DrafterPusher(lambda: replicas, GuardConfig(fraction=0.25, min_verifies=32))
+    pusher.step_end(str(tmp_path), [])  # step 1 pushed, served as pushed
+    replicas[1].engine = "start"  # its draft weights lost across a release/resume
+    pusher.step_end(str(tmp_path), [{"heldout": [(1, 3.0)], "eagle_verifies": 10, "eagle_committed": 12}])  # no verdict yet
+    assert [r.engine for r in replicas] == [1, 1] and pusher.repushed == 1
+    pusher.step_end(str(tmp_path), [{"eagle_verifies": 100, "eagle_committed": 100}])  # step 1 drafts below its held-out figure
+    assert pusher.accepted is None and [r.engine for r in replicas] == ["start", "start"]
+    assert [r.drafters.version for r in replicas] == [pusher.version] * 2

@@ -39,7 +39,10 @@ class DrafterVersions:
         self.previous: tuple[Any, int] | None = None  # (served, version) before the last push
 
     def push(self, served: Any, version: int) -> None:
-        self.previous = (self.served, self.version)
+        """Serve ``served`` as ``version``. The same version again (the driver's re-push to a replica
+        that lost it) keeps ``previous``: a rollback then restores what every replica served before."""
+        if version != self.version or self.previous is None:
+            self.previous = (self.served, self.version)
         self.served, self.version = served, version
 
     def rollback(self, version: int) -> bool:
