@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -79,7 +80,7 @@ def test_the_tlt_trainer_with_tlt_off_is_verls_sync_trainer(monkeypatch, tmp_pat
     calls: list = []
     hooks = {"prepare_step": (), "on_sample_end": (), "on_step_end": (), "_init_resource_pool_mgr": (),
              "_build_replay_buffer": (), "_next_train_batch": (4,), "_balance_batch": ("batch", {}),
-             "_compute_old_log_prob": ("batch", {}), "_compute_metrics": ("batch", {}, {}, 1, 0),
+             "_compute_old_log_prob": ("batch", {}), "step": ({}, {}), "_compute_metrics": ("batch", {}, {}, 1, 0),
              "fit": ("agent_loop_manager",)}
     for name in hooks:
         monkeypatch.setattr(PPOTrainerSync, name, lambda self, *a, _n=name, **k: calls.append((_n, a)) or f"verl:{_n}")
@@ -96,3 +97,52 @@ def test_the_tlt_trainer_with_tlt_off_is_verls_sync_trainer(monkeypatch, tmp_pat
     assert trainer._consolidator is None and trainer._rounds is None and trainer._step_extra == {}
     assert trainer._window.stats == [] and trainer._resume.folder is None and not trainer._records.failures
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_holds_the_draft_history_of_its_own_step(monkeypatch, tmp_path):
+    """verl's ``fit`` runs step, its checkpoint, ``on_step_end`` (TLT's resume state), then
+    ``_compute_metrics``: the step's responses join the draft history in ``step``, so the TLT state
+    saved with ``global_step_N`` holds steps 1..N (a resume drafts from step N's responses too).
+    The tlt trainer's own hooks run; verl's below them, Ray and the replicas are stood in."""
+    import ray
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from tlt.integrations.verl import resume, runtime
+    from tlt.integrations.verl.config import TLTConfig
+    from tlt.integrations.verl.drafter_push import DrafterPusher
+    from tlt.integrations.verl.history_log import read_history
+    from tlt.integrations.verl.run_records import RunRecords
+    from tlt.integrations.verl.step_metrics import RolloutWindow
+    from tlt.integrations.verl.trainer import TLTTrainer
+    from tlt.push_guard import GuardConfig
+
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
+    for name in ("on_step_end", "_compute_metrics", "_save_checkpoint"):
+        monkeypatch.setattr(PPOTrainerSync, name, lambda self, *a, **k: None)
+    monkeypatch.setattr(PPOTrainer, "step", lambda self, metrics, timing_raw: "batch")
+
+    class Replica:  # a Ray actor handle's shape: replica.method.remote(...) -> the result
+        def __init__(self):
+            self.tuner_state = types.SimpleNamespace(remote=lambda: None)
+            self.add_history = types.SimpleNamespace(remote=lambda step, pairs: len(pairs))
+
+    t = object.__new__(TLTTrainer)  # the hooks without verl's constructor (workers, datasets)
+    t.tlt, t.timing_raw, t._uid_index, t._step_extra, t._rounds = TLTConfig(), {}, {}, {}, None
+    t.config = types.SimpleNamespace(trainer=types.SimpleNamespace(default_local_dir=str(tmp_path)))
+    replicas = [Replica(), Replica()]
+    t._servers = lambda: replicas
+    t._records = RunRecords(tmp_path / "tlt_steps.jsonl")
+    t._pusher, t._resume, t._window = DrafterPusher(t._servers, GuardConfig()), resume.ResumePoint(), RolloutWindow()
+    t._coordinator = types.SimpleNamespace(driver=None)
+    t._step_responses = lambda batch: ([f"u{t.global_steps}_0_0"], [[1, 2]], [[10 + t.global_steps]])
+    runtime.publish(runtime.Runtime(tlt=t.tlt, coordinator_address=None, spot_root=str(tmp_path / "spot"),
+                                    run_dir=str(tmp_path)))
+    for step in (1, 2, 3):  # fit()'s order, a checkpoint every step
+        t.global_steps = step
+        t.step({}, {})
+        t._save_checkpoint()
+        t.on_step_end()
+        t._compute_metrics("batch", {}, {}, step, 0)
+    for step in (1, 2, 3):
+        assert list(read_history(tmp_path / f"global_step_{step}" / "tlt" / "history.jsonl")) == list(range(1, step + 1))

@@ -97,6 +97,7 @@ class TLTTrainer(PPOTrainerSync):
         self._uid_index: dict[str, int] = {}  # prompt uid -> dataset index, this step's batch
         self._step_requests = 0  # the rollout's requests (the consolidator's estimate)
         self._step_extra: dict = {}  # the step record's fields besides the metrics
+        self._step_data: tuple | None = None  # the step's (keys, prompts, responses), read once by step()
         if not self.tlt.enable:
             return
         tc = self.tlt.tail.consolidate
@@ -320,6 +321,18 @@ class TLTTrainer(PPOTrainerSync):
             log.exception("tlt: could not read the workers' dropped feeds")
             return 0
 
+    def step(self, metrics, timing_raw):
+        """verl's step; then its responses join the draft history, before the step's checkpoint
+        (verl's, then TLT's in :meth:`on_step_end`) saves the history as of this step."""
+        batch = super().step(metrics, timing_raw)
+        self._step_data = None
+        if self.tlt.enable:  # a record or a draft source, not the run: the step goes on either way
+            self._step_data = self._records.counted("responses", self._step_responses, batch)
+            if self._step_data is not None:
+                _, prompts, responses = self._step_data
+                self._records.counted("history", self._push_history, prompts, responses, self.global_steps)
+        return batch
+
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         out = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         if self.tlt.enable:
@@ -327,12 +340,10 @@ class TLTTrainer(PPOTrainerSync):
                 k: v for k, v in metrics.items() if k.startswith((
                     "tlt/", "rollout/spec", "timing_s/", "critic/score", "critic/rewards", "response_length/",
                     "training/rollout_probs"))}, **self._step_extra})
-            got = self._records.counted("responses", self._step_responses, batch)
-            if got is not None:  # a record or a draft source, not the run: the step goes on either way
-                keys, prompts, responses = got
+            if self._step_data is not None:
+                keys, _, responses = self._step_data
                 self._records.counted("record", self._records.write_responses, keys, responses, global_steps,
                                       self._uid_index)
-                self._records.counted("history", self._push_history, prompts, responses, global_steps)
             self._uid_index.clear()
         return out
 
