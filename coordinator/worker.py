@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import numbers
 import queue
 import re
 import secrets
@@ -41,6 +42,7 @@ from typing import Union
 import zmq
 
 from tlt.coordinator.protocol import (
+    MAX_INT,
     MAX_WIRE_BYTES,
     Disconnect,
     Heartbeat,
@@ -126,7 +128,7 @@ class WorkerClient:
     def start(self, state: WorkerState | str = BUSY, step: int = 0) -> WorkerClient:
         if self._thread is not None:
             raise RuntimeError("WorkerClient.start() called twice")
-        self.state, self.step = self._reportable(state), step
+        self.state, self.step = self._reportable(state), self._step(step)
         wake = self._ctx.socket(zmq.PAIR)
         wake.bind(self._wake_addr)
         self._poke = self._ctx.socket(zmq.PAIR)
@@ -139,7 +141,7 @@ class WorkerClient:
     def report(self, state: WorkerState | str, step: int | None = None, *, ok: bool = True) -> None:
         """Report a transition to BUSY or IDLE (never blocks). From TRAINING it means "stopped";
         ``ok=False`` says the checkpoint failed."""
-        self._reports.append((self._reportable(state), step, ok))
+        self._reports.append((self._reportable(state), None if step is None else self._step(step), ok))
         self._wake()
 
     def wait_connected(self, timeout_s: float) -> bool:
@@ -170,6 +172,14 @@ class WorkerClient:
             raise ValueError(f"state={s.value}: workers report BUSY or IDLE (TRAINING comes from a "
                              "PROMOTE, LOST is the coordinator's verdict)")
         return s
+
+    @staticmethod
+    def _step(step: object) -> int:
+        """An RL step as the wire carries it (checked here: past this call, a step the message
+        cannot carry would drop the connection on the client thread, and the report with it)."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or not 0 <= step <= MAX_INT:
+            raise ValueError(f"step={step!r}: an int in 0..2**53 (the RL step)")
+        return int(step)
 
     def _wake(self) -> None:
         with self._poke_lock:

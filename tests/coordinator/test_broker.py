@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tlt.coordinator import CoordinatorConfig, DriverClient, WorkerConfig, WorkerState
+from tlt.coordinator import CoordinatorConfig, DriverClient, WorkerClient, WorkerConfig, WorkerState
 from tlt.coordinator import protocol as P
 from tlt.coordinator.protocol import Promote, Stop
 
@@ -89,6 +89,26 @@ def test_reconnect_backoff_is_capped_and_report_never_blocks(make_worker, make_c
     make_coordinator(bind=f"tcp://127.0.0.1:{port}")
     assert w.wait_connected(3)
     assert w._backoff == HB             # reset by WELCOME
+
+
+def test_a_step_the_wire_cannot_carry_is_refused_at_the_call(make_coordinator, make_worker):
+    """report()/start() check the step where it is given: past the call it failed on the client
+    thread, which dropped the report and the connection, and every later REGISTER failed too."""
+    class Step(int):  # an int of another type (the wire takes ints only), as a numpy integer is
+        pass
+
+    c = make_coordinator()
+    w = make_worker(c.endpoint, "w")
+    for bad in (-1, 2**60, 1.5, "2", True):
+        with pytest.raises(ValueError, match="step="):
+            w.report(I, bad)
+    with pytest.raises(ValueError, match="step="):
+        WorkerClient(WorkerConfig(address=c.endpoint, worker_id="v")).start(B, -3)
+    w.report(I, Step(4))
+    end = time.monotonic() + 5
+    while c.snapshot()["w"][0] != I and time.monotonic() < end:
+        time.sleep(0.01)
+    assert c.snapshot()["w"][0] == I and w.connected.is_set() and w.reconnects == 0
 
 
 def test_embedded_driver_api_never_raises_when_stopped(make_coordinator):
