@@ -36,11 +36,16 @@ def main(site: str, model: str, max_len: str, out_dir: str) -> None:
     from tlt.integrations.verl.sglang_server import TLTSGLangServer
     from verl.workers.rollout.sglang_rollout.http_server_engine import AsyncHttpServerAdapter
 
-    # verl's client times a request out (60 s) and posts it again: every request here runs longer
-    # than a default shrunk to 50 ms, so a /generate left on the default would be posted again
-    defaults = list(AsyncHttpServerAdapter._make_async_request.__defaults__)  # (payload, method, timeout, only_master)
-    defaults[2] = 0.05
-    AsyncHttpServerAdapter._make_async_request.__defaults__ = tuple(defaults)
+    # verl's client times a request out (60 s) and posts it again: every /generate here runs longer
+    # than that default shrunk to 50 ms, so one left on the default would be posted again (the
+    # other endpoints keep theirs)
+    request = AsyncHttpServerAdapter._make_async_request
+
+    async def short_generate_default(self, endpoint, payload=None, method="POST", timeout=None, only_master=True):
+        timeout = timeout if timeout is not None else 0.05 if endpoint == "generate" else 60.0
+        return await request(self, endpoint, payload, method, timeout, only_master)
+
+    AsyncHttpServerAdapter._make_async_request = short_generate_default
 
     out = Path(out_dir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}

@@ -459,6 +459,31 @@ def test_a_request_that_ends_while_leaving_can_leave_again(ends):
     assert server.moves.leave(["r0"], "server-2", lambda keys: keys) == ["r0"] and server.moves.moved_out == 0
 
 
+def test_a_step_begins_though_a_session_outlives_its_stop():
+    """``begin_step`` asks a running session to stop; one that outlives the wait is logged and the
+    step goes on (the replica's next generation waits for it again, and fails its requests if it
+    still runs: ``_serving``), so the driver's step start is not where the run ends."""
+    from tlt.integrations.verl.config import TLTConfig
+    from tlt.integrations.verl.moves import ReplicaMoves
+    from tlt.integrations.verl.replica_core import ReplicaCore
+    from tlt.integrations.verl.server import TLTServer
+    from tlt.spot_agent import TrainingDidNotStop
+
+    server = object.__new__(TLTServer)  # the step's start without a model, Ray or a coordinator
+    server.rank, server.moves = 0, ReplicaMoves()
+    server.core = ReplicaCore(TLTConfig.from_mapping({}), rank=0, seed=0, spot_root="")
+
+    class Stuck:
+        training = True
+
+        def busy(self, step):
+            raise TrainingDidNotStop("session 3 did not stop within busy_timeout_s=300s")
+
+    server.core.agent = Stuck()
+    server.begin_step(4)
+    assert server.core.step == 4
+
+
 def test_a_drafter_the_engine_refuses_leaves_the_previous_one_serving(monkeypatch):
     """A pushed drafter the engine refuses (no room in its memory): the replica serves its drafter
     on under the pushed version (so the push guard's read-back rejects the push), and the guard's

@@ -6,7 +6,9 @@ Owns :class:`HistoryLog`. The trainer is its only writer: after each RL step it 
 twice what the history keeps, it is rewritten from the mirror (to a temporary file, then renamed),
 so it stays bounded by the history's own bounds. A restarted replica reads it back
 (:func:`read_history`) and adds the steps in order, which replays the same trimming rules: it gets
-what it would have kept, had it not restarted (the mirror drops nothing a replica keeps). A line cut
+what it would have kept, had it not restarted (the mirror drops nothing a replica keeps), but for
+the pool across prompts when ``history_visits`` is 0 (nothing is kept per prompt to rebuild it
+from): that refills from the next step. A line cut
 short by a crash mid-append is skipped with a warning.
 """
 

@@ -310,7 +310,12 @@ class TLTServer:
         """RL step ``step``'s rollout is about to start: stats restart; training (if any) stops."""
         agent = self.core.agent
         if agent is not None and agent.training:
-            agent.busy(step)
+            from tlt.spot_agent import TrainingDidNotStop
+
+            try:
+                agent.busy(step)
+            except TrainingDidNotStop:  # the step goes on: a generation here waits for the session again
+                log.exception("replica %d: step %d begins with a spot session still running", self.rank, step)
         self.core.begin_step(step)
         self.moves.begin_step()
 

@@ -323,7 +323,7 @@ class TLTSGLangServer(SGLangHttpServer):
     async def add_history(self, step: int, pairs: list[tuple[list[int], list[int]]]) -> int:
         """NGRAM runs: step ``step``'s responses become the server's external corpus (global to the
         server, not per prompt, in both versions); EAGLE runs keep no history on SGLang (0)."""
-        if self.eagle or not pairs:
+        if self.eagle or not pairs or not self.cfg.speculation.history_visits:  # (0: no corpus)
             return 0
         from transformers import AutoTokenizer
 

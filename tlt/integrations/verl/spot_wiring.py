@@ -67,13 +67,18 @@ def spot_config(cfg: TLTConfig, seed: int) -> SpotConfig:
                       preempt_s=s.preempt_s, ttt=TTTConfig(steps=s.ttt_steps), seed=seed)
 
 
+def busy_timeout_s(spot: SpotConfig) -> float:
+    """How long a replica's ``busy()`` waits for its session to stop: its slowest stop, a collective
+    blocked on a dead peer (the group's ``timeout_s``), the final checkpoint's collective as long
+    again, then the save. The replica never serves while a session runs."""
+    return 2 * spot.timeout_s + 60
+
+
 def agent_config(cfg: TLTConfig, spot: SpotConfig):
-    """The spot agent's settings. ``busy()`` waits out a session's slowest stop: a collective
-    blocked on a dead peer returns at the group's ``timeout_s``, the final checkpoint's collective
-    may wait as long again, then the save; the replica never serves while a session runs."""
+    """The spot agent's settings."""
     from tlt.spot_agent import AgentConfig
 
-    return AgentConfig(port_span=PORT_SPAN, nice=cfg.spot.nice, busy_timeout_s=2 * spot.timeout_s + 60)
+    return AgentConfig(port_span=PORT_SPAN, nice=cfg.spot.nice, busy_timeout_s=busy_timeout_s(spot))
 
 
 def start_spot_agent(*, cfg: TLTConfig, rank: int, seed: int, model: TargetModel, drafter_cfg: DrafterConfig,

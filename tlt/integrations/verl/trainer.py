@@ -55,7 +55,7 @@ from tlt.integrations.verl.coordinator_process import CoordinatorProcess
 from tlt.integrations.verl.drafter_push import DrafterPusher
 from tlt.integrations.verl.requests import as_list, canonical_order, duplicate_requests
 from tlt.integrations.verl.run_records import RunRecords
-from tlt.integrations.verl.spot_wiring import PORT_SPAN
+from tlt.integrations.verl.spot_wiring import PORT_SPAN, busy_timeout_s, spot_config
 from tlt.integrations.verl.step_metrics import RolloutWindow, step_extra, step_metrics
 from tlt.integrations.verl.consolidator import Consolidator
 from tlt.integrations.verl.tail_round import RoundDriver
@@ -265,9 +265,10 @@ class TLTTrainer(PPOTrainerSync):
 
     def _end_rollout(self) -> None:
         """Before verl sleeps the replicas: training stopped, memory TLT released taken back."""
+        wait = busy_timeout_s(spot_config(self.tlt, 0)) + 60  # (a replica first waits out its session's stop)
         for i, s in enumerate(self._servers()):
             try:
-                ray.get(s.end_rollout.remote(), timeout=120)
+                ray.get(s.end_rollout.remote(), timeout=wait)
             except Exception as e:  # a replica died: verl's own calls will find out
                 log.warning("tlt: replica %d did not end its rollout (%r)", i, e)
 
