@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "frozen, C) full TLT with spot training. Writes OUT/summary.json and OUT/demo.png; "
                        "each arm's verl log is in OUT/arm-X/verl.log. No network, no GPU; about 20 minutes "
                        "on 2 cores the first time (--quick: a few minutes).")
-    s.add_argument("--out", "--workdir", dest="out", default="runs/demo", help="output directory (replaced)")
+    s.add_argument("--out", "--workdir", dest="out", default="runs/demo", help="output directory (default runs/demo): new, empty, or an earlier demo's, which it replaces")
     s.add_argument("--quick", action="store_true", help="tiny sizes and 4 RL steps per arm, for tests")
     s.add_argument("--arms", default="ABC", help="which arms to run (default ABC; D: full TLT with the EAGLE "
                    "drafter only, no model-free drafter: `--arms ACD` measures what the model-free drafter adds; "

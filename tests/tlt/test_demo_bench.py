@@ -1,4 +1,5 @@
-"""`tlt export` and `tlt bench packing` through the CLI (the main job: tests/integrations/test_verl_loop.py)."""
+"""`tlt export`, `tlt bench packing` and `tlt demo`'s output directory through the CLI (the main job:
+tests/integrations/test_verl_loop.py)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,28 @@ def test_bench_packing_quick_writes_record(tmp_path, capsys):
     assert r["pad_fraction"]["packed"] == 0 and r["pad_fraction"]["padded"] > 0.2
     assert r["ratio_packed_vs_padded"] == pytest.approx(r["tokens_per_s"]["packed"] / r["tokens_per_s"]["padded"])
     assert "packed / padded" in capsys.readouterr().out
+
+
+def test_the_demo_replaces_only_a_directory_it_wrote(tmp_path, capsys):
+    """``tlt demo --out DIR`` replaces DIR only when a demo wrote it: a user's data folder that happens
+    to hold a ``train.parquet`` (verl's usual name) is refused, untouched, before anything runs."""
+    from tlt.demo.job import MARKER, _earlier_demo
+
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    for name in ("train.parquet", "test.parquet", "README.txt"):
+        (data / name).write_text("x")
+    assert main(["demo", "--quick", "--out", str(data)]) == 2
+    assert "not an earlier demo's directory" in capsys.readouterr().err
+    assert sorted(p.name for p in data.iterdir()) == ["README.txt", "test.parquet", "train.parquet"]
+    (tmp_path / "afile").write_text("x")
+    assert main(["demo", "--quick", "--out", str(tmp_path / "afile")]) == 2 and "is a file" in capsys.readouterr().err
+    old = tmp_path / "old"  # an earlier version's demo (no marker): only the demo's own names
+    old.mkdir()
+    for name in ("train.parquet", "val.parquet", "prompts.jsonl", "drafter", "arm-A", "summary.json"):
+        (old / name).mkdir(parents=True) if "." not in name else (old / name).write_text("x")
+    assert _earlier_demo(old)
+    (old / "notes.md").write_text("mine")
+    assert not _earlier_demo(old)
+    (old / MARKER).write_text("")
+    assert _earlier_demo(old)

@@ -104,6 +104,17 @@ def configs_dir() -> Path:
     return Path(tlt.configs.__file__).parent
 
 
+MARKER = ".tlt-demo"  # in a demo's directory: a later run may replace it
+_DEMO_NAMES = {"train.parquet", "val.parquet", "prompts.jsonl", "drafter", "export-sglang", "demo.png", "summary.json"}
+
+
+def _earlier_demo(workdir: Path) -> bool:
+    """A directory a demo wrote (its marker; before the marker, nothing but the demo's own names), so
+    replacing it loses nothing of the user's."""
+    names = {p.name for p in workdir.iterdir()}
+    return MARKER in names or all(n in _DEMO_NAMES or (n.startswith("arm-") and len(n) == 5) for n in names)
+
+
 def run_demo(workdir: Path, *, quick: bool = False, progress: bool = True, arms: str = "ABC",
              steps: int | None = None) -> dict:
     t0 = time.monotonic()
@@ -113,13 +124,16 @@ def run_demo(workdir: Path, *, quick: bool = False, progress: bool = True, arms:
         size = dataclasses.replace(size, steps=steps)
     log.info("1/5 target: %s, %d training steps (cached after the first run)", size.target.family,
              size.target.train_steps)
-    if workdir.exists() and any(workdir.iterdir()) and not (workdir / "summary.json").exists() \
-            and not (workdir / "train.parquet").exists():
-        raise ValueError(f"--out {workdir} is not empty and not an earlier demo's directory; choose a new one")
+    if workdir.exists() and not workdir.is_dir():
+        raise ValueError(f"--out {workdir} is a file; give a directory")
+    if workdir.exists() and any(workdir.iterdir()) and not _earlier_demo(workdir):
+        raise ValueError(f"--out {workdir} is not empty and not an earlier demo's directory (it would be "
+                         "replaced); choose a new one")
     target = ensure_target(size.target, progress=progress)
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
+    (workdir / MARKER).write_text("written by tlt demo: the next run into this directory replaces it\n")
     seed = size.target.seed + 1000  # held-out problems: a seed the target never trained on
     shape = size.target.corpus
     train = write_parquet(workdir / "train.parquet", size.prompts, seed, shape)
