@@ -42,8 +42,10 @@ def _cmd_warmup(a: argparse.Namespace) -> None:
                        draft_vocab_size=a.draft_vocab_size, resume=a.resume, train=train)
     r = run_warmup(cfg, progress=not a.quiet)
     b, t = r["untrained"], r["trained"]
+    loss = ("no step trained" if r["first_loss"] is None
+            else f"loss {r['first_loss']:.3f} -> {r['final_loss']:.3f}")  # (--max-steps 0, or a finished run resumed)
     print(f"warm-up {r['method']}: {r['train_samples']} train / {r['heldout_samples']} held-out samples, "
-          f"{r['train_tokens']} tokens, {r['steps']} steps, loss {r['first_loss']:.3f} -> {r['final_loss']:.3f}")
+          f"{r['train_tokens']} tokens, {r['steps']} steps, {loss}")
     print(f"held-out top-1 {b['top1']:.3f} -> {t['top1']:.3f}, top-3 {b['top3']:.3f} -> {t['top3']:.3f}, "
           f"est. accept length ({r['ttt_steps']}-token chain) {b['accept_length']:.2f} -> {t['accept_length']:.2f}")
     print(f"drafter saved to {cfg.out} ({r['seconds']:.0f}s)")
@@ -117,6 +119,26 @@ def _batches(text: str) -> tuple[int, ...]:
     return out
 
 
+def _json_out(path: str | None) -> None:
+    """Refuse a ``--json`` path that cannot be written before the work, not after it; make its folder."""
+    if not path:
+        return
+    if Path(path).is_dir():
+        raise ValueError(f"--json {path} is a directory; give a file name")
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--json {path}: cannot create its folder ({e.strerror})") from None
+
+
+def _write_json(path: str, record: dict) -> None:
+    """The record, whole or not at all (written beside it, then renamed)."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    tmp.replace(path)
+    print(f"wrote {path}")
+
+
 def _cmd_bench(a: argparse.Namespace) -> None:
     from tlt import bench
 
@@ -134,21 +156,21 @@ def _cmd_bench(a: argparse.Namespace) -> None:
         raise ValueError(f"--new-tokens={a.new_tokens}: must be >= 0 (0: the bench's default)")
     if a.block_size < 0:
         raise ValueError(f"--block-size={a.block_size}: must be >= 0 (0: no paged cache)")
+    _json_out(a.json)
     result = run(a)
     print("\n".join(result["summary"]))
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {a.json}")
+        _write_json(a.json, result)
 
 
 def _cmd_doctor(a: argparse.Namespace) -> None:
     from tlt.integrations.sglang import doctor
 
+    _json_out(a.json)
     r = doctor.report()
     print("\n".join(doctor.lines(r)))
     if a.json:
-        Path(a.json).write_text(json.dumps(r, indent=2))
-        print(f"wrote {a.json}")
+        _write_json(a.json, r)
     if r["hooks_missing"] or r["errors"]:
         sys.exit(1)
 

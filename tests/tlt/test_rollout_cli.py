@@ -146,3 +146,13 @@ def test_the_cli_runs_its_benches_without_pyzmq(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr
     assert "tlt coordinator needs pyzmq" in r.stderr and "pip install pyzmq" in r.stderr
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_bench_runs(tmp_path, capsys):
+    from tlt.cli import _json_out
+
+    (tmp_path / "d.json").mkdir()
+    assert main(["bench", "step-cost", "--quick", "--json", str(tmp_path / "d.json")]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    _json_out(str(tmp_path / "new" / "sub" / "r.json"))  # its folder is made before the work
+    assert (tmp_path / "new" / "sub").is_dir()

@@ -44,6 +44,9 @@ def test_resume_continues_without_regenerating(trained_target, chat_prompts, tmp
     assert _warmup(trained_target, chat_prompts, out, "--max-steps", "8", "--resume") == 0
     assert (out / "rollouts.jsonl").read_text() == rollouts
     assert json.loads((out / "tlt_drafter.json").read_text())["step"] == 8
+    capsys.readouterr()
+    assert _warmup(trained_target, chat_prompts, out, "--max-steps", "8", "--resume") == 0  # done already: a report
+    assert "8 steps, no step trained" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not SHARED_PROMPTS.is_file(), reason="../shared/data is not beside the checkout")
