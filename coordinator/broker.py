@@ -88,6 +88,9 @@ class CoordinatorConfig:
             object.__setattr__(self, "policy", None)
         if not re.match(r"^(tcp|ipc|inproc)://.+", self.bind):
             raise ValueError(f"bind={self.bind!r}: use tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+        port = re.fullmatch(r"tcp://.*:(\d+)", self.bind)
+        if port and int(port.group(1)) > 65535:
+            raise ValueError(f"bind={self.bind!r}: port {port.group(1)} is past 65535 (0: any free port)")
         if not 0.001 <= self.heartbeat_interval_s <= 60:
             raise ValueError(f"heartbeat_interval_s={self.heartbeat_interval_s}: use 0.001..60 seconds")
         if self.liveness < 2:

@@ -227,7 +227,7 @@ def export_drafter(drafter_dir: str | Path, target_dir: str | Path, fmt: str,
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise ValueError(f"{out_dir} is not empty; pass overwrite=True to replace it")
+        raise ValueError(f"{out_dir} is not empty; replace it with --overwrite (overwrite=True)")
     weights = drafter_dir / WEIGHTS_NAME
     if not weights.is_file():
         raise ValueError(f"{drafter_dir}: no {WEIGHTS_NAME}")

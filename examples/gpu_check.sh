@@ -82,7 +82,9 @@ for b in 1 8; do
     extra=()
     [ "$b" = 1 ] && extra=(--baseline)
     [ "$b" = 1 ] && [ "$n" = 8192 ] && extra+=(--mixed)
-    part "step-cost-llama-8b-${n}-b$b" 150 tlt -q bench step-cost "${long[@]}" --prompt-len "$n" --batches "$b" \
+    plen=(--prompt-len "$n")
+    [ "${QUICK:-0}" = 1 ] && plen=()  # (the quick sizes' own prompt length)
+    part "step-cost-llama-8b-${n}-b$b" 150 tlt -q bench step-cost "${long[@]}" "${plen[@]}" --batches "$b" \
       "${extra[@]}" --json "$logs/step_cost_llama8b_${n}_b${b}_gpu.json"
   done
 done

@@ -19,8 +19,10 @@ def _cmd_make_target(a: argparse.Namespace) -> None:
 
     spec = TargetSpec(family=a.family, train_steps=a.train_steps, seed=a.seed)
     out = Path(a.out)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"--out {out} is not empty; choose a new directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} is {'a file' if not out.is_dir() else 'not empty'}; choose a new directory")
+    if a.cache and Path(a.cache).exists() and not Path(a.cache).is_dir():
+        raise ValueError(f"--cache {a.cache} is a file; give a directory")
     cached = ensure_target(spec, Path(a.cache) if a.cache else None, progress=not a.quiet)
     shutil.copytree(cached, out, dirs_exist_ok=True)
     meta = json.loads((out / "tlt_target.json").read_text())
@@ -78,6 +80,9 @@ def _cmd_rollout(a: argparse.Namespace) -> None:
                      n=a.n, max_prompts=a.max_prompts, max_new_tokens=a.max_new_tokens,
                      temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, arm=_parse_arm(a.arm),
                      no_sd=a.no_sd, elastic_threshold=a.elastic_threshold, seed=a.seed)
+    for flag, name in (("--out", a.out), ("--record", a.record)):  # before the rollout, not after it
+        if name and Path(name).is_dir():
+            raise ValueError(f"{flag} {name} is a directory; give a file name")
     r = run_rollout(job, Path(a.out) if a.out else None, Path(a.record) if a.record else None)
     al = f", mean accept length {r['mean_accept_length']:.2f}" if r["mean_accept_length"] else ""
     print(f"rollout: {r['requests']} responses, {r['tokens']} tokens in {r['seconds']:.1f}s "
@@ -93,6 +98,7 @@ def _cmd_report(a: argparse.Namespace) -> None:
     record = Path(a.record)
     if not record.is_file():
         raise ValueError(f"record {record} does not exist")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     try:
         if record.suffix == ".jsonl":  # a verl run's per-step records (tlt_steps.jsonl)
             plot_steps([json.loads(x) for x in record.read_text().splitlines() if x.strip()], Path(a.out))

@@ -49,6 +49,10 @@ class RolloutJob:
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"--n must be >= 1, got {self.n}")
+        if self.max_prompts < 0:
+            raise ValueError(f"--max-prompts must be >= 0 (0: every prompt), got {self.max_prompts}")
+        if self.no_sd and self.arm is not None and not self.arm.is_off:
+            raise ValueError(f"--no-sd decodes without speculation: --arm {self.arm} would be ignored; give one of them")
 
 
 def build_engine(job: RolloutJob, model: TargetModel, batch: int, max_len: int
@@ -138,7 +142,7 @@ def plot_steps(records: list[dict], png: Path) -> None:
 
 def plot_record(record: dict, png: Path) -> None:
     plt = _pyplot()
-    tl = record.get("timeline")
+    tl = record.get("timeline") if isinstance(record, dict) else None
     if not tl:
         raise ValueError("the record has no timeline (is it a `tlt rollout --record` file?)")
     fig, axes = plt.subplots(3, 1, figsize=(9, 9))

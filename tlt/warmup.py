@@ -60,6 +60,8 @@ class WarmupConfig:
             raise ValueError(f"heldout fraction must be in (0, 1), got {self.heldout_fraction}")
         if self.samples_per_prompt < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
             raise ValueError("--samples-per-prompt, --max-new-tokens and --max-prompt-tokens must be >= 1")
+        if self.max_prompts < 0:
+            raise ValueError(f"--max-prompts must be >= 0 (0: every prompt), got {self.max_prompts}")
 
 
 def _check_out_dir(cfg: WarmupConfig) -> None:

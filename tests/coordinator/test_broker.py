@@ -23,7 +23,8 @@ B, I, T = WorkerState.BUSY, WorkerState.IDLE, WorkerState.TRAINING
 
 
 def test_config_validation_names_the_field():
-    for kw, name in [({"bind": "localhost:5"}, "bind"), ({"heartbeat_interval_s": 0}, "heartbeat_interval_s"),
+    for kw, name in [({"bind": "localhost:5"}, "bind"), ({"bind": "tcp://127.0.0.1:99999"}, "bind"),
+                     ({"heartbeat_interval_s": 0}, "heartbeat_interval_s"),
                      ({"liveness": 1}, "liveness")]:
         with pytest.raises(ValueError, match=name):
             CoordinatorConfig(**kw)

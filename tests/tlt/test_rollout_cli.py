@@ -156,3 +156,20 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_bench_runs(tmp
     assert "is a directory" in capsys.readouterr().err
     _json_out(str(tmp_path / "new" / "sub" / "r.json"))  # its folder is made before the work
     assert (tmp_path / "new" / "sub").is_dir()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--no-sd", "--arm", "5,1,5"], "would be ignored"),
+    (["--max-prompts", "-1"], "--max-prompts must be >= 0"),
+    (["--out", "."], "is a directory"),
+])
+def test_rollout_refuses_what_it_would_ignore_or_lose_before_it_runs(args, message, capsys):
+    assert main(["rollout", "--target", "no-target", "--data", "no-data", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_step_cost_quick_keeps_the_lengths_given(tmp_path):
+    rec = tmp_path / "r.json"
+    assert main(["-q", "bench", "step-cost", "--quick", "--batches", "1", "--new-tokens", "4", "--prompt-len", "24",
+                 "--json", str(rec)]) == 0
+    assert json.loads(rec.read_text())["prompt_len"] == 24

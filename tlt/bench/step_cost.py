@@ -129,9 +129,10 @@ def _run(args: argparse.Namespace) -> dict:
     dev, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
     torch.manual_seed(args.seed)
     mixed = bool(getattr(args, "mixed", False))
-    prompt_len, new_tokens, repeats = (16, 16, 2) if quick else (
-        getattr(args, "prompt_len", 0) or 128, 128, getattr(args, "repeats", 0) or 5)
+    prompt_len, new_tokens, repeats = (16, 16, 2) if quick else (128, 128, 5)  # (--quick: its defaults only)
+    prompt_len = getattr(args, "prompt_len", 0) or prompt_len
     new_tokens = getattr(args, "new_tokens", 0) or new_tokens
+    repeats = getattr(args, "repeats", 0) or repeats
     longest = max(MIXED) if mixed and not quick else prompt_len
     long = mixed or prompt_len >= LONG
     cfg = ModelConfig(**fields, max_position_embeddings=max(4096, longest + new_tokens + 64))
