@@ -33,7 +33,7 @@ class PromptRecord:
 def load_prompts(path: str | Path) -> list[PromptRecord]:
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"data file {path} does not exist")
+        raise ValueError(f"data file {path} {'is a directory' if path.is_dir() else 'does not exist'}")
     if path.suffix not in SUFFIXES:
         raise ValueError(f"data file {path}: unknown extension {path.suffix!r}; use one of {SUFFIXES}")
     rows = _read_rows(path)
@@ -52,7 +52,10 @@ def _read_rows(path: Path) -> list[Any]:
             return pq.read_table(path).to_pylist()
         except Exception as err:  # pyarrow raises several types for corrupt files
             raise ValueError(f"data file {path} is not readable parquet: {err}") from None
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"data file {path} is not UTF-8 text (byte {err.start}): save it as UTF-8") from None
     if path.suffix == ".jsonl":
         rows = []
         for n, line in enumerate(text.splitlines(), 1):

@@ -53,3 +53,12 @@ def test_errors_name_the_problem(tmp_path, name, content, message):
     f.write_text(content)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         load_prompts(f)
+
+
+def test_a_folder_or_a_file_not_utf8_is_named(tmp_path):
+    with pytest.raises(ValueError, match="is a directory"):
+        load_prompts(tmp_path)
+    f = tmp_path / "p.json"
+    f.write_bytes(b'["caf\xe9"]')  # Latin-1
+    with pytest.raises(ValueError, match=r"p\.json is not UTF-8 text"):
+        load_prompts(f)
