@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--repeats", type=int, default=0,
                    help="rollout: timed repeats per variant (0: 5, or 1 with --quick); the paired ratios "
-                   "to AR get a bootstrap 90%% interval")
+                   "to AR get a bootstrap 90%% interval; step-cost: alternating repeats (0: 5, or 2 with --quick)")
     s.add_argument("--threads", type=int, default=1,
                    help="rollout: torch threads (default 1: what each Ray-hosted replica of `tlt demo` gets, "
                    "and it leaves a core to the rest of the machine, which keeps the timing noise low; "
@@ -325,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step-cost: batch sizes to measure, comma-separated (default 1,8,32; 1,4 on a CPU); "
                    "larger ones extend the step-cost curve the cluster simulator reads")
     s.add_argument("--prompt-len", type=int, default=0,
-                   help="step-cost: prompt tokens per request (0: 128); 2048 or more: one engine at a time, "
+                   help="step-cost: prompt tokens per request (0: 128, 16 with --quick; a value given is kept "
+                   "with --quick too); 2048 or more: one engine at a time, "
                    "e.g. 32768 for the tail's length")
     s.add_argument("--new-tokens", type=int, default=0,
                    help="step-cost: tokens generated per request (0: 128, 16 with --quick)")

@@ -53,12 +53,33 @@ def test_the_demo_replaces_only_a_directory_it_wrote(tmp_path, capsys):
     assert sorted(p.name for p in data.iterdir()) == ["README.txt", "test.parquet", "train.parquet"]
     (tmp_path / "afile").write_text("x")
     assert main(["demo", "--quick", "--out", str(tmp_path / "afile")]) == 2 and "is a file" in capsys.readouterr().err
-    old = tmp_path / "old"  # an earlier version's demo (no marker): only the demo's own names
+    old = tmp_path / "old"  # an earlier version's finished demo (no marker)
     old.mkdir()
-    for name in ("train.parquet", "val.parquet", "prompts.jsonl", "drafter", "arm-A", "summary.json"):
-        (old / name).mkdir(parents=True) if "." not in name else (old / name).write_text("x")
+    for name in ("train.parquet", "val.parquet"):  # a verl data folder's layout: never a demo's
+        (old / name).write_text("x")
+    assert not _earlier_demo(old)
+    for name in ("prompts.jsonl", "drafter", "arm-A", "summary.json"):
+        (old / name).mkdir() if "." not in name else (old / name).write_text("x")
+    assert not _earlier_demo(old)  # no arm ran in it
+    (old / "arm-A" / "command.txt").write_text("python -m verl.trainer.main_ppo ...")
     assert _earlier_demo(old)
     (old / "notes.md").write_text("mine")
     assert not _earlier_demo(old)
     (old / MARKER).write_text("")
     assert _earlier_demo(old)
+
+
+def test_the_demo_marks_its_directory_before_anything_else(tmp_path, monkeypatch):
+    from tlt.demo import job
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(job, "ensure_target", lambda spec, progress: tmp_path / "target")
+    monkeypatch.setattr(job, "write_parquet", stop)  # the first thing written after the marker
+    with pytest.raises(Stop):
+        job.run_demo(tmp_path / "demo", quick=True, progress=False)
+    assert job._earlier_demo(tmp_path / "demo") and (tmp_path / "demo" / job.MARKER).is_file()

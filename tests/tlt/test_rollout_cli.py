@@ -171,5 +171,6 @@ def test_rollout_refuses_what_it_would_ignore_or_lose_before_it_runs(args, messa
 def test_step_cost_quick_keeps_the_lengths_given(tmp_path):
     rec = tmp_path / "r.json"
     assert main(["-q", "bench", "step-cost", "--quick", "--batches", "1", "--new-tokens", "4", "--prompt-len", "24",
-                 "--json", str(rec)]) == 0
-    assert json.loads(rec.read_text())["prompt_len"] == 24
+                 "--repeats", "3", "--json", str(rec)]) == 0
+    r = json.loads(rec.read_text())
+    assert r["prompt_len"] == 24 and "over 3 alternating repeats" in "\n".join(r["summary"])

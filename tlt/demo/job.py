@@ -109,10 +109,14 @@ _DEMO_NAMES = {"train.parquet", "val.parquet", "prompts.jsonl", "drafter", "expo
 
 
 def _earlier_demo(workdir: Path) -> bool:
-    """A directory a demo wrote (its marker; before the marker, nothing but the demo's own names), so
-    replacing it loses nothing of the user's."""
+    """A directory a demo wrote, so replacing it loses nothing of the user's: its marker, or (a demo
+    of a version before the marker) a finished demo's summary, drafter and arm runs, and nothing else."""
     names = {p.name for p in workdir.iterdir()}
-    return MARKER in names or all(n in _DEMO_NAMES or (n.startswith("arm-") and len(n) == 5) for n in names)
+    if MARKER in names:
+        return True
+    arms = [n for n in names if n.startswith("arm-") and len(n) == 5]
+    return ({"summary.json", "drafter"} <= names and any((workdir / a / "command.txt").is_file() for a in arms)
+            and names <= _DEMO_NAMES | set(arms))
 
 
 def run_demo(workdir: Path, *, quick: bool = False, progress: bool = True, arms: str = "ABC",
