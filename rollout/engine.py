@@ -390,10 +390,10 @@ class RolloutEngine:
         if st.done:
             raise ValueError(f"{name} already ended ({len(st.output)} of max_new_tokens="
                              f"{st.params.max_new_tokens} tokens, last {st.output[-1:]}): nothing to generate")
-        vocab = self.target.config.vocab_size
-        bad = [t for t in (*st.prompt, *st.output) if not 0 <= t < vocab]  # (an embedding lookup fails on them)
-        if bad:
-            raise ValueError(f"{name}: token ids {bad[:5]} are outside the target's vocabulary 0..{vocab - 1}")
+        vocab, ids = self.target.config.vocab_size, st.prompt + st.output
+        if min(ids) < 0 or max(ids) >= vocab:  # (an embedding lookup fails on them)
+            bad = [t for t in ids if not 0 <= t < vocab][:5]
+            raise ValueError(f"{name}: token ids {bad} are outside the target's vocabulary 0..{vocab - 1}")
         if len(st.prompt) + st.params.max_new_tokens + 1 > self.cfg.max_len:
             raise ValueError(f"{name}: {len(st.prompt)} prompt tokens + max_new_tokens "
                              f"{st.params.max_new_tokens} exceed EngineConfig.max_len={self.cfg.max_len}")

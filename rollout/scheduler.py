@@ -81,7 +81,8 @@ class Scheduler:
     def restore(self, snap: tuple) -> None:
         """Back to a :meth:`snapshot` (the batch taken since waits again, as it was)."""
         queue, self._admitted, admitted_at, evicted, self._recomputed_now, lifecycle = snap
-        self.queue, self._admitted_at, self._evicted, self.lifecycle = list(queue), dict(admitted_at), set(evicted), lifecycle.copy()
+        self.queue, self._admitted_at, self._evicted = list(queue), dict(admitted_at), set(evicted)
+        self.lifecycle = lifecycle.copy()
 
     def victims(self, running: Sequence[int], tokens: Mapping[int, int], short: int) -> list[int]:
         """Running requests to evict, by the configured rule, to free ``short`` blocks of the paged
