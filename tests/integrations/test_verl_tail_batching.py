@@ -85,5 +85,7 @@ def test_tail_batching_trains_each_prompt_once_per_epoch_across_a_resume(tmp_pat
         dropped += len(rec["dropped_responses"])
     assert dropped > 0, "no request was running when the short rounds dropped: nothing was tested"
     fed = [sum(f.get("aborted", 0) for f in recs[s]["buffer_fed"]) for s in (1, 3)]
-    assert max(fed) > 0  # dropped requests' features went to the DataBuffer
+    ran = [s for s in (1, 3) if any(rounds[s]["dropped_partial_lengths"])]  # a dropped request had decoded
+    assert all(fed[(1, 3).index(s)] > 0 for s in ran)  # its features went to the DataBuffer
+    # (under load every dropped request may still wait for its first prefill: then none has features)
     assert sum(recs[s]["tlt/spec_verifies"] for s in recs) > 0
