@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tlt.coordinator.protocol import (
+    MAX_LIST,
     Message,
     Promote,
     ProtocolError,
@@ -64,8 +65,9 @@ class PromotionConfig:
                              "as any worker is idle)")
         if not self.stop_timeout_s > 0:
             raise ValueError(f"stop_timeout_s={self.stop_timeout_s}: must be > 0 seconds")
-        if self.max_workers < 1:
-            raise ValueError(f"max_workers={self.max_workers}: must be >= 1")
+        if not 1 <= self.max_workers <= MAX_LIST:
+            raise ValueError(f"max_workers={self.max_workers}: use 1..{MAX_LIST} (the most worker ids one "
+                             "protocol message can list)")
 
 
 @dataclass(frozen=True)

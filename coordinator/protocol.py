@@ -40,11 +40,16 @@ MAGIC = b"TLTC"
 VERSION = 2                         # 2: SESSION carries an epoch and goes to every member
 HEADER = MAGIC + bytes([VERSION])
 PREFIX_BYTES = len(HEADER) + 1      # header + command byte
-MAX_BODY_BYTES = 64 * 1024          # our limit; larger bodies are a ProtocolError ("oversized")
-MAX_WIRE_BYTES = 4 * MAX_BODY_BYTES  # libzmq's ZMQ_MAXMSGSIZE: peers above it are cut at the transport
 MAX_STR = 256                       # any string field (worker ids, addresses, reasons)
-MAX_LIST = 4096                     # any list field (session member lists)
+MAX_LIST = 4096                     # any list field; also the most workers a coordinator takes
 MAX_INT = 2**53                     # ints stay exact in every language's JSON/msgpack
+MAX_BODY_BYTES = 64 * 1024          # our limit; larger bodies are a ProtocolError ("oversized")
+# A message that lists worker ids (PROMOTE, SESSION, OUTCOME; sent by the coordinator only) may
+# carry MAX_LIST of them (its lists are disjoint sets of registered workers) at MAX_STR characters of
+# up to 4 UTF-8 bytes each, beside its other fields.
+MAX_LIST_BODY_BYTES = MAX_LIST * (4 * MAX_STR + 5) + MAX_BODY_BYTES
+MAX_WIRE_BYTES = 4 * MAX_BODY_BYTES  # libzmq's ZMQ_MAXMSGSIZE at the coordinator: peers above it are cut
+MAX_WIRE_BYTES_FROM_COORDINATOR = MAX_LIST_BODY_BYTES + 64  # the same at workers and drivers
 
 
 class Command(enum.IntEnum):
@@ -356,13 +361,16 @@ _REQUIRED = {cmd: frozenset(f.name for f in dataclasses.fields(cls)
 
 
 _PREFIXES = {cmd: HEADER + bytes([cmd]) for cmd in Command}
+_BODY_LIMIT = {cmd: MAX_LIST_BODY_BYTES if any(f.type == "tuple[str, ...]" for f in dataclasses.fields(cls))
+               else MAX_BODY_BYTES for cmd, cls in PAYLOADS.items()}
 
 
 def encode(msg: Message) -> list[bytes]:
     """Message -> [frame]. Raises ProtocolError if the body exceeds the limit."""
     body = msgpack.packb(msg.to_wire(), use_bin_type=True)
-    if len(body) > MAX_BODY_BYTES:
-        raise ProtocolError("oversized", f"{msg.COMMAND.name} body is {len(body)} bytes > {MAX_BODY_BYTES}")
+    limit = _BODY_LIMIT[msg.COMMAND]
+    if len(body) > limit:
+        raise ProtocolError("oversized", f"{msg.COMMAND.name} body is {len(body)} bytes > {limit}")
     return [_PREFIXES[msg.COMMAND] + body]
 
 
@@ -379,8 +387,8 @@ def decode(frames: list[bytes]) -> Message:
         raise ProtocolError("malformed", f"unknown command {frame[len(HEADER)]}")
     cmd = Command(frame[len(HEADER)])
     body = frame[PREFIX_BYTES:]
-    if len(body) > MAX_BODY_BYTES:
-        raise ProtocolError("oversized", f"{cmd.name} body is {len(body)} bytes > {MAX_BODY_BYTES}")
+    if len(body) > _BODY_LIMIT[cmd]:
+        raise ProtocolError("oversized", f"{cmd.name} body is {len(body)} bytes > {_BODY_LIMIT[cmd]}")
     try:
         fields = msgpack.unpackb(body, raw=False, use_list=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several types (ExtraData, FormatError, ValueError, ...)

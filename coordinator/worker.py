@@ -43,7 +43,7 @@ import zmq
 
 from tlt.coordinator.protocol import (
     MAX_INT,
-    MAX_WIRE_BYTES,
+    MAX_WIRE_BYTES_FROM_COORDINATOR,
     Disconnect,
     Heartbeat,
     Message,
@@ -237,7 +237,7 @@ class WorkerClient:
     def _connect(self, now: float) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES_FROM_COORDINATOR)
         try:
             sock.connect(self.cfg.address)
         except zmq.ZMQError:

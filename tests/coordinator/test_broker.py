@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from tlt.coordinator import CoordinatorConfig, DriverClient, WorkerClient, WorkerConfig, WorkerState
+from tlt.coordinator import (Coordinator, CoordinatorConfig, DriverClient, PromotionConfig, WorkerClient, WorkerConfig,
+                             WorkerState)
 from tlt.coordinator import protocol as P
 from tlt.coordinator.protocol import Promote, Stop
 
@@ -230,6 +231,38 @@ def test_long_tail_rollout_two_steps(make_coordinator, make_worker, events):
     times = c.decision_times()
     assert len(times["promote"]) >= 2 * 3 and len(times["stop"]) == 2   # promotions batch; 1 stop per step
     assert max(times["promote"] + times["stop"]) < 0.5
+
+
+def test_a_group_whose_member_list_is_past_64_kib_trains_and_stops(make_worker, events):
+    """132 workers of one group, each id 128 characters (the most a worker takes), 125 of them of 4
+    bytes: PROMOTE, SESSION and the driver's OUTCOME list ~66 KB of ids (about 520 ASCII ids). They were refused as oversized at 64 KiB: the late joiners never
+    heard of their promotion and the driver got no answer."""
+    n, hb = 132, 0.5  # heartbeating clients on a shared CI core
+    cfg = CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval_s=hb, liveness=6,
+                            promotion=PromotionConfig(idle_threshold=n, stop_timeout_s=10.0))
+    ids = [f"{k:03d}" + "\U0001d11e" * 125 for k in range(n)]
+    with Coordinator(cfg, on_event=events) as c:
+        ws = [make_worker(c.endpoint, wid, heartbeat_interval_s=hb, reconnect_initial_s=hb,
+                          reconnect_max_s=4 * hb) for wid in ids]
+        assert c.step_begin(0)
+        for w in ws:
+            w.report(I, 0)
+        assert events.wait_kind("accept", n=n, timeout_s=30), len(events.of("accept"))
+        members = P.Session(session=1, epoch=1, members=tuple(ids))
+        assert len(P.encode(members)[0]) > 64 * 1024
+
+        def ack_stops():  # each gets its STOP: checkpoint done, back to the RL step
+            for w in ws:
+                while not isinstance(w.commands.get(timeout=15), Stop):
+                    pass
+                w.report(B, 1)
+
+        acker = threading.Thread(target=ack_stops, daemon=True)
+        acker.start()
+        out = c.rollout_done(0)
+        acker.join(15)
+        assert out.reachable and sorted(out.stopped) == sorted(ids) and not out.lost, out
+        assert events.of("dropped") == []
 
 
 def test_driver_over_tcp_and_unreachable(make_coordinator):

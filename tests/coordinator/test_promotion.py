@@ -79,7 +79,7 @@ def stops(d):
 
 def test_config_validation_names_the_field():
     for kw, field in [({"idle_threshold": 0}, "idle_threshold"), ({"stop_timeout_s": 0}, "stop_timeout_s"),
-                      ({"max_workers": 0}, "max_workers")]:
+                      ({"max_workers": 0}, "max_workers"), ({"max_workers": 4097}, "max_workers")]:
         with pytest.raises(ValueError, match=field):
             PromotionConfig(**kw)
     with pytest.raises(TypeError):

@@ -113,10 +113,21 @@ def test_missing_field_and_field_rules():
         P.decode(_frames(P.Command.SESSION, dict(session=1, members=["a", 3])))
 
 
-def test_encode_refuses_oversized():
-    msg = P.Session(session=1, epoch=1, members=tuple("w" * 200 + str(i) for i in range(400)))
+def test_the_largest_member_list_fits_and_more_is_refused():
+    """A coordinator takes at most MAX_LIST workers, each id MAX_STR characters of up to 4 bytes: a
+    message listing all of them goes through; bodies past the limit are refused both ways."""
+    ids = tuple(f"{i:04d}" + "\U0001d11e" * (P.MAX_STR - 4) for i in range(P.MAX_LIST))
+    biggest = P.Promote(session=1, step=1, dp_group=0, role=P.Role.MEMBER, leader=ids[0],
+                        leader_address="\U0001d11e" * P.MAX_STR, members=ids, seq=P.MAX_INT)
+    frames = P.encode(biggest)
+    assert len(frames[0]) > 4_000_000 and len(frames[0]) <= P.MAX_WIRE_BYTES_FROM_COORDINATOR
+    assert P.decode(frames) == biggest
+    triple = P.Outcome(req=1, step=1, stopped=ids, timed_out=ids, lost=ids, elapsed_ms=1.0)
     with pytest.raises(ProtocolError) as e:
-        P.encode(msg)
+        P.encode(triple)
+    assert e.value.kind == "oversized"
+    with pytest.raises(ProtocolError) as e:  # a message without lists keeps the small limit
+        P.decode(_frame(P.Command.REGISTER, b"\x80" + b"\x00" * (P.MAX_BODY_BYTES + 1)))
     assert e.value.kind == "oversized"
 
 
