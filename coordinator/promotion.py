@@ -9,7 +9,9 @@ measurable apart from the transport.
 Rules
 - Rollout gating: IDLE reports for a step whose rollout is already done (``step <= done_step``) are
   never promoted; they wait for the worker's next-step reports. STEP_BEGIN of step ``s`` implies
-  the rollouts of all steps before ``s`` are done (a restarted coordinator learns it that way).
+  the rollouts of all steps before ``s`` are done. Nobody is promoted before the driver's first
+  STEP_BEGIN or ROLLOUT_DONE: a coordinator restarted after ROLLOUT_DONE of step ``s`` would
+  otherwise promote the workers still IDLE at ``s`` onto GPUs the RL step is using.
 - Threshold: when IDLE (promotable) + TRAINING (in live sessions) >= ``idle_threshold``, every
   promotable IDLE worker is promoted, oldest idle first. So the first crossing promotes the whole
   idle pool at once, and each later idle worker is promoted as soon as it reports.
@@ -279,7 +281,7 @@ class Promotion:
     def _promote_if_due(self, changed: WorkerRecord, now: float) -> None:
         """Called after ``changed`` changed state: only a newly promotable IDLE worker can make a
         promotion due (losses and stops only lower the count)."""
-        if changed.state is not IDLE or changed.step <= self.done_step:
+        if changed.state is not IDLE or changed.step <= self.done_step or self.current_step < 0:
             return
         idle = [w for w in self.workers.values() if w.state is IDLE and w.step > self.done_step]
         training = sum(1 for w in self.workers.values()

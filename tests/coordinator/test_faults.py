@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from tlt.coordinator import WorkerState
+from tlt.coordinator import DriverClient, WorkerState
 from tlt.coordinator import protocol as P
 from tlt.coordinator.protocol import Promote, Stop
 
@@ -80,6 +80,7 @@ def acker(w, step_after: int = 1, stop_reason: list | None = None):
 
 def test_kill_9_of_a_training_leader(make_coordinator, make_worker, procs, events):
     c = make_coordinator(idle_threshold=2, stop_timeout_s=2.0)
+    assert c.step_begin(0)
     pw = procs(WORKER, c.endpoint, "p0", str(HB))
     assert pw.wait_line("ready")
     assert events.wait(lambda: c.snapshot().get("p0", (None,))[0] is I, 5)
@@ -109,6 +110,8 @@ def test_kill_of_the_coordinator_then_restart(procs, make_coordinator, make_work
                "--log-level", "ERROR")
     ws = {k: make_worker(addr, k, connect=False) for k in ("a", "b", "c")}
     assert all(w.wait_connected(10) for w in ws.values())
+    with DriverClient(addr, timeout_s=5) as d:
+        assert d.step_begin(0)
     ws["a"].report(I, 0)
     ws["b"].report(I, 0)
     assert all(isinstance(next_of(ws[k], Promote), Promote) for k in ("a", "b"))
@@ -125,7 +128,6 @@ def test_kill_of_the_coordinator_then_restart(procs, make_coordinator, make_work
     for n in range(200):
         ws["c"].report(I if n % 2 else B, 0)
     assert time.monotonic() - t < 0.2
-    from tlt.coordinator import DriverClient
     with DriverClient(addr, timeout_s=0.3) as d:
         t = time.monotonic()
         assert not d.rollout_done(0).reachable
@@ -137,7 +139,15 @@ def test_kill_of_the_coordinator_then_restart(procs, make_coordinator, make_work
     assert all(w.wait_connected(5) for w in ws.values())
     assert events.wait(lambda: c2.snapshot() == {"a": (B, None), "b": (B, None), "c": (I, None)}, 3)
     assert all(w.reconnects >= 1 for w in ws.values())
+    # it knows no step yet: workers still IDLE at step 0, whose rollout is over, are not promoted
+    # onto GPUs the RL step is using (b and c would cross the threshold)
+    ws["b"].report(I, 0)
+    assert events.wait(lambda: c2.snapshot()["b"] == (I, None), 3)
+    time.sleep(5 * HB)
+    assert events.of("promote") == []
+    assert c2.step_begin(1)                                       # the driver's first word
     ws["a"].report(I, 1)
+    ws["b"].report(I, 1)
     assert isinstance(next_of(ws["a"], Promote), Promote)         # and promotion works again
 
 
@@ -158,6 +168,7 @@ def test_stalled_worker_process_is_lost_then_comes_back(make_coordinator, procs,
 
 def test_garbage_on_the_socket(make_coordinator, make_worker, events):
     c = make_coordinator(idle_threshold=1)
+    assert c.step_begin(0)
     good = make_worker(c.endpoint, "good")
     hb = P.HEADER + bytes([P.Command.HEARTBEAT])
     bad_frames = [

@@ -25,6 +25,7 @@ class World:
         self.p = Promotion(PromotionConfig(**cfg))
         self.seq: dict[str, int] = {}
         self.now = 0.0
+        self.p.step_begin(0, self.now)  # the driver's first word: nobody is promoted before it
 
     def tick(self, dt=0.01):
         self.now += dt
