@@ -2,8 +2,9 @@
 (not the warm-up, which is :mod:`tlt.warmup`).
 
 Owns the snapshot taken when a session ends (this rank's local shards of the drafter's weights and
-of its optimizer state, plain tensors detached from the ended process group, kept in host memory so
-an accelerator's memory goes back to rollout), the same snapshot read from a checkpoint outside any
+of its optimizer state, and its saved buffers, EAGLE-3's draft-vocabulary map: plain tensors
+detached from the ended process group, kept in host memory so an accelerator's memory goes back to
+rollout), the same snapshot read from a checkpoint outside any
 session (:func:`prefetch`: a replica that loads a newer drafter to serve also readies it for its next
 session, so that session does not spend its short idle window reading the checkpoint), and its
 restoration into the next session's freshly sharded drafter, by parameter name (a one-rank state
@@ -44,6 +45,8 @@ class Warm:
     params: dict[str, torch.Tensor]  # name -> local shard on the host (the full tensor at one rank)
     optim: dict[str, dict[str, torch.Tensor]]  # name -> state name -> local tensor on the host
     samples: int
+    buffers: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # saved buffers (EAGLE-3's
+                                                                                 # vocabulary map), whole
 
 
 class WarmStore:
@@ -72,7 +75,14 @@ def snapshot(d: nn.Module, opt: torch.optim.Optimizer, step: int, world_size: in
     named = list(d.named_parameters())
     optim = {n: {k: host(v) for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
              for n, p in named if opt.state.get(p)}
-    return Warm(step, world_size, rank, {n: host(p) for n, p in named}, optim, samples)
+    return Warm(step, world_size, rank, {n: host(p) for n, p in named}, optim, samples,
+                {n: host(b) for n, b in _saved_buffers(d).items()})
+
+
+def _saved_buffers(d: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint holds (persistent ones: EAGLE-3's d2t/t2d, not RoPE's cache)."""
+    keys = set(d.state_dict(keep_vars=True))
+    return {n: b for n, b in d.named_buffers() if n in keys}
 
 
 def usable(w: Warm | None, d: nn.Module, step: int | None, world_size: int, rank: int) -> bool:
@@ -84,6 +94,9 @@ def usable(w: Warm | None, d: nn.Module, step: int | None, world_size: int, rank
         return False
     named = dict(d.named_parameters())
     if set(named) != set(w.params):
+        return False
+    buffers = _saved_buffers(d)
+    if set(buffers) != set(w.buffers) or any(w.buffers[n].shape != b.shape for n, b in buffers.items()):
         return False
     if w.world_size == 1:
         return all(w.params[n].shape == p.shape for n, p in named.items())
@@ -110,6 +123,8 @@ def restore(w: Warm, d: nn.Module, opt: torch.optim.Optimizer, world_size: int, 
     ``set_optimizer_state_dict`` do the same by name but took 5-8x longer inside the idle window
     (they scatter from rank 0 and re-key the optimizer): ``tlt bench resume`` measures both."""
     with torch.no_grad():
+        for n, b in _saved_buffers(d).items():  # replicated, never sharded
+            b.copy_(w.buffers[n])
         for n, p in d.named_parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
             local.copy_(_piece(w.params[n], p, w, world_size, rank))

@@ -132,11 +132,12 @@ STORE = WarmStore()  # this process's warm states, as a replica holds its own (e
 
 
 def _session(rank, world, port, sid, root, cfg, stream, stop=lambda: False, target=None,
-             method="eagle", store=STORE):
+             method="eagle", store=STORE, init_from=None):
     dcfg, embed, head = target or _target(method)
     spec = SessionSpec(rank=rank, world_size=world, master_port=port, session_id=sid)
     return run_session(spec=spec, config=cfg, drafter_config=dcfg, embed_weight=embed, head_weight=head,
-                       checkpoint_root=root, next_batch=stream, should_stop=stop, warm_store=store)
+                       checkpoint_root=root, next_batch=stream, should_stop=stop, warm_store=store,
+                       init_from=init_from)
 
 
 # ---------------------------------------------------------------- workers (spawned processes)
@@ -373,15 +374,20 @@ def test_warm_resume_equals_a_checkpoint_resume(tmp_path, method):
     """Back-to-back sessions in one process resume from memory; the result is the same as
     reading the checkpoint (the cold run clears the process's warm state between sessions), and
     as a warm state prefetched from the checkpoint outside any session (a replica that loaded
-    another replica's newer drafter to serve it)."""
+    another replica's newer drafter to serve it). EAGLE-3's draft vocabulary is target ids 21..60:
+    its map (saved buffers, not parameters) was once lost by a warm resume."""
     from tlt.drafter import resume_state as warm
 
     results = {}
     target = _target(method)
+    init = Drafter(*target)
+    if method == "eagle3":
+        init.set_vocab_map(torch.arange(21, 61))
+    init = init.state_dict()
     for mode in ("warm", "cold", "prefetched"):
         root = tmp_path / mode
         a = _session(0, 1, _free_port(), "a", root, _cfg(max_steps=2, interval=100), _Stream(aux=method == "eagle3"),
-                     target=target)
+                     target=target, init_from=init)
         if mode != "warm":
             STORE.clear()
         if mode == "prefetched":
@@ -393,6 +399,8 @@ def test_warm_resume_equals_a_checkpoint_resume(tmp_path, method):
                      _Stream(start=2, aux=method == "eagle3"), target=target)
         assert (a.warm, b.warm) == (False, mode != "cold") and b.start_step == 2 and b.end_step == 4
         results[mode] = (b.losses, _checkpoint_weights(root, 4, method))
+    if method == "eagle3":
+        assert results["cold"][1]["d2t"][0] == 21 and int(results["cold"][1]["t2d"].sum()) == 40
     for mode in ("warm", "prefetched"):
         assert results[mode][0] == results["cold"][0], mode
         for k, v in results["cold"][1].items():
