@@ -1,10 +1,11 @@
 """Weight digests: one sha256 over a drafter's trainable weights, from what a process serves or
 read straight from a spot checkpoint, so a push can be checked to serve the checkpoint it names.
 
-Both sides hash the same thing: each parameter's name and its bytes in one dtype (the serving
-dtype: a checkpoint's fp32 weights are cast as a bf16 server casts them), in name order. Buffers
-(rotary frequencies) and the target's frozen embedding / LM head are not drafter weights and are
-left out on both sides.
+Both sides hash the same thing: what a checkpoint saves of the drafter (its parameters and saved
+buffers: EAGLE-3's draft-vocabulary map decides what is drafted), each name and its bytes in name
+order, floating tensors in one dtype (the serving dtype: a checkpoint's fp32 weights are cast as a
+bf16 server casts them), integer and bool ones in their own. Unsaved buffers (rotary frequencies)
+and the target's frozen embedding / LM head are not drafter weights and are left out on both sides.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ _PREFIX = "train.model."  # where a spot checkpoint keeps the drafter's weights 
 
 
 def weights_digest(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> str:
-    """sha256 of ``(name, tensor)`` pairs, each tensor cast to ``dtype`` on the host."""
+    """sha256 of ``(name, tensor)`` pairs, each floating tensor cast to ``dtype`` on the host."""
     h = hashlib.sha256()
     for name, t in sorted(named, key=lambda x: x[0]):
-        data = t.detach().to("cpu", dtype).contiguous()
+        data = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
         h.update(name.encode())
         h.update(str(tuple(data.shape)).encode())
         h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
@@ -35,9 +36,9 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
 
 
 def module_digest(module: nn.Module, dtype: torch.dtype | None = None) -> str:
-    """Digest of ``module``'s parameters, in their own dtype unless ``dtype`` is given."""
-    params = list(module.named_parameters())
-    return weights_digest(params, dtype or (params[0][1].dtype if params else torch.float32))
+    """Digest of what ``module`` saves, in its parameters' dtype unless ``dtype`` is given."""
+    params = list(module.parameters())
+    return weights_digest(module.state_dict().items(), dtype or (params[0].dtype if params else torch.float32))
 
 
 def checkpoint_weights(root: str | Path, step: int) -> dict[str, torch.Tensor]:

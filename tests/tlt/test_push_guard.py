@@ -13,10 +13,12 @@ from tests.drafter.test_spot import _target
 from tlt.push_guard import GuardConfig, PushGuard
 
 
-def _checkpoint(root, step: int, seed: int) -> Drafter:
-    dcfg, embed, head = _target()
+def _checkpoint(root, step: int, seed: int, method: str = "eagle", first_id: int = 0) -> Drafter:
+    dcfg, embed, head = _target(method)
     torch.manual_seed(seed)
     d = Drafter(dcfg, embed, head)
+    if method == "eagle3":  # a draft vocabulary of 40 target ids from first_id
+        d.set_vocab_map(torch.arange(first_id, first_id + 40))
     save_sync(root, step, {"train": TrainState(d, torch.optim.AdamW(d.parameters()), frozen=(embed, head))})
     return d
 
@@ -31,6 +33,16 @@ def test_digests_of_a_checkpoint_and_of_the_module_it_was_saved_from(tmp_path):
     assert checkpoint_digest(tmp_path, 2, torch.float32) != module_digest(a)
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         checkpoint_digest(tmp_path, 3, torch.float32)
+
+
+def test_eagle3_digests_cover_the_vocabulary_map(tmp_path):
+    """EAGLE-3 saves its draft-vocabulary map as buffers: both sides hash it (the checkpoint's side
+    once did and the module's did not, so every EAGLE-3 push failed the hard check)."""
+    a = _checkpoint(tmp_path, 2, 0, "eagle3", first_id=21)
+    assert checkpoint_digest(tmp_path, 2, torch.float32) == module_digest(a)
+    assert checkpoint_digest(tmp_path, 2, torch.bfloat16) == module_digest(a.to(torch.bfloat16))
+    a.set_vocab_map(torch.arange(20, 60))  # the same weights drafting other tokens
+    assert checkpoint_digest(tmp_path, 2, torch.float32) != module_digest(a)
 
 
 def test_hard_check_rejects_any_replica_serving_other_weights():
