@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -414,8 +415,18 @@ def load(root: str | Path, state: dict[str, Any], *, step: int | None = None,
     path = step_dir(root, step)
     if not (path / ".metadata").is_file():
         raise ValueError(f"{path} is not a complete checkpoint; choose one of {complete_steps(root)}")
-    dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=alone or _no_dist())
+    try:
+        dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=alone or _no_dist())
+    except CheckpointException as e:  # a BaseException: no `except Exception` of a caller would see it
+        raise ValueError(f"{path}: {_first_line(e)}; it holds another drafter's state (method, sizes "
+                         "or draft vocabulary changed): use another checkpoint root or remove it") from None
     return step
+
+
+def _first_line(e: BaseException) -> str:
+    """DCP's exception prints every rank's traceback; the cause is its last non-empty line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 def load_weights(root: str | Path, model: nn.Module, *, frozen: Iterable[torch.Tensor] = (),

@@ -48,7 +48,8 @@ class FeatureSample:
                 self.aux is not None and self.aux.shape[0] != n):
             raise ValueError("FeatureSample tensors disagree on sequence length: ids "
                              f"{tuple(self.input_ids.shape)}, mask {tuple(self.loss_mask.shape)}, "
-                             f"hidden {tuple(self.hidden.shape)}")
+                             f"hidden {tuple(self.hidden.shape)}, aux "
+                             f"{None if self.aux is None else tuple(self.aux.shape)}")
 
 
 @dataclasses.dataclass

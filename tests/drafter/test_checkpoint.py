@@ -237,6 +237,19 @@ def test_load_weights_reads_the_weights_only(tmp_path, monkeypatch):
         assert torch.equal(a, b), name
 
 
+def test_a_checkpoint_of_another_drafter_is_a_value_error_naming_the_fix(tmp_path):
+    """A root written by an EAGLE drafter, read into an EAGLE-3 one (a run whose drafter config
+    changed): DCP's CheckpointException is a BaseException, which the spot agent's `except
+    Exception` did not catch, so the session thread died without answering its STOP."""
+    d, opt = _trained("eagle")
+    save_sync(tmp_path, 2, {"train": TrainState(d, opt)})
+    other, other_opt = _trained("eagle3")
+    for read in (lambda: load(tmp_path, {"train": TrainState(other, other_opt)}),
+                 lambda: load_weights(tmp_path, other)):
+        with pytest.raises(ValueError, match=r"step-0+2: .*d2t.*another drafter's state.*another checkpoint root"):
+            read()
+
+
 def test_sync_save_uses_the_same_commit(tmp_path):
     assert save_sync(tmp_path, 4, {"x": torch.ones(2)}) > 0
     assert latest(tmp_path) == 4 and not list(tmp_path.glob("*.tmp"))
