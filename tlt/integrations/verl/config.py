@@ -172,12 +172,17 @@ class EngineSection:
         if self.kv_blocks is not None and (self.block_size is None or self.kv_blocks < 1):
             raise _bad(f"{p}.kv_blocks", self.kv_blocks, f"set {p}.block_size too, and use an int >= 1")
 
+    def batch(self, max_num_seqs: int | None) -> int:
+        """The most requests a replica's engine decodes at once: ``max_batch``, capped by verl's
+        ``rollout.max_num_seqs``."""
+        return min(self.max_batch, max_num_seqs or self.max_batch)
+
     def engine_keys(self, *, max_num_seqs: int | None, gpu_memory_utilization: float | None,
                     cuda: bool) -> dict[str, Any]:
         """The replica engine's ``EngineConfig`` keys these settings and verl's rollout settings of the
         same meaning give: ``max_batch`` capped by ``max_num_seqs``; a paged pool of ``kv_blocks``, or
         on a GPU ``gpu_memory_utilization`` of its memory (less the weights) as ``kv_fraction``."""
-        keys: dict[str, Any] = {"max_batch": min(self.max_batch, max_num_seqs or self.max_batch)}
+        keys: dict[str, Any] = {"max_batch": self.batch(max_num_seqs)}
         if self.block_size is not None:
             keys |= {"block_size": self.block_size, "eviction": self.eviction}
             if self.kv_blocks is not None:

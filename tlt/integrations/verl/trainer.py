@@ -102,7 +102,8 @@ class TLTTrainer(PPOTrainerSync):
             return
         tc = self.tlt.tail.consolidate
         if tc.mode != "off":
-            self._consolidator = Consolidator(self._servers, tc.rules(self.tlt.engine.max_batch),
+            batch = self.tlt.engine.batch(config.actor_rollout_ref.rollout.get("max_num_seqs"))
+            self._consolidator = Consolidator(self._servers, tc.rules(batch),
                                               interval_s=tc.interval_s, move_s=tc.move_s)
             self._step_requests = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.replay_buffer.poll_interval = self.tlt.replay_poll_s
