@@ -307,6 +307,10 @@ def test_engine_keys_map_verls_rollout_settings():
     (["tlt.engine.block_size=16", "actor_rollout_ref.rollout.gpu_memory_utilization=1.5"],
      "actor_rollout_ref.rollout.gpu_memory_utilization=1.5"),
     (["tlt.engine.block_size=16", "tlt.engine.kv_blocks=2"], "tlt.engine.kv_blocks=2"),
+    # spot training with nothing captured would never run
+    (["tlt.buffer.capture=off"], "tlt.buffer.capture=rollout"),
+    # replica r rendezvous at base_port + 256 r + 0..255: the last one must stay a port
+    (["tlt.spot.base_port=60000", "trainer.n_gpus_per_node=22"], "use at most 59904"),
 ])
 def test_memory_settings_the_engine_cannot_honour_are_refused_before_ray(overrides, key):
     cfg = _compose("tlt_grpo", overrides)

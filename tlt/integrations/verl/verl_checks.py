@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tlt.integrations.verl.config import TLTConfig
+from tlt.integrations.verl.spot_wiring import PORT_SPAN
 
 _failure: str | None = None
 
@@ -61,6 +62,17 @@ def check_verl_config(config, tlt: TLTConfig) -> None:
     if lora:
         raise ValueError(f"actor_rollout_ref.model.lora rank {lora}: the tlt rollout takes merged full "
                          "weights only; train without LoRA")
+    if tlt.drafter.train and tlt.buffer.capture == "off":
+        raise ValueError("tlt.drafter.train=true with tlt.buffer.capture=off: spot training would get no hidden "
+                         "states and never run; use tlt.buffer.capture=rollout or old_log_prob, or "
+                         "tlt.drafter.train=false")
+    if tlt.drafter.train and tlt.spot.base_port:
+        replicas = max(1, config.trainer.n_gpus_per_node * config.trainer.nnodes)
+        top = tlt.spot.base_port + PORT_SPAN * replicas - 1
+        if top > 65535:
+            raise ValueError(f"tlt.spot.base_port={tlt.spot.base_port}: up to {replicas} replicas take {PORT_SPAN} "
+                             f"ports each, up to {top} > 65535; use at most {65536 - PORT_SPAN * replicas} "
+                             "(or 0: automatic)")
     bypass = OmegaConf.select(config, "algorithm.rollout_correction.bypass_mode", default=False)
     if bypass and tlt.drafter.train and tlt.buffer.capture == "old_log_prob":
         raise ValueError("algorithm.rollout_correction.bypass_mode=true skips the old-log-prob forward, "
