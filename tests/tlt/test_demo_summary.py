@@ -168,3 +168,14 @@ def test_kv_memory_is_the_largest_peak_beside_a_static_cache_of_its_batch():
     assert s["kv_memory_by_arm"]["B"] is None
     line = next(x for x in demo.summary_lines({**s, "seconds": 1.0}) if x.startswith("KV memory"))
     assert "A 500/1,000 (50%)" in line and "A 3 (130 tokens recomputed)" in line and "B " not in line
+
+
+def test_one_repeat_has_no_interval():
+    """A bootstrap over one item resamples only it: the zero-width interval it gave (`tlt bench
+    rollout --quick` printed "90% CI 2.00-2.00") says nothing of the noise, so there is none."""
+    from tlt.bench.fixtures import paired_ci90, show_ci90
+
+    assert paired_ci90([2.0], [1.0], seed=0) is None
+    assert show_ci90(None) == "no CI (1 repeat)"
+    lo, hi = paired_ci90([2.0, 2.2, 1.9], [1.0, 1.0, 1.0], seed=0)
+    assert 1.9 <= lo < hi <= 2.2 and show_ci90((lo, hi)) == f"90% CI {lo:.2f}-{hi:.2f}"

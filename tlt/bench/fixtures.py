@@ -48,7 +48,14 @@ def demo_drafter(target: Path, steps: int | None = None, quick: bool = False) ->
     return out
 
 
-def paired_ci90(ar_s: list[float], variant_s: list[float], seed: int, resamples: int = 2000) -> tuple[float, float]:
-    """Bootstrap 90% interval of the median paired ratio (AR's time / the variant's, per repeat)."""
+def paired_ci90(ar_s: list[float], variant_s: list[float], seed: int,
+                resamples: int = 2000) -> tuple[float, float] | None:
+    """Bootstrap 90% interval of the median paired ratio (AR's time / the variant's, per repeat);
+    None for a single repeat."""
     ratios = [a / t for a, t in zip(ar_s, variant_s)]
     return bootstrap_ci90(ratios, statistics.median, seed=seed, draws=resamples)
+
+
+def show_ci90(iv: tuple[float, float] | list[float] | None) -> str:
+    """``90% CI lo-hi``, or what a missing interval means."""
+    return "no CI (1 repeat)" if iv is None else f"90% CI {iv[0]:.2f}-{iv[1]:.2f}"

@@ -32,7 +32,7 @@ import time
 import torch
 
 from tlt.bench import torch_threads
-from tlt.bench.fixtures import demo_drafter, demo_target, paired_ci90
+from tlt.bench.fixtures import demo_drafter, demo_target, paired_ci90, show_ci90
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
@@ -121,9 +121,9 @@ def continuous_batching(model: TargetModel, reqs: list[RequestState], spread_s: 
                  "joined_per_rollout": engines["join"].lifecycle["joined"] / (repeats + 1)}
     for metric in ("makespan", "latency"):
         w, j = got["wait"][metric], got["join"][metric]
-        lo, hi = paired_ci90(w, j, seed)
+        iv = paired_ci90(w, j, seed)
         rec[metric] = {"wait_s": statistics.median(w), "join_s": statistics.median(j),
-                       "wait_over_join": statistics.median(a / b for a, b in zip(w, j)), "ci90": [lo, hi]}
+                       "wait_over_join": statistics.median(a / b for a, b in zip(w, j)), "ci90": None if iv is None else list(iv)}
     return rec
 
 
@@ -209,8 +209,8 @@ def _run(args: argparse.Namespace) -> dict:
     start = eagle_start(model, drafter, reqs, [0, 16] if quick else [0, 32, 96], Arm(3, 1, 3))
     summary = [f"continuous batching ({cb['requests']} requests over {cb['spread_ms']:.0f} ms, "
                f"{cb['repeats']} paired repeats): makespan wait/join {cb['makespan']['wait_over_join']:.2f}x "
-               f"(90% CI {cb['makespan']['ci90'][0]:.2f}-{cb['makespan']['ci90'][1]:.2f}), mean latency "
-               f"{cb['latency']['wait_over_join']:.2f}x ({cb['latency']['ci90'][0]:.2f}-{cb['latency']['ci90'][1]:.2f})"]
+               f"({show_ci90(cb['makespan']['ci90'])}), mean latency "
+               f"{cb['latency']['wait_over_join']:.2f}x ({show_ci90(cb['latency']['ci90'])})"]
     summary += [f"rejoin after {r['tokens_so_far']} tokens: re-prefill {r['reprefill_ms']:.1f} ms "
                 f"({r['reprefill_ms'] / r['plain_step_ms']:.1f} plain steps), moving its KV "
                 f"({r['kv_bytes'] / 1e6:.2f} MB) {r['kv_move_ms']:.2f} ms" for r in cost]

@@ -36,7 +36,7 @@ import torch
 
 from tlt.bench import torch_threads
 from tlt.bench.compiles import count_compiles
-from tlt.bench.fixtures import demo_drafter, demo_target, paired_ci90
+from tlt.bench.fixtures import demo_drafter, demo_target, paired_ci90, show_ci90
 from tlt.drafter.eagle import Drafter
 from tlt.rollout.eagle_proposer import EagleProposer
 from tlt.rollout.engine import EngineConfig, RolloutEngine
@@ -314,11 +314,11 @@ def _summary(w: Workload, rows: dict, best_static: str, by_batch: dict, workload
                  f"vs a fixed elastic switch at 32: {vs(tuned, 'EAGLE + BEG-MAB, fixed elastic 32'):.2f}x, "
                  f"vs AR: {rows[tuned]['paired_vs_ar']:.2f}x")
     ctl = rows["AR again (control)"]
-    lines.append(f"  noise floor: an identical AR engine measured {ctl['paired_vs_ar']:.2f}x paired (90% CI "
-                 f"{ctl['paired_vs_ar_ci90'][0]:.2f}-{ctl['paired_vs_ar_ci90'][1]:.2f})")
+    lines.append(f"  noise floor: an identical AR engine measured {ctl['paired_vs_ar']:.2f}x paired "
+                 f"({show_ci90(ctl['paired_vs_ar_ci90'])})")
     lines.append("  adaptive vs AR: " + ", ".join(
-        f"{k} {r['adaptive_vs_ar']:.2f}x (paired {r['adaptive_vs_ar_paired']:.2f}x, 90% CI "
-        f"{r['adaptive_vs_ar_paired_ci90'][0]:.2f}-{r['adaptive_vs_ar_paired_ci90'][1]:.2f})" for k, r in workloads.items())
+        f"{k} {r['adaptive_vs_ar']:.2f}x (paired {r['adaptive_vs_ar_paired']:.2f}x, "
+        f"{show_ci90(r['adaptive_vs_ar_paired_ci90'])})" for k, r in workloads.items())
                  + f"; host<->device transfers per step (most): plain {transfers['ar']}, speculative "
                  f"{transfers['sd']} (greedy), sampled speculative {transfers['sampled']} (T=1, shared-noise drafts)")
     pg, hf = rows["AR, paged"], rows["AR, paged, half its peak"]

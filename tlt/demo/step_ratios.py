@@ -90,7 +90,10 @@ def step_interval(num: dict[int, dict], den: dict[int, dict], steps: list[int], 
 
 def bootstrap_ci90(items: list, statistic, *, seed: int = 0, draws: int = 2000) -> tuple[float, float] | None:
     """90% interval of ``statistic`` (of a resampled list; None: nothing to compare in it) over
-    ``draws`` resamples of ``items`` with replacement. None when most resamples give None."""
+    ``draws`` resamples of ``items`` with replacement. None for fewer than 2 items (every resample
+    is the one item: a zero-width interval says nothing of the noise), or when most resamples give None."""
+    if len(items) < 2:
+        return None
     rng = random.Random(seed)
     got = sorted(x for x in (statistic(rng.choices(items, k=len(items))) for _ in range(draws)) if x is not None)
     if len(got) < draws // 2:
