@@ -403,7 +403,12 @@ class RolloutEngine:
             if need > self.pool.capacity:
                 raise ValueError(f"{name}: {len(st.prompt)} prompt tokens + max_new_tokens {st.params.max_new_tokens} "
                                  f"+ a draft of {draft} need {need} blocks of {self.pool.block_size} "
-                                 f"positions; the pool holds {self.pool.capacity} (raise EngineConfig.kv_blocks)")
+                                 f"positions; the pool holds {self.pool.capacity} (raise EngineConfig."
+                                 f"{self._pool_key()}, or lower max_draft_tokens)")
+
+    def _pool_key(self) -> str:
+        """The EngineConfig key that sized the paged pool (one of them does: __post_init__)."""
+        return next((k for k in ("kv_bytes", "kv_fraction") if getattr(self.cfg, k) is not None), "kv_blocks")
 
     @property
     def running(self) -> int:

@@ -164,3 +164,20 @@ def test_a_drafter_set_later_fits_the_memory_kept_for_it_or_is_refused():
     assert later.block_bytes() * later.pool.capacity <= 1 << 20
     with pytest.raises(ValueError, match="draft_position_bytes=-1"):
         EngineConfig(block_size=8, kv_bytes=1 << 20, draft_position_bytes=-1)
+
+
+@pytest.mark.parametrize("sizing", [{"kv_blocks": 14}, {"kv_bytes": 60_000}])
+def test_a_request_the_pool_cannot_hold_is_told_the_key_that_sized_it(sizing):
+    """The refusal names the key the pool was sized by (kv_blocks, kv_bytes or kv_fraction: only one
+    may be given, so 'raise kv_blocks' misled a pool sized by bytes) and the draft reserve."""
+    from tlt.rollout.engine import EngineConfig, RolloutEngine
+    from tlt.rollout.generate import SamplingParams
+    from tlt.rollout.request import RequestState
+    from tests.rollout.test_transfers import _models
+
+    target, _ = _models()
+    eng = RolloutEngine(target, EngineConfig(max_batch=4, max_len=512, block_size=16, **sizing))
+    st = RequestState(tuple(range(1, 60)) * 4, SamplingParams(max_new_tokens=60), 0)
+    key = next(iter(sizing))
+    with pytest.raises(ValueError, match=rf"the pool holds \d+ \(raise EngineConfig\.{key}, or lower max_draft_tokens\)"):
+        eng.add([st])
