@@ -35,11 +35,26 @@ def test_shares_and_lengths_come_from_the_rounds(tmp_path):
            [{"step": 2, "length": 100, "index": 1, "sample": 0}, {"step": 2, "length": 60, "index": 2, "sample": 0}])
     rec = compare(tmp_path)
     f = rec["by_arm"]["F"]
-    assert f["tokens"] == 80 + 160 + 80  # short rounds' own count plus what long rounds trained
-    assert f["dropped_share"] == pytest.approx(40 / 320) and f["thrown_away_share"] == pytest.approx(100 / 320)
+    # steps 2+ (step 1's short round left out, as the default arm's step 1): a short round's own
+    # count plus what the long round trained
+    assert f["tokens"] == 160 + 80 and f["rounds"] == {1: "short", 2: "long", 3: "short"}
+    assert f["dropped_share"] == pytest.approx(20 / 240) and f["thrown_away_share"] == pytest.approx(50 / 240)
+    assert f["lengths"]["short_dropped_partial"]["n"] == 2
     assert f["lengths"]["short_kept"]["median"] == 15 and f["lengths"]["long_trained"]["median"] == 80
     assert f["rollout_s_by_round"] == {"long": {"mean": 2.0, "steps": 1}, "short": {"mean": 6.0, "steps": 1}}
     assert f["rollout_time_ratio_default_over_tb"] == pytest.approx(8.0 / 8.0)
+
+
+def test_a_run_of_one_step_has_no_figures_past_step_1(tmp_path):
+    short = {"round": "short", "kept_lengths": [10], "finished_not_kept_lengths": [], "dropped_partial_lengths": [],
+             "tokens": 10, "dropped_tokens": 0, "thrown_away_tokens": 0}
+    _write(tmp_path, "A", [_step(1, 4.0)], [{"step": 1, "length": 40, "index": 0, "sample": 0}])
+    _write(tmp_path, "F", [_step(1, 5.0, short)], [])
+    from tlt.bench.tail_batching import lines
+
+    f = compare(tmp_path)["by_arm"]["F"]
+    assert f["tokens"] == 0 and f["spot_train_s_per_step"] == {"A": None, "F": None}
+    assert "replica-s per step n/a (A) vs n/a (F)" in "\n".join(lines(compare(tmp_path)))
 
 
 def test_a_run_without_its_default_arm_is_refused(tmp_path):

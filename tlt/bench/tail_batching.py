@@ -44,6 +44,10 @@ def _dist(xs: list[int]) -> dict | None:
             "p90": s[int(0.9 * (len(s) - 1))], "max": s[-1]}
 
 
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None  # None: a run of one step has no step 2+
+
+
 def arm_figures(steps: list[dict], responses: list[dict]) -> dict:
     """One tail batching arm: rounds, tokens, lengths."""
     trained_len: dict[int, list[int]] = {}
@@ -57,8 +61,9 @@ def arm_figures(steps: list[dict], responses: list[dict]) -> dict:
         tb, s = rec.get("tail_batching") or {}, int(rec["step"])
         kind = tb.get("round", "?")
         rounds[s] = kind
-        if s > 1:
-            by_kind.setdefault(kind, []).append(float(rec.get("tlt/rollout_s", 0.0)))
+        if s == 1:  # every figure but the round map is over steps 2+, as the default arm's
+            continue
+        by_kind.setdefault(kind, []).append(float(rec.get("tlt/rollout_s", 0.0)))
         if kind == "short":
             kept += tb["kept_lengths"]
             unkept += tb["finished_not_kept_lengths"]
@@ -98,7 +103,7 @@ def compare(run: Path) -> dict:
         fig["step_time_ratio_ci90"] = s.get("step_time_ratio_ci90_ar_over_tlt")
         fig["reward_by_step"] = {a: {int(r["step"]): r.get("critic/score/mean") for r in steps[a]} for a in (base, tb)}
         fig["rollout_s_by_step"] = {a: {int(r["step"]): r.get("tlt/rollout_s") for r in steps[a]} for a in (base, tb)}
-        train = {a: statistics.fmean(sum(r.get("replica_train_s") or []) for r in steps[a] if r["step"] > 1)
+        train = {a: _mean([sum(r.get("replica_train_s") or []) for r in steps[a] if r["step"] > 1])
                  for a in (base, tb)}
         fig["spot_train_s_per_step"] = train
         out["by_arm"][tb] = fig
@@ -132,7 +137,7 @@ def lines(rec: dict) -> list[str]:
                    f"{_fmt((ln['long_trained'] or {}).get('median'), '.0f')}, default "
                    f"{_fmt((fig['default_trained_lengths'] or {}).get('median'), '.0f')}")
         tr = fig["spot_train_s_per_step"]
-        out.append(f"    spot-training replica-s per step {tr[base]:.1f} ({base}) vs {tr[tb]:.1f} ({tb})")
+        out.append(f"    spot-training replica-s per step {_fmt(tr[base], '.1f')} ({base}) vs {_fmt(tr[tb], '.1f')} ({tb})")
     for k, v in rec["vs_default"].items():
         ci = v.get("ci90") or [None, None]
         out.append(f"  {k}: {_fmt(v['ratio'])}x (90% CI {_fmt(ci[0])}-{_fmt(ci[1])})")
