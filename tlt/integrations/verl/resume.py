@@ -5,7 +5,8 @@ end of a step that verl checkpointed, after that step's drafter push, so it hold
 would have served:
 
     state.json           the drafter pusher's record (version served, accepted and previous spot
-                         steps, the guard's figures) and each replica's tuner statistics
+                         steps, the guard's figures), the newest spot step then, and each
+                         replica's tuner statistics
     spot/step-XXXXXXXX   the accepted and previous spot checkpoints (hard links where the file
                          system allows): the spot trainer may prune them before the run resumes
     history.jsonl        the draft history as of step N (the run directory's log goes on past N)
@@ -16,7 +17,8 @@ dropped prompts, the prompts fetched and not launched yet, and the epoch's posit
 from always has it.
 
 A resumed run reads it once its replicas hold the checkpoint's policy (verl's ``on_init_end``):
-the spot steps go back into the spot root where they are missing, the history log is replaced and
+spot checkpoints the abandoned run wrote after it are set aside, the spot steps go back into the
+spot root where they are missing, the history log is replaced and
 replayed into every replica, every replica serves the accepted drafter under its version (the
 pusher's read-back checks that each one does), and each replica's tuner takes its statistics back.
 The folder is written to ``tlt.tmp`` and renamed, so it is whole or absent. A checkpoint without it
@@ -31,13 +33,14 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import ray
 import torch
 
-from tlt.drafter.checkpoint import complete_steps, step_dir
+from tlt.drafter.checkpoint import complete_steps, latest, step_dir
 from tlt.integrations.verl.drafter_push import DrafterPusher
 from tlt.integrations.verl.history_log import read_history
 
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 FOLDER = "tlt"
 STATE = "state.json"
 ROUNDS = "tlt_tail_batching.pt"  # beside tlt/, in global_step_N
+ABANDONED = "abandoned"  # under the spot root: checkpoints an abandoned run wrote after the resumed-from one
 
 
 @dataclasses.dataclass
@@ -74,7 +78,9 @@ def save(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list], 
     if history is not None and history.is_file():
         shutil.copy2(history, tmp / "history.jsonl")
     tuners = ray.get([s.tuner_state.remote() for s in servers()], timeout=120)
-    (tmp / STATE).write_text(json.dumps({"pusher": pusher.state(), "spot_steps": spot, "tuners": tuners}))
+    newest = latest(spot_root) if spot_root else None  # the spot trainer resumes from it
+    (tmp / STATE).write_text(json.dumps({"pusher": pusher.state(), "spot_steps": spot, "spot_latest": newest,
+                                         "tuners": tuners}))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     log.info("tlt: resume state in %s (drafter version %d, spot step %s)", final, pusher.version, pusher.accepted)
@@ -95,6 +101,8 @@ def restore(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list
                 "history": replayed}
     state = json.loads((folder / STATE).read_text())
     if spot_root:
+        if "spot_latest" in state:
+            set_aside_newer(spot_root, state["spot_latest"])
         have = set(complete_steps(spot_root))
         for s in state["spot_steps"]:
             if s not in have:
@@ -115,6 +123,24 @@ def restore(step_folder: Path, pusher: DrafterPusher, servers: Callable[[], list
              folder, pusher.version, pusher.accepted, replayed, loaded)
     return {"from_tlt_state": True, "version": pusher.version, "spot_step": pusher.accepted, "history": replayed,
             "tuners": loaded}
+
+
+def set_aside_newer(spot_root: str | Path, newest: int | None) -> list[int]:
+    """Move the spot checkpoints past ``newest`` (the newest when the resumed-from checkpoint was
+    saved: None, none yet) out of the spot trainer's sight, into ``ABANDONED/<time>/``: the abandoned
+    run wrote them after that checkpoint, and the spot trainer resumes from the newest it sees, so
+    the resumed run would train on, and push, a drafter it never had. Kept, not deleted. Returns
+    the steps moved."""
+    later = [s for s in complete_steps(spot_root) if newest is None or s > newest]
+    if not later:
+        return []
+    dest = Path(spot_root) / ABANDONED / time.strftime("%Y%m%d-%H%M%S")
+    dest.mkdir(parents=True, exist_ok=True)
+    for s in later:
+        os.replace(step_dir(spot_root, s), dest / step_dir(spot_root, s).name)
+    log.warning("tlt: spot checkpoints %s were written after the checkpoint this run resumes from; moved to %s",
+                later, dest)
+    return later
 
 
 def save_rounds(step_folder: Path, rounds: dict) -> Path:
