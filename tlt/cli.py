@@ -352,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--measure-cpu", action="store_true",
                    help="cluster: measure this machine's step-cost curve first (tlt bench rollout, one repeat) and "
                    "simulate the CPU row on it instead of the recorded docs/bench/rollout.json")
+    s.add_argument("--cpu-curve", metavar="JSON",
+                   help="cluster: simulate the CPU row on a curve measured earlier (the *_cpu_curve.json that "
+                   "--measure-cpu wrote), so a rerun changes nothing but what the simulator does")
     s.add_argument("--trace", help="sglang-tuner: verify trace to replay (recorded here first if the file "
                    "does not exist; without --trace a fresh one is recorded and not kept)")
     s.set_defaults(fn=_cmd_bench)

@@ -4,11 +4,12 @@ rule (moves, RollPacker's rounds, PAT's switch) doing what its paper states."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from tlt.coordinator.consolidation import StepCurve, drain_s
 
-from tlt.sim.systems import SYSTEMS, Knobs, run_rollpacker, run_step
+from tlt.sim.systems import SYSTEMS, Knobs, rollpacker_rounds, run_rollpacker, run_step
 from tlt.sim.rollout import Request, Speed, place, simulate, with_lengths
 from tlt.sim.workloads import AcceptModel, reasoning_lengths
 
@@ -67,6 +68,19 @@ def test_rollpacker_trains_every_prompt_once_with_r0_responses():
     assert all(0 < o.wasted_tokens < o.tokens for o in short)
 
 
+def test_rollpacker_flushes_what_is_left_and_counts_whole_cycles():
+    """Too few fresh prompts for a short round: the queue, topped up with fresh ones, runs to the
+    end like the trainer's flush, so no prompt is left unrun."""
+    r0, p0 = 4, 8
+    prompts = [reasoning_lengths(r0, 4096, seed=i) for i in range(44)]
+    out = run_rollpacker(prompts, Speed(GROWING), 4, Knobs(prompt_over=0.25, response_over=0.0), p0=p0, r0=r0)
+    trained = [i for o in out for i in o.trained]
+    assert sorted(trained) == list(range(44))
+    assert [len(o.trained) for o in out] == [8, 8, 8, 8, 8, 4] and out[-1].wasted_tokens == 0
+    assert [rollpacker_rounds(n, 0.25) for n in (1, 2, 5, 6)] == [5, 5, 5, 10]
+    assert rollpacker_rounds(3, 0.3) == 5 and rollpacker_rounds(3, 0.0) == 3
+
+
 def test_rollpacker_refuses_prompts_with_too_few_responses():
     with pytest.raises(ValueError, match="at least 5 response lengths"):  # 4 x 1.25 launched
         run_rollpacker([[10, 20]], Speed(FLAT), 2, p0=1, r0=4)
@@ -102,7 +116,24 @@ def test_bench_tail_quick_writes_its_record_and_plot(tmp_path):
     assert set(row["systems"]) == set(SYSTEMS) and row["fastest"] in SYSTEMS
     assert row["fastest_over_tlt"] >= 1.0 and row["systems"]["pat"]["tp"] >= 1
     assert row["systems"]["rollpacker"]["wasted_share"] > 0 and row["systems"]["plain"]["wasted_share"] == 0
+    # RollPacker's means hold a whole cycle: 4 short rounds and the long round they feed (its
+    # figures once came from short rounds alone, the long prompts queued and never run)
+    assert rec["steps"] == 1 and row["systems"]["rollpacker"]["steps"] == rollpacker_rounds(1, 0.25) == 5
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_bench_tail_reruns_on_a_curve_measured_earlier(tmp_path):
+    import json
+
+    from tlt.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "cluster.json"
+    curve = root / "docs/bench/cluster_cpu_curve.json"
+    assert main(["-q", "bench", "cluster", "--quick", "--cpu-curve", str(curve), "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["curves"] == {"CPU, demo target": "cluster_cpu_curve.json"} and not rec["cpu_curve_measured_here"]
+    assert main(["-q", "bench", "cluster", "--quick", "--cpu-curve", str(tmp_path / "none.json")]) == 2
 
 
 def test_bench_tail_measures_this_machines_curve(tmp_path):

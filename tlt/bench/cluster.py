@@ -10,7 +10,7 @@ each scale's maximum length) instead of the reasoning profile.
 
 ``--measure-cpu`` first measures this machine's curve (``tlt bench rollout``, one repeat, written
 beside the JSON record as ``*_cpu_curve.json``) and simulates the CPU row on it instead of the
-recorded ``rollout.json``.
+recorded ``rollout.json``; ``--cpu-curve`` takes such a curve measured earlier.
 
 ``--validate --from FIT PREDICT`` instead predicts one ``tlt demo`` run's per-step rollout time
 from another run's recorded step costs (:func:`validate`) and reports the error.
@@ -38,6 +38,7 @@ from tlt.sim.systems import (
     SYSTEMS,
     Knobs,
     StepOutcome,
+    rollpacker_rounds,
     run_rollpacker,
     run_step,
     consolidator,
@@ -103,10 +104,9 @@ def _mean(outs: list[StepOutcome]) -> dict:
 
 
 def _prompts(scale, steps: int, seed: int, recorded: list[int] | None, per_prompt: int) -> list[list[float]]:
-    """``steps`` steps' worth of prompts (with RollPacker's extra launches), each with ``per_prompt``
-    responses' lengths (RollPacker's extra responses; the other systems run the first
-    ``scale.responses``)."""
-    n = int(scale.prompts * steps * 1.5) + 1
+    """``steps`` steps' worth of prompts, each with ``per_prompt`` responses' lengths (RollPacker's
+    extra responses; the other systems run the first ``scale.responses``)."""
+    n = scale.prompts * steps
     if recorded:  # a demo run's lengths, scaled to this scale's maximum
         top = max(recorded)
         pool = [max(1, round(x * scale.max_len / top)) for x in recorded]
@@ -122,14 +122,17 @@ def simulate_scale(name: str, record: Path, gpu_accept: bool, scale, steps: int,
     # BS_max: the largest batch the curves measured (past it a step's cost grows in proportion to the
     # batch, so no system gains from batches no engine ran)
     knobs = dataclasses.replace(knobs, max_batch=max(b for b, _ in plain.plain.points))
-    prompts = _prompts(scale, steps, seed, recorded, math.ceil(scale.responses * (1 + knobs.response_over)))
+    rounds = rollpacker_rounds(steps, knobs.prompt_over)  # RollPacker: whole cycles of rounds
+    prompts = _prompts(scale, max(steps, rounds), seed, recorded, math.ceil(scale.responses * (1 + knobs.response_over)))
     per_step = [prompts[s * scale.prompts:(s + 1) * scale.prompts] for s in range(steps)]
     rows = {}
     for system in SYSTEMS:
         if system.endswith("rollpacker"):
             speed = spec if system.startswith("tlt") else plain
-            # every step of the rounds over the same prompt pool: short rounds and the long rounds they feed
-            outs = run_rollpacker(prompts, speed, scale.replicas, knobs, p0=scale.prompts, r0=scale.responses)
+            # whole cycles of rounds over the same prompts (the other systems' steps first): short
+            # rounds and the long rounds they feed
+            outs = run_rollpacker(prompts[:rounds * scale.prompts], speed, scale.replicas, knobs, p0=scale.prompts,
+                                  r0=scale.responses)
         else:
             outs = []
             for s, ps in enumerate(per_step):
@@ -222,7 +225,11 @@ def run(args: argparse.Namespace) -> dict:
     recorded = None
     if getattr(args, "runs_from", None):
         recorded = [n for run in args.runs_from for ls in recorded_lengths(Path(run)).values() for n in ls]
-    cpu = None
+    cpu = Path(args.cpu_curve) if getattr(args, "cpu_curve", None) else None
+    if cpu is not None and getattr(args, "measure_cpu", False):
+        raise ValueError("--cpu-curve and --measure-cpu both give the CPU row's curve: pass one")
+    if cpu is not None and not cpu.is_file():
+        raise ValueError(f"--cpu-curve {cpu}: no such file (--measure-cpu --json X.json writes X_cpu_curve.json)")
     if getattr(args, "measure_cpu", False):
         where = Path(args.json).with_name(Path(args.json).stem + "_cpu_curve.json") if getattr(args, "json", None) \
             else Path(tempfile.mkdtemp(prefix="tlt-cluster-")) / "cpu_curve.json"
@@ -237,7 +244,7 @@ def run(args: argparse.Namespace) -> dict:
                      for s in scales}
     rec = {"bench": "cluster", "quick": quick, "steps": steps, "lengths": "recorded" if recorded else "reasoning profile",
            "knobs": knobs.__dict__, "curves": {k: str(v[0].name) for k, v in sets.items()},
-           "cpu_curve_measured_here": cpu is not None, "results": out}
+           "cpu_curve_measured_here": bool(getattr(args, "measure_cpu", False)), "results": out}
     lines = [(f"rollout systems, simulated: {steps} RL steps per system, lengths from the {rec['lengths']}; rollout "
               "seconds per step (train: replica-seconds free for drafter training per step)")]
     for name, by in out.items():

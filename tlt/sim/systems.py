@@ -15,7 +15,9 @@ Owns how one RL step's rollout runs under each system, on top of :func:`tlt.sim.
   round launches ``(1 + prompt_over)`` times the prompts a step needs with ``(1 + response_over)``
   times the responses each, keeps the first ``P0`` prompts whose ``R0`` responses all finished and
   aborts the rest into a queue; once ``P0`` prompts have queued, a long round runs them with ``R0``
-  responses each to the end. Aborted tokens are regenerated (on-policy).
+  responses each to the end, and a flush trains what is left at the pool's end. Aborted tokens are
+  regenerated (on-policy). Its figures are means over whole cycles of short and long rounds
+  (:func:`rollpacker_rounds`), so the long rounds weigh as often as they run.
 - ``pat`` (and ``tlt+pat``): PAT's Algorithm 1 (section 4.2). At each decision (a request
   finishing, at most once per ``tick_s``) the predicted
   remaining time at the current tensor parallelism is compared with each power-of-two TP plus
@@ -156,12 +158,24 @@ def _every(tick_s: float, until):
     return check
 
 
+def rollpacker_rounds(steps: int, prompt_over: float) -> int:
+    """The rounds to simulate for at least ``steps`` steps in whole cycles: a cycle is the short
+    rounds that queue ``P0`` prompts (``prompt_over * P0`` each) and the long round they feed."""
+    if prompt_over <= 0:
+        return steps  # nothing queues: short rounds only
+    cycle = math.ceil(1 / prompt_over - 1e-9) + 1
+    return cycle * math.ceil(steps / cycle)
+
+
 def run_rollpacker(prompts: Sequence[Sequence[float]], speed: Speed, replicas: int, knobs: Knobs = Knobs(), *,
                    p0: int, r0: int, group_base: int = 0) -> list[StepOutcome]:
     """RollPacker's rounds over ``prompts`` (each: its responses' lengths, at least ``r0`` of them with
     ``response_over`` 0, ``ceil(r0 * (1 + response_over))`` otherwise), ``p0`` prompts per step. A
     step is a short round (launched with extra prompts; its unfinished prompts queue) or, once
-    ``p0`` prompts have queued, a long round of queued prompts. Returns one outcome per step."""
+    ``p0`` prompts have queued, a long round of queued prompts; when too few fresh prompts are left
+    for a short round, a flush (as the trainer's epoch end: the queue, topped up with fresh prompts
+    to ``p0``) runs to the end like a long round. Every prompt is trained once. Returns one outcome
+    per step."""
     launch_r = math.ceil(r0 * (1 + knobs.response_over))
     launch_p = math.ceil(p0 * (1 + knobs.prompt_over))
     if any(len(p) < launch_r for p in prompts):
@@ -169,15 +183,16 @@ def run_rollpacker(prompts: Sequence[Sequence[float]], speed: Speed, replicas: i
     fresh = list(range(len(prompts)))
     queue: list[int] = []
     out: list[StepOutcome] = []
-    while fresh or len(queue) >= p0:
-        if len(queue) >= p0:  # a long round: p0 queued prompts to the end, r0 responses each
+    while fresh or queue:
+        if len(queue) >= p0 or len(fresh) < launch_p:  # long round, or the flush: p0 prompts to the end
             batch, queue = queue[:p0], queue[p0:]
+            batch, fresh = batch + fresh[:p0 - len(batch)], fresh[p0 - len(batch):]
             reqs = [Request(f"p{i}r{j}", prompts[i][j], group=group_base + i) for i in batch for j in range(r0)]
             out.append(dataclasses.replace(_outcome(simulate(reqs, [speed] * replicas)), trained=tuple(batch)))
             continue
         batch, fresh = fresh[:launch_p], fresh[launch_p:]
         reqs = [Request(f"p{i}r{j}", prompts[i][j], group=group_base + i) for i in batch for j in range(launch_r)]
-        need = min(p0, len(batch))
+        need = p0
 
         per: dict[int, int] = {}
         seen = [0, 0]  # finished requests counted, prompts complete
