@@ -436,13 +436,16 @@ class RolloutEngine:
         out: list[Finished] = []
         self._admit(out)
         if self._rows:
-            arm = self._choose(len(self._rows))
+            b = len(self._rows)
+            arm = chosen = self._choose(b)
             upload = StepUpload(self.device)  # the step's one upload (flushed in _step)
             if self.pool is not None:
                 arm = self._make_room(arm, upload)
             inp = ProposerInput(self._generation, tuple(self._rows), self._seqs, self._plens, self._groups, None,
                                 Arm.off(), self._state.sampling, self._state, upload)
-            tokens, lps, rec, acc = self._step(inp, arm)
+            # the tuner learns from the steps it chose: not a draft the pool could not hold, nor a
+            # batch that evictions shrank (maybe into another bucket)
+            tokens, lps, rec, acc = self._step(inp, arm, tuned=arm == chosen and len(self._rows) == b)
             rec.evicted, rec.recomputed = self.sched.step_counts()
             rec.positions = sum(len(self._seqs[r]) for r in inp.rows) - len(inp.rows)  # (pending tokens: no KV yet)
             rec.blocks = self.pool.used if self.pool is not None else 0
@@ -808,6 +811,10 @@ class RolloutEngine:
             return self._features_buf[..., :h]
         return self._features_buf[..., h:] if self._stores_hidden else self._features_buf
 
+    def _budget_left(self, rid: int) -> int:
+        """Tokens request ``rid`` may still commit (its output holds the pending token)."""
+        return self._reqs[rid].state.params.max_new_tokens - (len(self._seqs[rid]) - self._plens[rid])
+
     def _speculate(self, b: int) -> bool:
         cap = self.cfg.elastic_threshold
         return bool(self.proposers) and (cap is None or b <= cap)
@@ -848,7 +855,7 @@ class RolloutEngine:
             inp.upload.flush()  # (nothing left when the proposer flushed it)
             drafting.stop()
 
-    def _step(self, inp: ProposerInput, arm: Arm):
+    def _step(self, inp: ProposerInput, arm: Arm, tuned: bool):
         rows, st = inp.rows, inp.state
         b = len(rows)
         sd = self._speculate(b)
@@ -911,14 +918,16 @@ class RolloutEngine:
         catch_up_s = min(draft_s, prop.catch_up_s) if prop is not None else 0.0
         if prop is not None and switched:
             switch_s = catch_up_s
-        accepted = sum(len(x) for x in res.nodes)
+        # what each row keeps: a request's budget cuts the tokens past it (its stops end the walk)
+        kept = [min(len(t), self._budget_left(r)) for t, r in zip(res.tokens, rows)]
+        accepted = sum(min(len(x), k) for x, k in zip(res.nodes, kept))  # the bonus token comes last
         capture_s = self.static_step.capture_s - capture0 if self.static_step is not None else 0.0
         if prop is not None:
             capture_s += prop.capture_s - prop_capture0
         switch_s += capture_s  # a first use's graph capture is no arm's cost either
-        if sd and self.tuner is not None and self.cfg.arm is None:
+        if sd and tuned and self.tuner is not None and self.cfg.arm is None:
             self.tuner.record(b, arm, accepted, max(seconds - switch_s, 1e-9))
-        rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(len(t) for t in res.tokens), seconds,
+        rec = StepRecord(b, str(arm), sd and not arm.is_off, accepted, sum(kept), seconds,
                          res.drafted, draft_s, capture_s, catch_up_s, max(seconds - res.wait_s, 0.0))
-        acc = [len(t) for t in res.tokens] if rec.sd else []
+        acc = kept if rec.sd else []
         return res.tokens, res.logprobs, rec, acc
