@@ -8,6 +8,7 @@ of :mod:`tlt.rollout.sampling`, which the speculative engine reproduces token fo
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -16,6 +17,9 @@ from tlt.rollout.attention import AttnMeta
 from tlt.rollout.kv_cache import StaticKVCache
 from tlt.rollout.sampling import RowSampling, sample
 from tlt.rollout.target import TargetModel
+
+
+MIN_TEMPERATURE = 1e-6  # a positive temperature's floor: fp32 logits / 1e-38 overflow
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,8 +34,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
         if any(not 0 <= t < 2**63 for t in self.stop_ids):
             raise ValueError(f"stop_ids must be token ids (0 <= id < 2**63), got {self.stop_ids}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                             f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 or self.max_new_tokens <= 0:
