@@ -158,6 +158,12 @@ def test_bad_requests_are_clear_errors(setup):
         eng.generate([prompts[0]], SamplingParams(max_new_tokens=200))
     with pytest.raises(ValueError, match="empty"):
         eng.generate([[]], params[0])
+    # NaN sampled at T=1 beside a sampled batch mate and greedily beside a greedy one; below 1e-6,
+    # fp32 logits / T overflowed into NaN log-probs and token 0
+    for t in (float("nan"), -1.0, 1e-39, float("inf")):
+        with pytest.raises(ValueError, match=rf"temperature must be 0 \(greedy\) or a finite number >= 1e-06, got {t}"):
+            SamplingParams(temperature=t)
+    assert SamplingParams(temperature=1e-6).temperature == 1e-6
     with pytest.raises(ValueError, match="strategy"):
         RolloutEngine(model, EngineConfig(), proposer=SuffixProposer())
 
@@ -247,3 +253,45 @@ def test_prefill_in_chunks_is_token_identical(setup, warm_drafters, temperature)
 def test_engine_config_refuses_each_bad_value(bad):
     with pytest.raises(ValueError):
         EngineConfig(**bad)
+
+
+def test_step_records_count_only_the_tokens_a_request_keeps(setup):
+    """A draft accepted past a request's budget is cut by the host; the step's committed, accepted
+    and accept-length figures (the tuner's reward, the benches' accept length) count only what
+    stays. They counted the whole accepted draft: 17 committed for 8 kept tokens."""
+    model, prompts, _ = setup
+    ref = _ar(model, prompts, [SamplingParams(max_new_tokens=40)] * len(prompts))
+    short = [SamplingParams(max_new_tokens=3)] * len(prompts)
+    res = RolloutEngine(model, EngineConfig(max_batch=8, max_len=512, arm=Arm(6, 1, 6)),
+                        proposer=CorruptOracle(ref)).generate(prompts, short)
+    assert res.outputs == [r[:3] for r in ref]
+    committed = sum(s.committed for s in res.steps)
+    assert committed == sum(map(len, res.outputs)) - len(prompts)  # the prefill samples each first token
+    assert sum(res.accept_lengths) == committed and max(res.accept_lengths) <= 2
+    assert all(s.accepted <= s.committed for s in res.steps)
+
+
+def test_a_step_the_pool_could_not_speculate_is_not_the_tuners():
+    """A paged pool short of a draft's room runs the step without speculation (or evicts): the
+    tuner learns only from steps that ran its choice. It was fed the forced off arm, which its
+    bucket did not offer, and raised mid-step, after the device had committed the step."""
+    from tlt.rollout.tuner import BegMab, TunerConfig
+    from tests.rollout.test_transfers import _models
+
+    target, _ = _models()
+    with torch.no_grad():  # varied tokens from a random target
+        for p in target.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.4)
+    prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 4, 5], [6, 7, 6, 7], [8, 9, 8]]
+    params = SamplingParams(max_new_tokens=20)
+    plain = RolloutEngine(target, EngineConfig(max_batch=4, max_len=64)).generate(prompts, params)
+    only = Arm(4, 1, 4, "suffix")
+    tuner = BegMab(TunerConfig(buckets=((64, (only,)),)))
+    eng = RolloutEngine(target, EngineConfig(max_batch=4, max_len=64, max_draft_tokens=8, block_size=4,
+                                             kv_blocks=12), tuner=tuner, proposers={"suffix": SuffixProposer()})
+    res = eng.generate(prompts, params)
+    assert res.outputs == plain.outputs
+    arms = {s.arm for s in res.steps}
+    assert "off" in arms and str(only) in arms  # the pool forced some steps off
+    assert tuner.stats()["bs<=64"][str(only)]["count"] == sum(s.arm == str(only) for s in res.steps) > 0
