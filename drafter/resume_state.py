@@ -4,9 +4,9 @@
 Owns the snapshot taken when a session ends (this rank's local shards of the drafter's weights and
 of its optimizer state, and its saved buffers, EAGLE-3's draft-vocabulary map: plain tensors
 detached from the ended process group, kept in host memory so an accelerator's memory goes back to
-rollout), the same snapshot read from a checkpoint outside any
-session (:func:`prefetch`: a replica that loads a newer drafter to serve also readies it for its next
-session, so that session does not spend its short idle window reading the checkpoint), and its
+rollout), the same snapshot read from a checkpoint outside any session (:func:`prefetch`: a replica
+that loads a newer drafter to serve also readies it for its next session, so that session does not
+spend its short idle window reading the checkpoint), and its
 restoration into the next session's freshly sharded drafter, by parameter name (a one-rank state
 is cut into any session's FSDP2 shards), and the :class:`WarmStore` its owner passes to each
 session. ``tlt.drafter.spot`` decides when a snapshot may be used (every rank agrees nothing
