@@ -123,7 +123,8 @@ def continuous_batching(model: TargetModel, reqs: list[RequestState], spread_s: 
         w, j = got["wait"][metric], got["join"][metric]
         iv = paired_ci90(w, j, seed)
         rec[metric] = {"wait_s": statistics.median(w), "join_s": statistics.median(j),
-                       "wait_over_join": statistics.median(a / b for a, b in zip(w, j)), "ci90": None if iv is None else list(iv)}
+                       "wait_over_join": statistics.median(a / b for a, b in zip(w, j)),
+                       "ci90": None if iv is None else list(iv)}
     return rec
 
 
