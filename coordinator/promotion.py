@@ -10,8 +10,9 @@ Rules
 - Rollout gating: IDLE reports for a step whose rollout is already done (``step <= done_step``) are
   never promoted; they wait for the worker's next-step reports. STEP_BEGIN of step ``s`` implies
   the rollouts of all steps before ``s`` are done. Nobody is promoted before the driver's first
-  STEP_BEGIN or ROLLOUT_DONE: a coordinator restarted after ROLLOUT_DONE of step ``s`` would
-  otherwise promote the workers still IDLE at ``s`` onto GPUs the RL step is using.
+  STEP_BEGIN or ROLLOUT_DONE (a coordinator restarted after ROLLOUT_DONE of step ``s`` would
+  otherwise promote the workers still IDLE at ``s`` onto GPUs the RL step is using); the IDLE
+  workers it then finds promotable are promoted at once.
 - Threshold: when IDLE (promotable) + TRAINING (in live sessions) >= ``idle_threshold``, every
   promotable IDLE worker is promoted, oldest idle first. So the first crossing promotes the whole
   idle pool at once, and each later idle worker is promoted as soon as it reports.
@@ -223,6 +224,7 @@ class Promotion:
         self.current_step = max(self.current_step, step)
         self.done_step = max(self.done_step, step - 1)
         self._event("step_begin", "", now, step=step)
+        self._promote_waiting(now)
         return self._flush()
 
     def rollout_done(self, step: int, now: float, token: Hashable,
@@ -241,6 +243,7 @@ class Promotion:
         self._barriers.append(_Barrier(token, step, now, deadline, waiting))
         self._event("rollout_done", "", now, step=step, training=len(waiting))
         self._complete_barriers(now)
+        self._promote_waiting(now)
         return self._flush()
 
     def tick(self, now: float) -> Decisions:
@@ -309,6 +312,13 @@ class Promotion:
                                             leader=s.leader, leader_address=s.leader_address,
                                             members=tuple(s.members), seq=w.seq))
             self._event("promote", w.worker_id, now, session=s.id, role=role.value, dp_group=s.dp_group)
+
+    def _promote_waiting(self, now: float) -> None:
+        """The driver spoke: workers that reported IDLE before it (a coordinator that started or
+        restarted mid-rollout) are promoted now if due, not at their next report."""
+        waiting = next((w for w in self.workers.values() if w.state is IDLE and w.step > self.done_step), None)
+        if waiting is not None:
+            self._promote_if_due(waiting, now)  # promotes every due worker, not only this one
 
     def _stop_session(self, s: _Session, reason: str, now: float, deadline: float | None = None) -> None:
         if s.stopping:

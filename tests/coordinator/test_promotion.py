@@ -331,3 +331,21 @@ def test_step_begin_closes_earlier_rollouts():
     assert w.state("a") is I and w.state("b") is I
     w.report("a", I, step=1)
     assert set(promotes(w.report("b", I, step=1))) == {"a", "b"}
+
+
+def test_workers_idle_before_the_drivers_first_word_are_promoted_when_it_comes():
+    """Nobody is promoted before the driver's first STEP_BEGIN (a restarted coordinator does not
+    know whether the step's rollout is over); workers that reported IDLE before it are promoted by
+    the STEP_BEGIN itself, not left waiting for a report they may never send."""
+    w = World(idle_threshold=2)
+    w.p = Promotion(PromotionConfig(idle_threshold=2, stop_timeout_s=5.0))  # no driver word yet
+    for wid in "ab":
+        w.register(wid, state=I, step=1)
+    assert w.state("a") is I and w.state("b") is I  # not before the driver speaks
+    d = w.p.step_begin(1, w.tick())
+    assert set(promotes(d)) == {"a", "b"} and w.state("a") is T
+    w2 = World(idle_threshold=2)
+    w2.p = Promotion(PromotionConfig(idle_threshold=2, stop_timeout_s=5.0))
+    for wid in "ab":
+        w2.register(wid, state=I, step=0)
+    assert promotes(w2.p.step_begin(1, w2.tick())) == {}  # IDLE in a rollout step 1's start closed

@@ -3,7 +3,8 @@
 Owns the transition logic: the scheduler's hooks call :meth:`IdleSignal.update` with its running
 request count (running batch + waiting queue) after each batch and whenever it has nothing to
 run; a change between "some requests" and "none" goes to the coordinator as BUSY or IDLE, so the
-coordinator can promote idle SGLang replicas to spot training outside verl too. Reports never
+coordinator can promote idle SGLang replicas to spot training outside verl too (once a driver has
+told it the step: ``DriverClient.step_begin``; it promotes nobody before). Reports never
 block (``coordinator.WorkerClient.report`` only queues). Configured by environment, read once per
 scheduler process; only TP rank 0 reports (one worker per server):
 
