@@ -86,6 +86,9 @@ class SpeculationSection:
         return arm
 
 
+PORT_SPAN = 256  # rendezvous ports per replica above tlt.spot.base_port
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpotSection:
     lr: float = 3e-4

@@ -22,9 +22,8 @@ from tlt.drafter.resume_state import WarmStore
 from tlt.drafter.spot import SpotConfig, SpotTrainer
 from tlt.drafter.ttt import TTTConfig
 from tlt.rollout.target import TargetModel
-from tlt.integrations.verl.config import TLTConfig
+from tlt.integrations.verl.config import PORT_SPAN, TLTConfig
 
-PORT_SPAN = 256  # rendezvous ports per replica above tlt's spot base port
 
 
 class BufferFeed:

@@ -55,7 +55,8 @@ from tlt.integrations.verl.coordinator_process import CoordinatorProcess
 from tlt.integrations.verl.drafter_push import DrafterPusher
 from tlt.integrations.verl.requests import as_list, canonical_order, duplicate_requests
 from tlt.integrations.verl.run_records import RunRecords
-from tlt.integrations.verl.spot_wiring import PORT_SPAN, busy_timeout_s, spot_config
+from tlt.integrations.verl.config import PORT_SPAN
+from tlt.integrations.verl.spot_wiring import busy_timeout_s, spot_config
 from tlt.integrations.verl.step_metrics import RolloutWindow, step_extra, step_metrics
 from tlt.integrations.verl.consolidator import Consolidator
 from tlt.integrations.verl.tail_round import RoundDriver

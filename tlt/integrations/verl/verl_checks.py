@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tlt.integrations.verl.config import TLTConfig
-from tlt.integrations.verl.spot_wiring import PORT_SPAN
+from tlt.integrations.verl.config import PORT_SPAN, TLTConfig
 
 _failure: str | None = None
 
@@ -70,9 +69,10 @@ def check_verl_config(config, tlt: TLTConfig) -> None:
         replicas = max(1, config.trainer.n_gpus_per_node * config.trainer.nnodes)
         top = tlt.spot.base_port + PORT_SPAN * replicas - 1
         if top > 65535:
+            most = 65536 - PORT_SPAN * replicas
+            fix = f"use at most {most} (or 0: automatic)" if most >= 1024 else "no base port fits so many replicas"
             raise ValueError(f"tlt.spot.base_port={tlt.spot.base_port}: up to {replicas} replicas take {PORT_SPAN} "
-                             f"ports each, up to {top} > 65535; use at most {65536 - PORT_SPAN * replicas} "
-                             "(or 0: automatic)")
+                             f"ports each, up to {top} > 65535; {fix}")
     bypass = OmegaConf.select(config, "algorithm.rollout_correction.bypass_mode", default=False)
     if bypass and tlt.drafter.train and tlt.buffer.capture == "old_log_prob":
         raise ValueError("algorithm.rollout_correction.bypass_mode=true skips the old-log-prob forward, "
