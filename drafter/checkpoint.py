@@ -418,15 +418,17 @@ def load(root: str | Path, state: dict[str, Any], *, step: int | None = None,
     try:
         dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=alone or _no_dist())
     except CheckpointException as e:  # a BaseException: no `except Exception` of a caller would see it
-        raise ValueError(f"{path}: {_first_line(e)}; it holds another drafter's state (method, sizes "
-                         "or draft vocabulary changed): use another checkpoint root or remove it") from None
+        raise unreadable(path, e) from e
     return step
 
 
-def _first_line(e: BaseException) -> str:
-    """DCP's exception prints every rank's traceback; the cause is its last non-empty line."""
+def unreadable(path: Path, e: BaseException) -> ValueError:
+    """DCP's CheckpointException (a BaseException, every rank's traceback in its text) as a
+    ValueError naming the checkpoint, the cause (its last line) and the likely fix."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return lines[-1] if lines else type(e).__name__
+    return ValueError(f"{path} could not be read into this drafter: {lines[-1] if lines else type(e).__name__}; "
+                      "if the drafter's method, sizes or draft vocabulary changed since it was written, use "
+                      "another checkpoint root")
 
 
 def load_weights(root: str | Path, model: nn.Module, *, frozen: Iterable[torch.Tensor] = (),

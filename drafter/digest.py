@@ -17,9 +17,10 @@ from typing import Iterable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from tlt.drafter.checkpoint import step_dir
+from tlt.drafter.checkpoint import step_dir, unreadable
 
 _PREFIX = "train.model."  # where a spot checkpoint keeps the drafter's weights (TrainState "model")
 
@@ -52,7 +53,10 @@ def checkpoint_weights(root: str | Path, step: int) -> dict[str, torch.Tensor]:
              if k.startswith(_PREFIX) and isinstance(m, TensorStorageMetadata)}
     if not state:
         raise ValueError(f"{path} holds no drafter weights (no {_PREFIX}* keys)")
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    except CheckpointException as e:  # a BaseException: the push guard's callers catch Exception
+        raise unreadable(path, e) from e
     return {k[len(_PREFIX):]: t for k, t in state.items()}
 
 
