@@ -77,8 +77,15 @@ def test_rollpacker_flushes_what_is_left_and_counts_whole_cycles():
     trained = [i for o in out for i in o.trained]
     assert sorted(trained) == list(range(44))
     assert [len(o.trained) for o in out] == [8, 8, 8, 8, 8, 4] and out[-1].wasted_tokens == 0
-    assert [rollpacker_rounds(n, 0.25) for n in (1, 2, 5, 6)] == [5, 5, 5, 10]
-    assert rollpacker_rounds(3, 0.3) == 5 and rollpacker_rounds(3, 0.0) == 3
+    assert [rollpacker_rounds(n, 8, 0.25) for n in (1, 2, 5, 6)] == [5, 5, 5, 10]
+    # 8 x 1.3 launches 11 and queues 3 a round: 3 short rounds and the long one
+    assert rollpacker_rounds(3, 8, 0.3) == 4 and rollpacker_rounds(3, 8, 0.0) == 3
+    # the flush with a queue: 35 prompts, 10 launched a round, 2 queued each: 3 short rounds leave
+    # 6 queued and 5 fresh; the flush trains the 6 and 2 fresh, then the last 3
+    prompts = [reasoning_lengths(r0, 4096, seed=i) for i in range(35)]
+    out = run_rollpacker(prompts, Speed(GROWING), 4, Knobs(prompt_over=0.25, response_over=0.0), p0=p0, r0=r0)
+    assert sorted(i for o in out for i in o.trained) == list(range(35))
+    assert [len(o.trained) for o in out] == [8, 8, 8, 8, 3]
 
 
 def test_rollpacker_refuses_prompts_with_too_few_responses():
@@ -118,7 +125,7 @@ def test_bench_tail_quick_writes_its_record_and_plot(tmp_path):
     assert row["systems"]["rollpacker"]["wasted_share"] > 0 and row["systems"]["plain"]["wasted_share"] == 0
     # RollPacker's means hold a whole cycle: 4 short rounds and the long round they feed (its
     # figures once came from short rounds alone, the long prompts queued and never run)
-    assert rec["steps"] == 1 and row["systems"]["rollpacker"]["steps"] == rollpacker_rounds(1, 0.25) == 5
+    assert rec["steps"] == 1 and row["systems"]["rollpacker"]["steps"] == rollpacker_rounds(1, 64, 0.25) == 5
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 

@@ -122,7 +122,7 @@ def simulate_scale(name: str, record: Path, gpu_accept: bool, scale, steps: int,
     # BS_max: the largest batch the curves measured (past it a step's cost grows in proportion to the
     # batch, so no system gains from batches no engine ran)
     knobs = dataclasses.replace(knobs, max_batch=max(b for b, _ in plain.plain.points))
-    rounds = rollpacker_rounds(steps, knobs.prompt_over)  # RollPacker: whole cycles of rounds
+    rounds = rollpacker_rounds(steps, scale.prompts, knobs.prompt_over)  # RollPacker: whole cycles of rounds
     prompts = _prompts(scale, max(steps, rounds), seed, recorded, math.ceil(scale.responses * (1 + knobs.response_over)))
     per_step = [prompts[s * scale.prompts:(s + 1) * scale.prompts] for s in range(steps)]
     rows = {}

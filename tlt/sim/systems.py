@@ -158,12 +158,14 @@ def _every(tick_s: float, until):
     return check
 
 
-def rollpacker_rounds(steps: int, prompt_over: float) -> int:
+def rollpacker_rounds(steps: int, p0: int, prompt_over: float) -> int:
     """The rounds to simulate for at least ``steps`` steps in whole cycles: a cycle is the short
-    rounds that queue ``P0`` prompts (``prompt_over * P0`` each) and the long round they feed."""
-    if prompt_over <= 0:
+    rounds that queue ``p0`` prompts (each launches ``ceil(p0 * (1 + prompt_over))`` and trains
+    ``p0``) and the long round they feed."""
+    queued = math.ceil(p0 * (1 + prompt_over)) - p0
+    if queued <= 0:
         return steps  # nothing queues: short rounds only
-    cycle = math.ceil(1 / prompt_over - 1e-9) + 1
+    cycle = math.ceil(p0 / queued) + 1
     return cycle * math.ceil(steps / cycle)
 
 
