@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from tlt.coordinator.protocol import (
+    MAX_WIRE_BYTES_FROM_COORDINATOR,
     Ack,
     Disconnect,
     Message,
@@ -110,6 +111,7 @@ class DriverClient:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES_FROM_COORDINATOR)
             self._sock.connect(self.address)
         sock = self._sock
         try:

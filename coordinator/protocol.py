@@ -5,7 +5,8 @@ A message is one ZeroMQ frame (the ROUTER side sees the peer identity frame in f
     HEADER + COMMAND + BODY
     HEADER  = b"TLTC" + bytes([VERSION])   4-byte magic + protocol version (mismatch: ProtocolError)
     COMMAND = bytes([Command])             one byte
-    BODY    = msgpack map                  field name -> value; <= MAX_BODY_BYTES
+    BODY    = msgpack map                  field name -> value; <= MAX_BODY_BYTES (MAX_LIST_BODY_BYTES
+                                           for the coordinator's messages that list worker ids)
 
 One frame, not one per part: pyzmq pays per frame, and a 4-frame ROUTER send measured ~2x the time
 of a 2-frame one (identity + message) on the coordinator's hot path.

@@ -408,7 +408,9 @@ class RolloutEngine:
 
     def _pool_key(self) -> str:
         """The EngineConfig key that sized the paged pool (one of them does: __post_init__)."""
-        return next((k for k in ("kv_bytes", "kv_fraction") if getattr(self.cfg, k) is not None), "kv_blocks")
+        if self.cfg.kv_fraction is not None:
+            return "kv_fraction (in verl: actor_rollout_ref.rollout.gpu_memory_utilization)"
+        return "kv_bytes" if self.cfg.kv_bytes is not None else "kv_blocks"
 
     @property
     def running(self) -> int:

@@ -238,7 +238,7 @@ def test_a_group_whose_member_list_is_past_64_kib_trains_and_stops(make_worker, 
     bytes: PROMOTE, SESSION and the driver's OUTCOME list ~66 KB of ids (about 520 ASCII ids). They were refused as oversized at 64 KiB: the late joiners never
     heard of their promotion and the driver got no answer."""
     n, hb = 132, 0.5  # heartbeating clients on a shared CI core
-    cfg = CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval_s=hb, liveness=6,
+    cfg = CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval_s=hb, liveness=20,
                             promotion=PromotionConfig(idle_threshold=n, stop_timeout_s=10.0))
     ids = [f"{k:03d}" + "\U0001d11e" * 125 for k in range(n)]
     with Coordinator(cfg, on_event=events) as c:
