@@ -119,6 +119,8 @@ def test_unknown_key_names_full_key_and_allowed(dotted, allowed):
     ("tail.batching.prompt_factor", 0.5),
     ("tail.batching.response_factor", 17),
     ("tail.batching.long_round_at", -1),
+    ("tail.consolidate.train_value", float("nan")),
+    ("tail.consolidate.move_s", float("nan")),
 ])
 def test_bad_value_names_key_and_value(dotted, value):
     with pytest.raises(ValueError) as ei:

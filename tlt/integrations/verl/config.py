@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import types
 import typing
 import warnings
@@ -245,9 +246,9 @@ class ConsolidateSection:
             raise _bad(f"{p}.knee", self.knee, "use a float in (0, 1]")
         if not 0 <= self.remaining_share <= 1:
             raise _bad(f"{p}.remaining_share", self.remaining_share, "use a float in [0, 1]")
-        if self.train_value < 0:
+        if not 0 <= self.train_value < math.inf:  # (NaN too)
             raise _bad(f"{p}.train_value", self.train_value, "use a float >= 0 (0: freeing replicas is worth nothing)")
-        if self.move_s is not None and self.move_s < 0:
+        if self.move_s is not None and not 0 <= self.move_s < math.inf:
             raise _bad(f"{p}.move_s", self.move_s, "use null (measured) or seconds >= 0")
 
     def rules(self, max_batch: int):
