@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
@@ -25,7 +26,9 @@ def test_oracle_drafts_are_the_targets_greedy_continuation(trained_target):
     sd = RolloutEngine(model, EngineConfig(max_batch=3, max_len=64, arm=Arm(4, 1, 4)),
                        proposer=OracleProposer(model)).generate(prompts, params)
     assert sd.outputs == ar.outputs
-    assert len(sd.accept_lengths) >= 3 * 4 and set(sd.accept_lengths) == {5}  # all 4 drafts + the bonus
+    # all 4 drafts + the bonus, but each request's last step: its budget (24 tokens after the
+    # prefill's) keeps 4 of its 5
+    assert collections.Counter(sd.accept_lengths) == {5: 3 * 4, 4: 3}
 
 
 def test_bench_headroom_quick(tmp_path, capsys):
