@@ -1,14 +1,29 @@
-"""A resumed verl run serves, from its first step, the drafter, draft history and tuner statistics of
-the step it resumes from (:mod:`tlt.integrations.verl.resume`).
+"""A resumed verl run: RollPacker's tail batching (:mod:`tlt.integrations.verl.tail_round`) and TLT's
+own state (:mod:`tlt.integrations.verl.resume`) carry across a checkpoint.
 
-Two real verl GRPO runs (Ray, FSDP2 on gloo, two replicas of the project's engine, spot training):
-the first runs 4 steps from no drafter and checkpoints step 4; the second resumes from it
-(``trainer.resume_mode=auto``) and runs step 5. Before the fix, step 5 served no EAGLE drafter
-(the suffix drafter only, drafter version 0) and its tuner explored from scratch.
+Two real verl GRPO runs (Ray, FSDP2 on gloo, two replicas of the project's engine, full TLT:
+speculation, spot training, tail consolidation, tail batching) of the quick demo's 8 prompts, 4 per
+step, 2 responses each, tail batching launching 8 prompts x 3 responses per short round. The first
+runs steps 1-3 from no drafter and checkpoints step 3, a short round, with 4 prompts queued; the
+second resumes from it (``trainer.resume_mode=auto``) and runs step 4 (two epochs in all). One pair
+of runs serves both tests: each verl start costs about 100 s of CI's budget.
+
+Tail batching, from the step records and the trained responses (``tlt_responses.jsonl``):
+- rounds short, long, short, long; the long round after the resume trains the queue the checkpoint
+  holds;
+- every prompt is trained exactly once per epoch, every trained group has exactly 2 responses;
+- what a short round trains is exactly its kept (finished) responses, none of its dropped ones;
+- the dropped requests' features reached the DataBuffer (the engine handed them over, reason
+  ``aborted``), and speculation ran.
+
+TLT's state: step 4 serves, from its first request, the drafter, draft history and tuner statistics
+of step 3 (before that fix a resumed step served no EAGLE drafter, the suffix drafter only, drafter
+version 0, and its tuner explored from scratch).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -22,6 +37,7 @@ from tlt.demo import job as demo  # noqa: E402
 from tlt.drafter.digest import checkpoint_digest  # noqa: E402
 
 pytestmark = pytest.mark.slow
+SAVED = 3  # the step the first run checkpoints (its last): a short round, with prompts queued
 
 
 def _run(tmp_path, steps: int, *extra: str) -> str:
@@ -30,39 +46,92 @@ def _run(tmp_path, steps: int, *extra: str) -> str:
     size = demo.QUICK
     target = ensure_target(size.target, progress=False)
     train = demo.write_parquet(tmp_path / "train.parquet", size.prompts, 7)
-    overrides = demo.arm_overrides("C", tmp_path, size, target, tmp_path / "none", train, train)
-    overrides = [o for o in overrides
+    overrides = [o for o in demo.arm_overrides("G", tmp_path, size, target, tmp_path / "none", train, train)
                  if not o.startswith(("tlt.drafter.init_path", "trainer.total_training_steps", "trainer.save_freq"))]
-    cmd = demo.verl_command([*overrides, f"trainer.total_training_steps={steps}", "trainer.save_freq=4",
+    cmd = demo.verl_command([*overrides, f"trainer.total_training_steps={steps}", f"trainer.save_freq={SAVED}",
                              "tlt.spot.interval=1", *extra])
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
                        env={**os.environ, "VERL_PLATFORM": "cpu"})
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    return p.stdout + p.stderr
+    text = p.stdout + p.stderr
+    (tmp_path / f"verl-{steps}.log").write_text(text)
+    assert p.returncode == 0, "\n".join(x for x in text.splitlines()
+                                        if "Error" in x or "error" in x or "File " in x)[-4000:]
+    return text
 
 
-def test_a_resumed_run_serves_the_checkpointed_drafter_from_its_first_step(tmp_path):
-    _run(tmp_path, 4, "trainer.resume_mode=disable")
-    arm = tmp_path / "arm-C"
-    saved = arm / "global_step_4" / "tlt"
-    state = json.loads((saved / "state.json").read_text())
-    pusher = state["pusher"]
-    assert pusher["accepted"] is not None, "no spot checkpoint was pushed in 4 steps: nothing to resume"
-    assert (saved / "history.jsonl").is_file() and len(state["tuners"]) == 2
-    assert all(t is not None for t in state["tuners"])
-    expected = checkpoint_digest(saved / "spot", pusher["accepted"], torch.float32)
+def _jsonl(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
-    text = _run(tmp_path, 5, "trainer.resume_mode=auto")
-    recs = [json.loads(x) for x in (arm / "tlt_steps.jsonl").read_text().splitlines()]
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Runs both; returns (arm directory, what step 3's checkpoint held, the resumed run's log)."""
+    tmp_path = tmp_path_factory.mktemp("resume")
+    _run(tmp_path, SAVED, "trainer.resume_mode=disable")
+    arm = tmp_path / "arm-G"
+    saved = arm / f"global_step_{SAVED}"
+    held = {"tail": torch.load(saved / "tlt_tail_batching.pt", weights_only=False),
+            "state": json.loads((saved / "tlt" / "state.json").read_text()), "tlt": saved / "tlt"}
+    pusher = held["state"]["pusher"]
+    if pusher["accepted"] is not None:
+        held["digest"] = checkpoint_digest(saved / "tlt" / "spot", pusher["accepted"], torch.float32)
+    text = _run(tmp_path, SAVED + 1, "trainer.resume_mode=auto")
+    return arm, held, text
+
+
+def test_tail_batching_trains_each_prompt_once_per_epoch_across_a_resume(resumed):
+    arm, held, _ = resumed
+    size = demo.QUICK
+    queued = sorted(int(i) for i in held["tail"]["queue"]["index"])
+    assert len(queued) == size.batch  # the short round's 8 launched, 4 trained, 4 queued
+
+    recs = {r["step"]: r for r in _jsonl(arm / "tlt_steps.jsonl")}
+    assert sorted(recs) == [1, 2, 3, 4]
+    rounds = {s: r["tail_batching"] for s, r in recs.items()}
+    assert [rounds[s]["round"] for s in (1, 2, 3, 4)] == ["short", "long", "short", "long"]
+    assert [rounds[s]["epoch"] for s in (1, 2, 3, 4)] == [0, 0, 1, 1]
+    assert sorted(rounds[4]["launched_indices"]) == queued  # the resumed run trained the saved queue
+
+    trained = collections.defaultdict(list)  # step -> (index, sample)
+    for r in _jsonl(arm / "tlt_responses.jsonl"):
+        trained[r["step"]].append((r["index"], r["sample"]))
+    for epoch_steps in ((1, 2), (3, 4)):
+        groups = collections.Counter(i for s in epoch_steps for i, _ in trained[s])
+        assert sorted(groups) == list(range(size.prompts)), f"steps {epoch_steps}: {sorted(groups)}"
+        assert set(groups.values()) == {size.n}  # every group exactly R0 responses, every prompt once
+    dropped = 0
+    for s in (1, 3):
+        rec = rounds[s]
+        assert rec["launched_prompts"] == 2 * size.batch and rec["responses_per_prompt"] == 3
+        kept = {tuple(x) for x in rec["kept_responses"]}
+        assert set(trained[s]) == kept and len(kept) == size.batch * size.n
+        assert not kept & {tuple(x) for x in rec["dropped_responses"]}
+        dropped += len(rec["dropped_responses"])
+    assert dropped > 0, "no request was running when the short rounds dropped: nothing was tested"
+    fed = [sum(f.get("aborted", 0) for f in recs[s]["buffer_fed"]) for s in (1, 3)]
+    ran = [s for s in (1, 3) if any(rounds[s]["dropped_partial_lengths"])]  # a dropped request had decoded
+    assert all(fed[(1, 3).index(s)] > 0 for s in ran)  # its features went to the DataBuffer
+    # (under load every dropped request may still wait for its first prefill: then none has features)
+    assert sum(recs[s]["tlt/spec_verifies"] for s in recs) > 0
+
+
+def test_a_resumed_run_serves_the_checkpointed_drafter_from_its_first_step(resumed):
+    arm, held, text = resumed
+    pusher = held["state"]["pusher"]
+    assert pusher["accepted"] is not None, f"no spot checkpoint was pushed in {SAVED} steps: nothing to resume"
+    assert (held["tlt"] / "history.jsonl").is_file() and len(held["state"]["tuners"]) == 2
+    assert all(t is not None for t in held["state"]["tuners"])
+
+    recs = _jsonl(arm / "tlt_steps.jsonl")
     first = recs[-1]
-    assert first["step"] == 5 and [r["step"] for r in recs] == [1, 2, 3, 4, 5]
-    # step 5's rollout ran on the checkpointed drafter, on both replicas, and drafted with it
+    assert first["step"] == SAVED + 1 and [r["step"] for r in recs] == [1, 2, 3, 4]
+    # the resumed step's rollout ran on the checkpointed drafter, on both replicas, and drafted with it
     assert first["replica_drafter_version"] == [pusher["version"]] * 2
     assert first["proposers"] == ["eagle", "eagle"]
     assert first["tlt/proposer_share/eagle"] > 0
-    resumed = first["resumed"]
-    assert resumed["from_tlt_state"] and resumed["tuners"] == [True, True] and resumed["history"] > 0
-    assert (resumed["version"], resumed["spot_step"]) == (pusher["version"], pusher["accepted"])
+    resumed_rec = first["resumed"]
+    assert resumed_rec["from_tlt_state"] and resumed_rec["tuners"] == [True, True] and resumed_rec["history"] > 0
+    assert (resumed_rec["version"], resumed_rec["spot_step"]) == (pusher["version"], pusher["accepted"])
     assert "holds no TLT state" not in text
     # the served step is in the spot root again (the pusher's read-back checked the replicas serve it)
-    assert checkpoint_digest(arm / "tlt_spot", pusher["accepted"], torch.float32) == expected
+    assert checkpoint_digest(arm / "tlt_spot", pusher["accepted"], torch.float32) == held["digest"]
