@@ -96,10 +96,11 @@ class FeatureSink(Protocol):
     aux_layers: tuple[int, ...]  # target layers whose inputs are captured beside the last hidden state
 
     def add(self, tokens: list[int], prompt_len: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
-        """tokens: prompt + response minus the last token (whose feature no forward computed);
-        prompt_len: the first position to train on (the prompt, and response tokens another sink
-        already received, before it); hidden: [T, H] post-norm last hidden state at each of those
-        positions; aux: [T, A*H] or None."""
+        """tokens: prompt + response, all T of them (the last is a label too: the target's
+        prediction at T - 2 of the final token, usually the stop token); prompt_len: the first
+        position whose token is a label (the prompt, and response tokens another sink already
+        received, before it); hidden: [T - 1, H] post-norm last hidden state at every position but
+        the last (whose token no forward was fed); aux: [T - 1, A*H] or None."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -227,7 +228,7 @@ class _Live:
     state: RequestState  # as it joined
     seq: list[int]  # prompt + tokens so far (the last one pending while it runs)
     logprobs: list[float]  # one per output token
-    handed_over: int  # output tokens whose features a sink received
+    handed_over: int  # output tokens a sink received as labels
 
     def state_now(self) -> RequestState:
         plen = len(self.state.prompt)
@@ -774,11 +775,11 @@ class RolloutEngine:
         self._features_buf[meta.physical(pos)] = feats
 
     def _hand_over(self, row: int, req: "_Live") -> None:
-        """A leaving request's tokens and the features of those not handed over yet, to the sink,
-        before its row is compacted away (the earlier ones go as context: never trained on twice)."""
+        """A leaving request's tokens and their features, to the sink, before its row is compacted
+        away; tokens handed over before go as context, not labels (never trained on twice)."""
         n = len(req.seq) - 1  # the pending token was never fed forward: no feature
         start = len(req.state.prompt) + req.handed_over
-        if n <= start:
+        if len(req.seq) <= start:
             return
         h = self.target.config.hidden_size
         if self.pool is None:
@@ -788,8 +789,8 @@ class RolloutEngine:
             pos = torch.arange(n, device=self.device)
             feats = self._features_buf.flatten(0, 1)[blocks[pos // bs] * bs + pos % bs].to("cpu", copy=True)
         aux = feats[:, h:].contiguous() if self.sink.aux_layers else None
-        self.sink.add(req.seq[:n], start, feats[:, :h].contiguous(), aux)
-        req.handed_over = n - len(req.state.prompt)
+        self.sink.add(list(req.seq), start, feats[:, :h].contiguous(), aux)
+        req.handed_over = len(req.seq) - len(req.state.prompt)
 
     @property
     def _capture(self) -> tuple[int, ...]:

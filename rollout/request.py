@@ -30,8 +30,8 @@ class RequestState:
     group: Hashable = None  # GRPO group key (requests sampled from one prompt); None: a group of its own
     output: tuple[int, ...] = ()  # response tokens so far
     logprobs: tuple[float, ...] = ()  # one per output token
-    # response tokens whose features a sink already received: a later hand-over trains only on the
-    # rest (the earlier ones are its context), so a moved request is never trained on twice
+    # response tokens a sink already received as labels: a later hand-over trains only on the rest
+    # (the earlier ones are its context), so a moved request is never trained on twice
     handed_over: int = 0
 
     def __post_init__(self) -> None:

@@ -170,8 +170,9 @@ class _Sink:
 
 @pytest.mark.parametrize("proposer", ["none", "suffix", "eagle", "eagle3"])
 def test_rollout_features_equal_a_direct_forward(setup, warm_drafters, proposer):
-    """Every finished request reaches the sink with the features its rollout computed (prompt and
-    response, the last token excluded); they equal a direct forward of the same weights."""
+    """Every finished request reaches the sink with all its tokens (the last, usually the stop
+    token, a label too) and the features its rollout computed for every token but the last; they
+    equal a direct forward of the same weights."""
     model, tok, prompts = setup
     p = _params(tok, "t1")
     prop, aux = None, ()
@@ -183,11 +184,11 @@ def test_rollout_features_equal_a_direct_forward(setup, warm_drafters, proposer)
     sink = _Sink(aux or (1, 2))  # without an EAGLE-3 proposer the sink still captures its own layers
     res = RolloutEngine(model, EngineConfig(max_batch=8, max_len=256, arm=Arm(3, 2, 6) if prop else None),
                         proposer=prop, sink=sink).generate(prompts, p, [i // 2 for i in range(6)], seeds=SEEDS)
-    assert sorted(t for t, *_ in sink.got) == sorted((q + o)[:-1] for q, o in zip(prompts, res.outputs))
+    assert sorted(t for t, *_ in sink.got) == sorted(q + o for q, o in zip(prompts, res.outputs))
     for tokens, plen, hidden, got_aux in sink.got:
         assert tokens[:plen] in prompts  # the prompt length the sink was told
         with torch.no_grad():
-            ref = model(torch.tensor([tokens]), capture=sink.aux_layers)
+            ref = model(torch.tensor([tokens[:-1]]), capture=sink.aux_layers)  # the last was never fed
         assert torch.allclose(hidden, ref.hidden[0], atol=1e-4), (hidden - ref.hidden[0]).abs().max()
         want = torch.cat([ref.aux[i][0] for i in sink.aux_layers], -1)
         assert torch.allclose(got_aux, want, atol=1e-4), (got_aux - want).abs().max()

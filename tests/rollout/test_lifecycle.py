@@ -303,7 +303,7 @@ def test_departed_and_aborted_requests_reach_the_sink_once(setup, warm_drafters)
     for _ in range(6):
         a.step()
     moved = a.leave([r for r in rids[1::2] if r in a._rows])
-    assert moved and all(f.state.handed_over == len(f.state.output) - 1 for f in moved)
+    assert moved and all(f.state.handed_over == len(f.state.output) for f in moved)
     b.add([f.state for f in moved])
     _run(b, {})
     a.step()
@@ -314,7 +314,7 @@ def test_departed_and_aborted_requests_reach_the_sink_once(setup, warm_drafters)
     trained: dict[int, list[int]] = {}  # per uninterrupted sample: every position trained on
     for toks, start, hidden in sink_a.samples + sink_b.samples:
         k = next(i for i, (t, _, _) in enumerate(whole.samples) if t[:len(toks)] == toks)
-        assert torch.allclose(hidden, whole.samples[k][2][:len(toks)], atol=1e-4)  # what an uninterrupted run computes
+        assert torch.allclose(hidden, whole.samples[k][2][:len(toks) - 1], atol=1e-4)  # what an uninterrupted run computes
         trained.setdefault(k, []).extend(range(start, len(toks)))
     for positions in trained.values():
         assert len(positions) == len(set(positions))  # never twice
@@ -374,7 +374,7 @@ def test_evicted_requests_reach_the_sink_once(setup):
     trained: dict[int, list[int]] = {}
     for toks, start, hidden in sink.samples:
         k = next(i for i, (t, _, _) in enumerate(whole.samples) if t[:len(toks)] == toks)
-        assert torch.allclose(hidden, whole.samples[k][2][:len(toks)], atol=1e-4)
+        assert torch.allclose(hidden, whole.samples[k][2][:len(toks) - 1], atol=1e-4)
         trained.setdefault(k, []).extend(range(start, len(toks)))
     for k, (toks, start, _) in enumerate(whole.samples):  # every position once: none lost, none doubled
         assert sorted(trained[k]) == list(range(start, len(toks)))

@@ -35,7 +35,15 @@ class BufferFeed:
     def add(self, tokens, prompt_len, hidden, aux) -> None:
         mask = torch.zeros(len(tokens), dtype=torch.bool)
         mask[prompt_len:] = True
-        self.buffer.add(FeatureSample(torch.tensor(tokens), mask, hidden, aux), self._step())
+        self.buffer.add(FeatureSample(torch.tensor(tokens), mask, _last_row_zero(hidden),
+                                      None if aux is None else _last_row_zero(aux)), self._step())
+
+
+def _last_row_zero(x: torch.Tensor) -> torch.Tensor:
+    """[T - 1, D] -> [T, D]: a feature row for the last token, which no forward was fed. Training
+    never reads it (:mod:`tlt.drafter.ttt`: the last position's prediction has no label), so it is
+    zeros, and the sample has a whole sequence's shape."""
+    return torch.cat([x, x.new_zeros(1, x.shape[1])])
 
 
 def add_captured(buffer: DataBuffer, step: int, samples: list[tuple]) -> int:
