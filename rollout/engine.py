@@ -14,8 +14,9 @@ generation runs). Speculation is elastic: the BEG-MAB tuner picks
 the strategy per step, its "off" arm included at every batch size (so where speculation stops
 paying is learned), optionally capped by ``elastic_threshold``; or a fixed arm. Nothing is handed
 to the proposer while speculation is off: the engine keeps each request's tokens and writes the
-target features into a buffer laid out like the KV cache (rows, positions), and a proposer reads
-what it missed from there (:class:`~tlt.rollout.draft_tree.ProposerInput`) when it is next asked.
+target features into a buffer laid out like the KV cache
+(:class:`~tlt.rollout.feature_store.FeatureStore`), and a proposer reads what it missed from there
+(:class:`~tlt.rollout.draft_tree.ProposerInput`) when it is next asked.
 
 Proposers are arms: the engine holds named proposers (``""``: the main one, e.g. EAGLE; e.g.
 ``"suffix"``: the model-free drafter) and the arm chosen for a step names the one that drafts.
@@ -61,7 +62,8 @@ from tlt.rollout.graphs import DEFAULT_CAPTURE_BATCH_SIZES, CaptureSizes
 from tlt.rollout.attention import KERNELS, AttnMeta, default_splits, physical
 from tlt.rollout.blocks import BlockPool
 from tlt.rollout.eviction import RULES
-from tlt.rollout.kv_cache import StaticKVCache, compact_rows, swap_remove, tree_ancestors
+from tlt.rollout.feature_store import FeatureStore
+from tlt.rollout.kv_cache import StaticKVCache, swap_remove, tree_ancestors
 from tlt.rollout.request import Finished, RequestState
 from tlt.rollout.row_state import RowState
 from tlt.rollout.sampling import RowSampling, sample
@@ -278,8 +280,7 @@ class RolloutEngine:
         self.cache = StaticKVCache(mc.num_hidden_layers, self.pool.capacity + 1 if self.pool else cfg.max_batch,
                                    mc.num_key_value_heads, cfg.block_size or cfg.slots, mc.head_dim,
                                    dtype=target.embed_weight.dtype, device=self.device)
-        # [blocks, block_size, F] (rows layout: [max_batch, slots, F]), allocated on first use
-        self._features_buf: torch.Tensor | None = None
+        self.features = FeatureStore((self.cache.k.shape[1], self.cache.max_len), self.device)  # (rows | blocks, slots)
         self._generation = 0  # bumped when requests arrive at an idle engine (proposers start over)
         self.sched = Scheduler(cfg.max_batch, self.pool, cfg.eviction)  # the queue and admission
         self._rows: list[int] = []  # request id per running cache row
@@ -601,8 +602,7 @@ class RolloutEngine:
             if len(keep):
                 if self.pool is None:  # the rows layout: rows move (a paged row's table moves with its state)
                     self.cache.compact_rows(keep)
-                    if self._features_buf is not None:
-                        compact_rows((self._features_buf,), keep)
+                    self.features.compact(keep)
                 self._state = self._state.select(torch.tensor(keep, device=self.device))
         for k in gone:
             if self.pool is not None:
@@ -627,10 +627,7 @@ class RolloutEngine:
         if self.active:
             raise RuntimeError(f"release_memory needs an idle engine: {self.running} requests run, "
                                f"{len(self.sched.queue)} wait (let them finish, or abort them)")
-        freed = 0 if self.cache.released else self.cache.release()
-        if self._features_buf is not None:
-            freed += self._features_buf.nbytes
-            self._features_buf = None
+        freed = (0 if self.cache.released else self.cache.release()) + self.features.release()
         self.close()
         if self.device.type == "cuda":  # with dropped engines' graphs, under CAPTURE_LOCK
             destroy_dropped_graphs()
@@ -766,13 +763,8 @@ class RolloutEngine:
         feats = self._features(out)
         if feats is None:
             return
-        if self._features_buf is None or self._features_buf.shape[-1] != feats.shape[-1]:
-            if self._rows:  # cannot happen: what is captured only changes between generations
-                raise RuntimeError("the feature layout changed while requests were running")
-            self._features_buf = torch.zeros(self.cache.k.shape[1], self.cache.max_len, feats.shape[-1],
-                                             dtype=feats.dtype, device=self.device)
         pos = torch.arange(c0, c0 + feats.shape[1], device=self.device).expand(feats.shape[0], -1)
-        self._features_buf[meta.physical(pos)] = feats
+        self.features.write(feats, meta.physical(pos), running=bool(self._rows))
 
     def _hand_over(self, row: int, req: "_Live") -> None:
         """A leaving request's tokens and their features, to the sink, before its row is compacted
@@ -783,11 +775,9 @@ class RolloutEngine:
             return
         h = self.target.config.hidden_size
         if self.pool is None:
-            feats = self._features_buf[row, :n].to("cpu", copy=True)  # [n, H (+ A*H)]
-        else:  # position p in the request's block p // block_size
-            blocks, bs = torch.tensor(self.pool.held(self._rows[row]), device=self.device), self.cfg.block_size
-            pos = torch.arange(n, device=self.device)
-            feats = self._features_buf.flatten(0, 1)[blocks[pos // bs] * bs + pos % bs].to("cpu", copy=True)
+            feats = self.features.read(n, row=row)  # [n, H (+ A*H)]
+        else:
+            feats = self.features.read(n, blocks=self.pool.held(self._rows[row]), block_size=self.cfg.block_size)
         aux = feats[:, h:].contiguous() if self.sink.aux_layers else None
         self.sink.add(list(req.seq), start, feats[:, :h].contiguous(), aux)
         req.handed_over = len(req.seq) - len(req.state.prompt)
@@ -805,14 +795,8 @@ class RolloutEngine:
         return _features_of(self._stores_hidden, self._capture, out)
 
     def _proposer_features(self, proposer: Proposer) -> torch.Tensor | None:
-        """A proposer's view of the feature buffer [max_batch, S, F] (hidden, or the layers)."""
-        layers = proposer.feature_layers
-        if layers is None or self._features_buf is None:
-            return None
-        h = self.target.config.hidden_size
-        if layers == ():
-            return self._features_buf[..., :h]
-        return self._features_buf[..., h:] if self._stores_hidden else self._features_buf
+        """A proposer's view of the feature buffer (hidden, or the layers)."""
+        return self.features.view(proposer.feature_layers, self.target.config.hidden_size, self._stores_hidden)
 
     def _budget_left(self, rid: int) -> int:
         """Tokens request ``rid`` may still commit (its output holds the pending token)."""
@@ -836,7 +820,7 @@ class RolloutEngine:
             src, dst = (physical(blocks, self.cfg.block_size, x, self.pool.scratch) for x in (src, dst))
         self.cache.move(src, dst)
         if kept:
-            self._features_buf[dst] = self._features_buf[src]
+            self.features.move(src, dst)
 
     def _choose(self, b: int) -> Arm:
         """This step's arm at batch ``b``: off while speculation is off, else the fixed arm or the tuner's."""
@@ -894,8 +878,8 @@ class RolloutEngine:
         tail = tree_ancestors(parents)  # [B, 1 + N, 1 + N]: what each node sees of the tree
         if self.static_step is not None:  # attention over the whole cache: a static shape; one graph on CUDA
             res = self.static_step.verify(ids, roots[:, None] + depth, roots, tail, tree, st.sampling, st.stops,
-                                          min(arm.depth, n), self._features_buf, st.blocks)
-            kept = self._features_buf is not None
+                                          min(arm.depth, n), self.features.buf, st.blocks)
+            kept = self.features.buf is not None
         else:
             span = max(lengths) + n  # the largest slot + 1, known on the host
             kernel = self.cfg.attention
@@ -911,7 +895,7 @@ class RolloutEngine:
             kept = feats is not None
             if kept:  # laid out like the KV cache: row, slot
                 slots = roots[:, None] + torch.arange(1 + n, device=self.device)
-                self._features_buf[meta.physical(slots)] = feats
+                self.features.write(feats, meta.physical(slots), running=True)
             res = verify(out.logits, tree, st.sampling, roots[:, None] + depth + 1, st.stops, depth=min(arm.depth, n))
         if any(node != d for nodes in res.nodes for d, node in enumerate(nodes)):
             self._move_accepted(res.path, roots, st.blocks, kept)

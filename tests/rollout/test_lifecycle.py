@@ -396,9 +396,9 @@ def test_memory_released_between_rollouts_comes_back_token_identical(setup, warm
     with pytest.raises(RuntimeError, match="idle engine"):
         eng.release_memory()
     eng.abort([rid])
-    held = eng.cache.k.nbytes + eng.cache.v.nbytes + eng._features_buf.nbytes
+    held = eng.cache.k.nbytes + eng.cache.v.nbytes + eng.features.buf.nbytes
     assert eng.release_memory() == held and eng.release_memory() == 0  # a second sleep frees nothing more
-    assert eng.cache.released and eng.proposer.cache.released and eng._features_buf is None
+    assert eng.cache.released and eng.proposer.cache.released and eng.features.buf is None
     assert eng.cache.k.untyped_storage().nbytes() == 0 == eng.proposer.cache.k.untyped_storage().nbytes()
     res = eng.generate(*args)  # woken by the rollout's requests
     assert not eng.cache.released and not eng.proposer.cache.released
