@@ -36,7 +36,9 @@ class FeatureSample:
 
     input_ids: torch.Tensor  # [n] long: prompt + response
     loss_mask: torch.Tensor  # [n] bool: True on response tokens
-    hidden: torch.Tensor  # [n, H] post-norm last hidden state of the target
+    # [n, H] post-norm last hidden state of the target (training never reads the last position's:
+    # no token follows it to be a label)
+    hidden: torch.Tensor
     aux: torch.Tensor | None = None  # [n, A*H] EAGLE-3 target features
 
     def __len__(self) -> int:
