@@ -72,6 +72,12 @@ def test_plugin_inside_sglang(version, model_path, tmp_path):
     assert pol["tlt"]["goodput"]["TLT tuner (BEG-MAB)"] > ar  # it learned to speculate where it pays
     assert pol["tlt"]["pct_of_oracle"] > 90
 
+    # launched as verl launches SGLang (ServerArgs built and resolved before SGLang loads plugins):
+    # the server's lossy threshold is refused, and so are the requests the guard refuses
+    v = r["verl_launch"]
+    assert "speculative_accept_threshold_single=0.5" in (v["lossy_threshold"] or ""), v
+    assert v["lossless"] is None and v["algorithm"] == "EAGLE" and "min_p" in (v["min_p"] or ""), v
+
     g = r["guard"]
     for key in ("threshold_single", "threshold_acc", "simulate_acc_len", "min_p", "forced_greedy_sampled"):
         assert g[key] and ("lossy" in g[key] or "refuses" in g[key] or "ignores min_p" in g[key]), key

@@ -10,7 +10,8 @@ CUDA, so no server starts; everything else is SGLang's own code:
   overlap scheduler's order; 0.5.12: ``on_verify_complete`` after every verify) over the recorded
   verify trace (with ``--sglang-own``, SGLang's own policy too, for docs/sglang.md's comparison);
 - the lossless guard: real ``ServerArgs`` (a local target config, no GPU needed to resolve),
-  ``SamplingParams.verify`` and the hooked ``Scheduler.set_internal_state``;
+  ``SamplingParams.verify`` and the hooked ``Scheduler.set_internal_state``; first, before anything
+  loads the plugins, through TLT's server actor launching in verl's order;
 - the idle signal: the hook functions with a stand-in scheduler report to a real coordinator.
 
 Writes what it saw to OUT_JSON; the pytest side asserts on it.
@@ -332,19 +333,61 @@ def _idle() -> dict:
     return {"busy": busy, "idle": idle, "busy_again": busy2, "seen": seen}
 
 
+def _verl_launch(version: str, model: str) -> dict:
+    """TLT's SGLang server actor launching as verl 0.9.1 launches SGLang, in a process where nothing
+    has loaded SGLang's plugins yet (a verl server actor's): TLT's ``launch_server`` runs verl's
+    ``SGLangHttpServer.launch_server``, which builds ``ServerArgs(**args)`` (0.5.12 resolves them in
+    its ``__post_init__``) and then ``Engine._launch_subprocesses`` (0.5.23: ``resolve_once()``
+    before SGLang's own ``load_plugins()``). That parent is a stand-in doing just those steps (the
+    subprocesses it would launch need CUDA). Run before anything else here loads the plugins."""
+    import asyncio
+
+    from omegaconf import OmegaConf
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import ServerArgs
+    from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer
+
+    from tlt.integrations.sglang import hook_impls
+    from tlt.integrations.verl.config import TLTConfig
+    from tlt.integrations.verl.sglang_server import TLTSGLangServer
+
+    async def verls_order(self, master_address=None, master_port=None):
+        args = ServerArgs(model_path=model, device="cuda", **self.config.engine_kwargs["sglang"])
+        if version != "0.5.12":
+            args.resolve_once()
+
+    def launch(**user_args) -> str | None:
+        srv = object.__new__(TLTSGLangServer)
+        srv._attach, srv.rank, srv.node_rank, srv.start_drafter = None, 0, 1, model
+        srv.cfg = TLTConfig.from_mapping({"drafter": {"init_path": model}})
+        srv.config = OmegaConf.create({"engine_kwargs": {"sglang": user_args}, "max_num_seqs": 8})
+        return _refused(lambda: asyncio.run(srv.launch_server()))
+
+    parent = SGLangHttpServer.launch_server
+    SGLangHttpServer.launch_server = verls_order
+    try:
+        out = {"lossy_threshold": launch(speculative_accept_threshold_single=0.5), "lossless": launch()}
+    finally:
+        SGLangHttpServer.launch_server = parent
+    out["algorithm"] = hook_impls._server["algorithm"]  # what this process's request check knows
+    out["min_p"] = _refused(lambda: SamplingParams(min_p=0.1).verify(100))
+    return out
+
+
 def main(site: str, out_path: str, model: str, trace_path: str, *flags: str) -> None:
     cpu_env.activate(site)
     import sglang
     from sglang.srt.speculative import adaptive_spec_params as asp
 
     original = asp.AdaptiveSpeculativeParams  # SGLang's own policy, kept before the plugin replaces it
+    verl_launch = _verl_launch(sglang.__version__, model)
     from sglang.srt.plugins import load_plugins
 
     from tlt.integrations.sglang import doctor
 
-    load_plugins()  # SGLang's loader: finds TLT's entry point, runs it, applies the hooks
+    load_plugins()  # SGLang's loader (the launch above ran it already: idempotent)
     version = sglang.__version__
-    result = {"sglang_version": version, "doctor": doctor.report()}
+    result = {"sglang_version": version, "doctor": doctor.report(), "verl_launch": verl_launch}
     from tlt.bench.sglang_tuner import parse_trace
 
     with open(trace_path) as f:

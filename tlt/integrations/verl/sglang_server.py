@@ -7,7 +7,8 @@ Owns :class:`TLTSGLangServer`, verl's ``SGLangHttpServer`` Ray actor with the ca
 
 - **Launch.** verl launches SGLang in the actor as it always does, with TLT's arguments added to
   ``engine_kwargs.sglang`` (:mod:`tlt.integrations.sglang.launch`: EAGLE, the start drafter,
-  ``speculative_adaptive``, the adaptive slots, 0.5.12's draft loader). With
+  ``speculative_adaptive``, the adaptive slots, 0.5.12's draft loader), after SGLang's plugins
+  (TLT's hooks, the lossless guard among them) are loaded in the actor's process. With
   ``tlt.sglang.attach`` the actor attaches to an SGLang server already running instead.
 - **Requests** go to the server's HTTP ``/generate`` (the body verl builds), so the same code
   serves an SGLang verl launched, one launched outside verl, and the CPU tests' stand-in.
@@ -116,6 +117,12 @@ class TLTSGLangServer(SGLangHttpServer):
                             {k: ours[k] for k in clash})
             self.config.engine_kwargs["sglang"] = {**kw, **ours}
             os.environ.pop("TLT_COORDINATOR", None)  # the plugin's scheduler-side idle signal stays off
+            # verl builds ServerArgs here and SGLang resolves it (0.5.12: in ServerArgs(...), 0.5.23: in
+            # resolve_once) before SGLang loads its plugins itself: load them first, so TLT's lossless
+            # guard checks this server's arguments and the requests this process's tokenizer verifies
+            from sglang.srt.plugins import load_plugins
+
+            load_plugins()
             await super().launch_server(master_address, master_port)
         if self.node_rank != 0:
             return
