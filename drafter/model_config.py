@@ -48,6 +48,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # stop tokens that only the model's generation_config.json lists (an instruct model's turn end,
+    # e.g. Llama-3's <|eot_id|>): generation stops on them too, as it does in vLLM and SGLang
+    generation_eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.model_type not in _FAMILIES:
@@ -81,11 +84,10 @@ class ModelConfig:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        if self.eos_token_id is None:
-            return ()
-        if isinstance(self.eos_token_id, int):
-            return (self.eos_token_id,)
-        return tuple(self.eos_token_id)
+        """The stop tokens: config.json's ``eos_token_id``, then generation_config.json's others."""
+        own = () if self.eos_token_id is None else \
+            (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+        return tuple(dict.fromkeys(own + self.generation_eos_ids))
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -129,11 +131,14 @@ class ModelConfig:
         cfg_file = path / "config.json" if path.is_dir() else path
         if not cfg_file.is_file():
             raise ValueError(f"no config.json at {cfg_file}; pass a Hugging Face model directory")
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{cfg_file} is not valid JSON: {err}") from None
-        return cls.from_hf_dict(raw)
+        raw = _read_json(cfg_file)
+        cfg = cls.from_hf_dict(raw)
+        gen_file = cfg_file.with_name("generation_config.json")
+        if not gen_file.is_file():
+            return cfg
+        eos = _read_json(gen_file).get("eos_token_id")
+        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        return dataclasses.replace(cfg, generation_eos_ids=tuple(int(t) for t in eos))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that transformers (and SGLang/vLLM) load as this architecture."""
@@ -165,6 +170,13 @@ class ModelConfig:
         if self.rope_parameters.get("rope_type", "default") != "default":
             out["rope_scaling"] = dict(self.rope_parameters)
         return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
 
 
 def normalize_rope(raw: dict[str, Any]) -> dict[str, Any]:

@@ -65,3 +65,34 @@ def test_engine_params_honour_the_seed_and_refuse_lossy_settings():
         engine_params({"repetition_penalty": 1.1}, prompt_len=10, max_len=64, response_length=32, eos_ids=())
     with pytest.raises(ValueError, match="no room"):
         engine_params({}, prompt_len=63, max_len=64, response_length=32, eos_ids=())
+
+
+def test_the_replica_stops_on_generation_config_stop_tokens(tmp_path):
+    """An instruct model lists its turn end only in generation_config.json (Llama-3's <|eot_id|>);
+    the replica stops there too, as vLLM and SGLang do, so the tlt rollout's responses are theirs."""
+    import json
+
+    import torch
+
+    from tlt.drafter.model_config import ModelConfig
+    from tlt.rollout.engine import EngineConfig, RolloutEngine
+    from tlt.rollout.target import TargetModel
+
+    torch.manual_seed(0)
+    TargetModel(ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            eos_token_id=63)).save_pretrained(tmp_path)
+
+    def respond(model):  # as TLTServer.generate builds a greedy request's parameters
+        params, _ = engine_params({"temperature": 0}, prompt_len=3, max_len=64, response_length=24,
+                                  eos_ids=tuple(model.config.eos_ids))
+        return RolloutEngine(model, EngineConfig(max_batch=1, max_len=64, max_draft_tokens=0)).generate(
+            [[1, 2, 3]], params).outputs[0]
+
+    free = respond(TargetModel.from_pretrained(tmp_path))
+    stop = free[5]
+    assert stop != 63 and stop not in free[:5]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [63, stop]}))
+    model = TargetModel.from_pretrained(tmp_path)
+    assert model.config.eos_ids == (63, stop)
+    assert respond(model) == free[:6]  # the stop token is the response's last
