@@ -311,6 +311,8 @@ def test_engine_keys_map_verls_rollout_settings():
     (["tlt.engine.block_size=16", "tlt.engine.kv_blocks=2"], "tlt.engine.kv_blocks=2"),
     # spot training with nothing captured would never run
     (["tlt.buffer.capture=off"], "tlt.buffer.capture=rollout"),
+    # a drafter trained for replicas that serve none: every push refused
+    (["tlt.speculation.enable=false"], "set tlt.drafter.train=false"),
     # replica r rendezvous at base_port + 256 r + 0..255: the last one must stay a port
     (["tlt.spot.base_port=60000", "trainer.n_gpus_per_node=22"], "use at most 59904"),
 ])

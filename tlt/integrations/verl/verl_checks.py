@@ -40,6 +40,10 @@ def check_verl_config(config, tlt: TLTConfig) -> None:
         _check_sglang(config, tlt)
     else:
         _check_memory(config, tlt)
+        if tlt.drafter.train and not tlt.speculation.enable:
+            raise ValueError("tlt.speculation.enable=false with tlt.drafter.train=true: plain decoding serves no "
+                             "drafter, so every spot-trained one would be refused at its push; set "
+                             "tlt.drafter.train=false (and tlt.buffer.capture=off), or speculate")
     if tlt.tail.consolidate.mode != "off":
         _check_moves(config, tlt)
     if tlt.tail.batching.enable:
