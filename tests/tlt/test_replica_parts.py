@@ -15,7 +15,7 @@ import torch
 from tlt.drafter.model_config import ModelConfig
 from tlt.rollout.generate import SamplingParams
 from tlt.rollout.target import TargetModel
-from tlt.integrations.verl.batcher import RequestBatcher
+from tlt.integrations.verl.batcher import Generation, RequestBatcher
 from tlt.rollout.engine import EngineConfig, RolloutEngine
 from tlt.rollout.request import RequestState
 from tlt.integrations.verl.step_stats import StepStats, replica_fields
@@ -108,10 +108,32 @@ def test_batcher_admits_by_free_blocks_and_evicted_requests_come_back_identical(
     assert eng.pool.free == eng.pool.capacity
     stats = StepStats()  # what verl's metrics read: evictions and the tokens prefilled again
     g = gens[0]
-    stats.batch(g.result(), started=g.started, gen_s=g.seconds, requests=len(g.finished), lifecycle=g.lifecycle)
+    stats.batch(g)
     fields = replica_fields([stats.snapshot()], g.started, g.started + g.seconds)
     assert fields["replica_evicted"] == [g.lifecycle["evicted"]]
     assert fields["replica_recomputed"] == [sum(s.recomputed for s in g.steps)] and fields["replica_recomputed"][0] > 0
+
+
+def test_a_moved_requests_tokens_are_counted_once_over_the_two_replicas():
+    """A request leaves one replica's generation after some tokens and finishes on another's: the
+    step statistics (the denominator of ``tlt/sd_token_share``) count each token where it was made."""
+    stats = [StepStats(), StepStats()]
+    engines = [_batcher_engine(), _batcher_engine()]
+    a, b = (RequestBatcher(lambda e=e: e, window_s=0.01, max_batch=4, serving=_serving(on_close=s.batch))
+            for e, s in zip(engines, stats))
+
+    async def main():
+        fut = asyncio.ensure_future(a.submit(_state(0, 120), "r0"))
+        await _until(lambda: max(engines[0].progress().values(), default=0) >= 30)
+        a.leave(["r0"])
+        left = await fut
+        assert left.reason == "left" and 30 <= len(left.state.output) < 120
+        return left, await b.submit(left.state, "r0")
+
+    left, fin = asyncio.run(asyncio.wait_for(main(), 120))
+    assert len(fin.state.output) == 120 and fin.state.output[:len(left.state.output)] == left.state.output
+    made_there = len(left.state.output)
+    assert [s.snapshot()["tokens"] for s in stats] == [made_there, 120 - made_there]
 
 
 def test_batcher_abort_returns_partial_outputs_holds_requests_until_resume_and_rejects():
@@ -257,7 +279,7 @@ def test_step_stats_count_eagle_verifies_apart_and_keep_heldout_figures():
     steps = [StepRecord(batch=4, arm="3,1,3", sd=True, accepted=6, committed=10, seconds=0.1),
              StepRecord(batch=2, arm="3,1,3@suffix", sd=True, accepted=4, committed=6, seconds=0.1),
              StepRecord(batch=4, arm="off", sd=False, accepted=0, committed=4, seconds=0.1)]
-    st.batch(types.SimpleNamespace(tokens=20, steps=steps), started=0.0, gen_s=0.3, requests=4)
+    st.batch(Generation(finished=[], steps=steps, started=0.0, seconds=0.3, tokens=20))
     res = dict(session_id="s", world_size=1, start_step=0, end_step=2, losses=(1.0, 0.9),
                stop_reason="preempted", preempt_latency_s=None, stop_latency_s=None, checkpoint_step=2,
                check_interval_s=(), checkpoint_stall_s=())
@@ -282,7 +304,7 @@ def test_step_stats_time_the_replicas_decoding_span():
     st = StepStats()
     assert (st.snapshot()["first_at"], st.snapshot()["done_at"]) == (None, None)
     for started, gen_s, counts in ((10.0, 2.0, {"left": 2, "joined": 1}), (12.5, 1.0, {"aborted": 1, "left": 1})):
-        st.batch(types.SimpleNamespace(tokens=1, steps=[]), started=started, gen_s=gen_s, requests=1, lifecycle=counts)
+        st.batch(Generation(finished=[], steps=[], started=started, seconds=gen_s, tokens=1, lifecycle=counts))
     st.session(types.SimpleNamespace(result=types.SimpleNamespace(
         tokens_per_s=None, preempt_latency_s=None, phase_s=(0.1, 0.2, 1.5, 0.0), rank=1)))  # 1.5 s training
     snap = st.snapshot()

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-import types
 
+from tlt.integrations.verl.batcher import Generation
 from tlt.integrations.verl.run_records import RunRecords
 from tlt.integrations.verl.step_metrics import RolloutWindow, step_extra, step_metrics
 from tlt.integrations.verl.step_stats import StepStats
@@ -17,8 +17,7 @@ from tlt.rollout.history import HistoryConfig
 
 def _snapshot(steps: list[StepRecord], tokens: int) -> dict:
     st = StepStats()
-    st.batch(types.SimpleNamespace(tokens=tokens, steps=steps), started=1.0, gen_s=0.5, requests=2,
-             lifecycle={"evicted": 1})
+    st.batch(Generation(finished=[], steps=steps, started=1.0, seconds=0.5, tokens=tokens, lifecycle={"evicted": 1}))
     # what the replica adds to the statistics' snapshot (ReplicaCore.step_stats and the server's fields)
     return {**st.snapshot(), "buffer": {"samples": 3}, "drift_top1": None, "proposer": "eagle"}
 

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tlt.integrations.verl.replica_load import Load, LoadMeter
-from tlt.rollout.engine import RolloutEngine, RolloutResult, StepRecord
+from tlt.rollout.engine import RolloutEngine, StepRecord
 from tlt.rollout.request import Finished, RequestState
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,6 @@ class Generation:
     seconds: float
     tokens: int  # generated in it (tokens requests brought with them excluded)
     lifecycle: dict[str, int] = dataclasses.field(default_factory=dict)  # its engine's joined / left / aborted / evicted
-
-    def result(self) -> RolloutResult:
-        return RolloutResult([list(f.state.output) for f in self.finished], self.steps, [], self.seconds)
 
 
 @contextlib.contextmanager

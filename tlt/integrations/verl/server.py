@@ -260,9 +260,7 @@ class TLTServer:
             for gen in done:
                 self.probe.record([list(f.state.prompt + f.state.output) for f in gen.finished[:self.probe.size]])
         for gen in done:
-            self.core.stats.batch(gen.result(), started=gen.started, gen_s=gen.seconds, requests=len(gen.finished),
-                                  lifecycle=gen.lifecycle,
-                                  lengths=[len(f.state.output) for f in gen.finished if f.reason in ("stop", "length")])
+            self.core.stats.batch(gen)
 
     def _went_idle(self) -> None:
         """Every request answered (event loop): if there is anything to train on, the spot agent's

@@ -9,9 +9,12 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tlt.rollout.assembly import SUFFIX
+
+if TYPE_CHECKING:
+    from tlt.integrations.verl.batcher import Generation
 
 
 def _empty() -> dict[str, Any]:
@@ -39,11 +42,12 @@ class StepStats:
         with self._lock:
             self._st["idle_at"] = time.monotonic()
 
-    def batch(self, res, *, started: float, gen_s: float, requests: int,
-              lifecycle: dict[str, int] | None = None, lengths: list[int] | None = None) -> None:
-        """One engine generation (a ``RolloutResult``) that started at ``started`` (monotonic);
-        ``lifecycle``: its requests that joined it running, left it (moved), were aborted or evicted;
-        ``lengths``: the response lengths of those that ended in it (a stop token or the budget)."""
+    def batch(self, gen: "Generation") -> None:
+        """One engine generation (:class:`~tlt.integrations.verl.batcher.Generation`): its time, its
+        requests, the tokens generated in it (a moved or resubmitted request's earlier tokens were
+        counted where they were made), its lifecycle counts (joined running, left, aborted, evicted) and
+        the response lengths of the requests that ended in it (a stop token or the budget)."""
+        started, gen_s = gen.started, gen.seconds
         self.resumed(started)
         with self._lock:
             st = self._st
@@ -52,11 +56,11 @@ class StepStats:
             st["done_at"] = started + gen_s
             st["gen_s"] += gen_s
             st["batches"] += 1
-            st["requests"] += requests
-            st["tokens"] += res.tokens
-            st["lifecycle"].update(lifecycle or {})
-            st["lengths"] += list(lengths or ())
-            for s in res.steps:
+            st["requests"] += len(gen.finished)
+            st["tokens"] += gen.tokens
+            st["lifecycle"].update(gen.lifecycle)
+            st["lengths"] += [len(f.state.output) for f in gen.finished if f.reason in ("stop", "length")]
+            for s in gen.steps:
                 st["recomputed"] += s.recomputed  # an evicted request's tokens prefilled again
                 st["kv_peak_positions"] = max(st["kv_peak_positions"], s.positions)
                 st["kv_peak_blocks"] = max(st["kv_peak_blocks"], s.blocks)
