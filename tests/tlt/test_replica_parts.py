@@ -506,10 +506,12 @@ def test_a_step_begins_though_a_session_outlives_its_stop():
     assert server.core.step == 4
 
 
-def test_a_drafter_the_engine_refuses_leaves_the_previous_one_serving(monkeypatch):
-    """A pushed drafter the engine refuses (no room in its memory): the replica serves its drafter
-    on under the pushed version (so the push guard's read-back rejects the push), and the guard's
-    rollback serves that same drafter again."""
+@pytest.mark.parametrize("case", ["refused", "unreadable"])
+def test_a_drafter_the_engine_refuses_leaves_the_previous_one_serving(monkeypatch, case):
+    """A pushed drafter the engine refuses (no room in its memory), or whose checkpoint this replica
+    cannot read (a spot root its node does not see): the replica serves its drafter on under the
+    pushed version (so the push guard's read-back rejects the push), and the guard's rollback
+    serves that same drafter again, not the one before it."""
     from tlt.integrations.verl import server as server_module
     from tlt.integrations.verl.config import TLTConfig
     from tlt.integrations.verl.replica_core import ReplicaCore
@@ -530,8 +532,9 @@ def test_a_drafter_the_engine_refuses_leaves_the_previous_one_serving(monkeypatc
     server.spot_root, server.drafter_cfg = "", None
     server.model = types.SimpleNamespace(embed_weight=None, lm_head=types.SimpleNamespace(weight=None))
     server.core = ReplicaCore(TLTConfig.from_mapping({}), rank=0, seed=0, spot_root="")
-    server.core.drafters.served, server.core.drafters.version = old, 3
-    monkeypatch.setattr(server_module, "load_spot_drafter", lambda *a: (new, 7))
+    server.core.drafters.push(object(), 2)  # the one served before the current one
+    server.core.drafters.push(old, 3)
+    monkeypatch.setattr(server_module, "load_spot_drafter", lambda *a: (new, 7) if case == "refused" else None)
     assert server._load_drafter(4, 7) == 4
     assert server.core.drafters.served is old and server.core.drafters.version == 4
     assert server._rollback_drafter(5) == 5 and served == [old] and server.core.drafters.served is old

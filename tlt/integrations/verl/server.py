@@ -363,8 +363,12 @@ class TLTServer:
         got = load_spot_drafter(self.spot_root, self.drafter_cfg, self.model.embed_weight,
                                 self.model.lm_head.weight, step)
         drafters = self.core.drafters
-        if got is None:
-            return drafters.version
+        if got is None:  # (a spot root this node cannot see): the drafter before serves on, as refused below
+            log.error("replica %d: drafter version %d not loaded: no spot checkpoint %s under %s; the previous "
+                      "one serves on", self.rank, version, "newest" if step is None else f"step {step}",
+                      self.spot_root)
+            drafters.push(drafters.served, version)  # a rollback then restores it, not the one before it
+            return version
         with self._lock:  # never in the middle of a batch (hence of a verify)
             try:
                 self.assembly.set_drafter(got[0])
