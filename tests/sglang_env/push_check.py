@@ -30,7 +30,8 @@ from tests.sglang_env.bodies import parse as _parse
 from tests.sglang_env.bodies import tensors as _tensors
 
 
-async def _serve(calls: list):
+async def _serve(calls: list, fail: str | None = None):
+    """The recording stand-in on a free port; ``fail``: an endpoint it answers with SGLang's 400."""
     from aiohttp import web
 
     async def handle(request):
@@ -38,6 +39,9 @@ async def _serve(calls: list):
         endpoint = request.path.strip("/")
         _parse(endpoint, body)
         calls.append((endpoint, body))
+        if endpoint == fail:
+            return web.json_response({"success": False, "message": "a weight-update session is already open"},
+                                     status=400)
         return web.json_response({"success": True, "message": "ok"})
 
     app = web.Application(client_max_size=1 << 30)
@@ -49,19 +53,22 @@ async def _serve(calls: list):
     return runner, runner.addresses[0][1]
 
 
-def _adapter(port: int, model_path: str):
-    """TLT's ServerAdapter as one TP-leader actor worker sees it, talking to ``port``."""
+def _adapter(port: int | None, model_path: str, tp: int = 1, bucket_mb: int = 64):
+    """TLT's ServerAdapter as one actor worker of a ``tp``-rank replica sees it: the TP leader talks
+    to ``port``; another rank (``port`` None) has no server client."""
     from omegaconf import OmegaConf
     from torch.distributed.device_mesh import init_device_mesh
 
     from tlt.integrations.verl.sglang_push import TLTHttpEngine, TLTSGLangServerAdapter
 
     a = object.__new__(TLTSGLangServerAdapter)  # verl's __init__ needs a Ray cluster and a GPU
-    a.config = OmegaConf.create({"checkpoint_engine": {"update_weights_bucket_megabytes": 64}, "quantization": None})
+    a.config = OmegaConf.create({"checkpoint_engine": {"update_weights_bucket_megabytes": bucket_mb},
+                                 "quantization": None})
     a.model_config = OmegaConf.create({"hf_config": {"model_type": "llama"}})
-    a.device_mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
-    a._pd_role, a.replica_rank = None, 0
-    a._engine = TLTHttpEngine(model_path=model_path, host="127.0.0.1", port=port, launch_server=False, device="cpu")
+    a.device_mesh = init_device_mesh("cpu", (1, tp, 1), mesh_dim_names=("dp", "infer_tp", "infer_pp"))
+    a._pd_role, a.replica_rank, a._has_server = None, 0, port is not None
+    a._engine = None if port is None else TLTHttpEngine(model_path=model_path, host="127.0.0.1", port=port,
+                                                        launch_server=False, device="cpu")
     a.server_actor = _FrozenSink()
     return a
 

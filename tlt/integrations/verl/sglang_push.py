@@ -25,7 +25,8 @@ draft only         ``load_format`` = :data:`DRAFT_LOADER`      ``pause_generatio
 
 Which column applies is read from the installed SGLang's own request classes (:func:`push_api`),
 not from its version string; an SGLang with neither field is refused (a push would reach the
-drafter).
+drafter). A call the server refuses fails the push at the TP leader only after every rank is
+through the push's gathers, and a paused server is always told to continue.
 """
 
 from __future__ import annotations
@@ -134,14 +135,35 @@ class TLTHttpEngine(AsyncHttpServerAdapter):
         return len(docs)
 
 
-class _WithFields:
-    """The engine as SGLang's ``update_weights`` helper sees it, posting these fields instead."""
+class _LeaderEngine:
+    """The TP leader's engine during one push, as SGLang's and verl's push loops call it. A push is
+    SPMD over the replica's TP ranks (every bucket is first gathered to the leader), so the leader
+    never raises inside it, or the other ranks would wait in the gather for good: its first failure
+    is kept, its later calls are skipped, and :meth:`raise_failure` raises once every rank is through.
+    ``fields``: what each ``update_weights_from_tensor`` carries (None: the policy's)."""
 
-    def __init__(self, engine: TLTHttpEngine, fields: dict[str, Any]) -> None:
+    def __init__(self, engine: TLTHttpEngine, fields: dict[str, Any] | None = None) -> None:
         self.engine, self.fields = engine, fields
+        self.failed: tuple[str, Exception] | None = None
+
+    async def call(self, name: str, *args) -> Any:
+        if self.failed is None:
+            try:
+                return await getattr(self.engine, name)(*args)
+            except Exception as e:  # noqa: BLE001 - raised by raise_failure, after the collectives
+                self.failed = (name, e)
+        return {}
 
     async def update_weights_from_tensor(self, req) -> dict[str, Any]:
-        return await self.engine.update_weights_from_tensor(req, self.fields)
+        return await self.call("update_weights_from_tensor", req, self.fields)
+
+    async def flush_cache(self) -> dict[str, Any]:
+        return await self.call("flush_cache")
+
+    def raise_failure(self, what: str) -> None:
+        if self.failed is not None:
+            name, e = self.failed
+            raise RuntimeError(f"{what}: {name} failed ({type(e).__name__}: {e})") from e
 
 
 # verl's ServerAdapter builds its HTTP client by this module-level name; TLT's adapter replaces
@@ -170,13 +192,22 @@ class TLTSGLangServerAdapter(ServerAdapter):
                     frozen[name] = t.detach().to("cpu", copy=True)
                 yield name, t
 
+        own = self._engine
+        leader = _LeaderEngine(own) if lead else None
+        opened = False
         if session:
-            await self._engine.begin_weight_update("target")
+            await leader.call("begin_weight_update", "target")
+            opened = leader.failed is None
+        if lead:
+            self._engine = leader  # verl's loop posts (and flushes) through it
         try:
             await super().update_weights(tee(weights), global_steps=global_steps, **kwargs)
         finally:
-            if session:
-                await self._engine.end_weight_update()
+            self._engine = own
+            if opened:
+                await own.end_weight_update()
+        if lead:
+            leader.raise_failure(f"replica {self.replica_rank}: policy push (step {global_steps}) not applied")
         actor = getattr(self, "server_actor", None)
         if frozen and hasattr(actor, "update_weights"):  # TLT's server actor (a tlt run)
             await actor.update_weights.remote(frozen, global_steps)
@@ -194,18 +225,24 @@ class TLTSGLangServerAdapter(ServerAdapter):
             fields, load_format = {"selector": "draft"}, None
         else:
             fields, load_format = {}, DRAFT_LOADER  # 0.5.12: the loader skips the target model
-        engine = _WithFields(self._engine, {**fields, "weight_version": f"draft-{version}"}) if lead else None
+        leader = _LeaderEngine(self._engine, {**fields, "weight_version": f"draft-{version}"}) if lead else None
         paused = lead and api.sessions
+        opened = False
         if paused:
-            await self._engine.pause_generation()
-            await self._engine.begin_weight_update("draft")
+            await leader.call("pause_generation")
+            await leader.call("begin_weight_update", "draft")
+            opened = leader.failed is None
         try:
-            await sgl_update_weights(engine=engine, params_batch=list(weights), device_mesh_key="infer_tp",
+            await sgl_update_weights(engine=leader, params_batch=list(weights), device_mesh_key="infer_tp",
                                      device_mesh=self.device_mesh, load_format=load_format)
         finally:
-            if paused:
-                await self._engine.end_weight_update()
-                await self._engine.continue_generation()
+            if paused:  # generation goes on whatever failed
+                try:
+                    if opened:
+                        await self._engine.end_weight_update()
+                finally:
+                    await self._engine.continue_generation()
         if lead:
+            leader.raise_failure(f"replica {self.replica_rank}: drafter version {version} not pushed")
             log.info("replica %s: drafter version %d pushed (%s)", self.replica_rank, version,
                      "selector=draft" if api.selector else DRAFT_LOADER)
