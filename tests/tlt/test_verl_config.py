@@ -354,7 +354,8 @@ def test_sglang_rollout_is_accepted_with_the_capture_it_needs(monkeypatch):
     msg = _refusal(_sglang_run(monkeypatch, "0.5.23"))  # the default capture=rollout
     assert "tlt.buffer.capture=rollout" in msg and "old_log_prob" in msg
     assert "pip install" in _refusal(_sglang_run(monkeypatch, None, buffer={"capture": "old_log_prob"}))
-    assert "TLT supports 0.5.12 and 0.5.23" in _refusal(_sglang_run(monkeypatch, "0.4.9"))
+    for untested in ("0.4.9", "0.5.15", "0.5.24", "0.6.0"):  # its hooks and request formats were never checked
+        assert "TLT supports 0.5.12 and 0.5.23" in _refusal(_sglang_run(monkeypatch, untested)), untested
     two = _sglang_run(monkeypatch, "0.5.23", buffer={"capture": "old_log_prob"}, sglang={"attach": "h:1"})
     assert "names 1 servers for 2 replicas" in _refusal(two)
 

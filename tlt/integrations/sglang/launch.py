@@ -65,8 +65,9 @@ def plan(tlt, version: str | None) -> str:
     if version is None:
         raise ValueError("actor_rollout_ref.rollout.name=sglang but SGLang is not installed: "
                          "pip install 'tlt-rollout[sglang]' (SGLang 0.5.12 or 0.5.23)")
-    if _key(version)[:2] != (0, 5) or not _key("0.5.12") <= _key(version):
-        raise ValueError(f"SGLang {version}: TLT supports {' and '.join(SUPPORTED)}")
+    if _key(version) not in {_key(v) for v in SUPPORTED}:  # hooks and request formats are tested there only
+        raise ValueError(f"SGLang {version}: TLT supports {' and '.join(SUPPORTED)}; "
+                         f"pip install 'sglang=={SUPPORTED[-1]}'")
     if tlt.sglang.algorithm == "ngram":
         return "ngram"
     if tlt.drafter.init_path:
