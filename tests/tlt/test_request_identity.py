@@ -30,8 +30,8 @@ def test_seeds_depend_on_every_part_of_a_requests_identity_and_nothing_else():
 
 
 def test_a_request_without_a_seed_keeps_one_per_request_id():
-    """verl keeps a request's uuid when it retries or resubmits it: the fallback seed follows the id,
-    and never falls in request_seed's 63-bit range."""
+    """The fallback seed follows the request id (stable for a caller that keeps it, as verl's client
+    does under rollout.full_determinism), and never falls in request_seed's 63-bit range."""
     a = fallback_seed(3, "5f0e-uuid")
     assert a == fallback_seed(3, "5f0e-uuid") and a >> 63 == 1
     assert len({a, fallback_seed(3, "5f0e-uuie"), fallback_seed(4, "5f0e-uuid")}) == 3

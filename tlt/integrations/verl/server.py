@@ -209,7 +209,8 @@ class TLTServer:
         params, seed = engine_params(dict(sampling_params), prompt_len=len(prompt_ids), max_len=self.max_len,
                                      response_length=self.response_length,
                                      eos_ids=tuple(self.model.config.eos_ids or ()))
-        if seed is None:  # no seed from verl: one from the request id, which verl keeps across retries
+        if seed is None:  # no seed from the agent loop: one from the request id (verl's client sends a new
+            # one per call unless rollout.full_determinism: exact, not reproducible across runs)
             seed = fallback_seed(self.seed, request_id)
         if tlt_state is not None:
             state = moved_in(tlt_state, prompt_ids)
