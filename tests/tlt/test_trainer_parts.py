@@ -67,3 +67,15 @@ def test_records_write_nothing_until_a_step_and_hash_each_response(tmp_path):
     assert [(x["index"], x["sample"], x["length"]) for x in lines] == [(7, 0, 2), (-1, 1, 1)]
     assert lines[0]["sha1"] != lines[1]["sha1"] and rec.history_path.is_file()
     assert rec.counted("record", lambda: 1 / 0) is None and rec.failures == {"record": 1}
+
+
+def test_the_draft_history_is_written_where_a_restarted_replica_reads_it(tmp_path):
+    """With ``tlt.record_path`` elsewhere, the history log stays in the run directory, which is
+    where ``TLTServer`` (given ``run_dir``) reads it back after a restart."""
+    from tlt.integrations.verl.history_log import HISTORY_FILE, read_history
+
+    (tmp_path / "run").mkdir()  # the trainer's default_local_dir, made at its set-up
+    rec = RunRecords(tmp_path / "logs" / "steps.jsonl", tmp_path / "run")
+    rec.log_history(1, [([1], [2, 3])], HistoryConfig())
+    assert rec.history_path == tmp_path / "run" / HISTORY_FILE  # server.py: Path(run_dir) / HISTORY_FILE
+    assert read_history(rec.history_path) and not (tmp_path / "logs" / HISTORY_FILE).exists()

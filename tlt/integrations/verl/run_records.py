@@ -1,6 +1,8 @@
 """The ``tlt`` trainer's records in the run directory, and the failures the run went on after.
 
-Owns three files beside each other (``tlt.record_path``, default ``<default_local_dir>/tlt_steps.jsonl``):
+Owns three files: the first two beside each other (``tlt.record_path``, default
+``<default_local_dir>/tlt_steps.jsonl``), the third in the run directory (``default_local_dir``),
+where a restarted replica reads it:
 
     tlt_steps.jsonl      one JSON line per RL step: TLT's metrics and the step's extra fields
                          (``tlt report`` plots them)
@@ -26,10 +28,10 @@ log = logging.getLogger(__name__)
 
 
 class RunRecords:
-    def __init__(self, steps_path: Path) -> None:
+    def __init__(self, steps_path: Path, run_dir: Path | None = None) -> None:
         self.steps_path = Path(steps_path)
         self.responses_path = self.steps_path.with_name("tlt_responses.jsonl")
-        self.history_path = self.steps_path.with_name(HISTORY_FILE)
+        self.history_path = (Path(run_dir) if run_dir is not None else self.steps_path.parent) / HISTORY_FILE
         self.failures: collections.Counter = collections.Counter()  # swallowed failures, by what failed
         self._history: HistoryLog | None = None  # opened at the first step with a draft history
 

@@ -93,7 +93,7 @@ class TLTTrainer(PPOTrainerSync):
         self._consolidator: Consolidator | None = None
         self._rounds: RoundDriver | None = None
         self._resume = resume.ResumePoint()
-        self._records = RunRecords(Path(self.tlt.record_path or out / "tlt_steps.jsonl"))
+        self._records = RunRecords(Path(self.tlt.record_path or out / "tlt_steps.jsonl"), out)
         self._aux_layers: list[int] | None = None  # the target layers the actor workers capture
         self._uid_index: dict[str, int] = {}  # prompt uid -> dataset index, this step's batch
         self._step_requests = 0  # the rollout's requests (the consolidator's estimate)
