@@ -171,6 +171,20 @@ def test_a_request_waits_for_the_kv_cache_and_the_stopped_session(server_check):
         ["release", kv], ["IDLE", 3], ["BUSY", 3], ["resume", kv], ["generate", "c"]], server_check["order"]
 
 
+def test_a_drafter_push_sglang_refuses_leaves_the_run_going(server_check):
+    """SGLang refuses a drafter push (tests/sglang_env/server_check.py): the replica's actor
+    raises nothing (the RL step goes on), serves on under the pushed version, and reads back no
+    drafter, since a push can fail between buckets, so the push guard rejects it. The rollback
+    pushes the drafter served before again, and the read-back returns. The next push serves its spot
+    step."""
+    start, step6 = {"kind": "export", "path": "start"}, {"kind": "spot", "root": "/spot", "step": 6}
+    assert server_check["pushes"]["results"] == [
+        [1, start], [False, start], [2, start], [True, start], [3, step6], [True, step6]]
+    assert server_check["pushes"]["calls"] == [
+        ["push", 2, start], ["get_weights_by_name", "tlt.draft/model.fc.weight"], ["push", 3, step6],
+        ["get_weights_by_name", "tlt.draft/model.fc.weight"]]
+
+
 @pytest.mark.parametrize("version", ["0.5.12", "0.5.23"])
 def test_one_request_aborts_with_its_partial_output_and_resumes_token_for_token(tmp_path, version):
     """TLT's SGLang server actor aborts one request through SGLang's ``/abort_request`` (the body

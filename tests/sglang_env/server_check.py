@@ -8,7 +8,9 @@ The actor's own methods run on a real event loop; its HTTP client and spot agent
 the replica releases its KV cache and reports IDLE; request ``b`` arrives *while the release is
 still in flight* -> it waits, training stops (BUSY), the cache comes back, then ``b`` reaches the
 server; the replica idles again and the rollout ends -> training stops and the cache comes back
-before verl's sleep. Prints ``{"nonconforming": [...], "order": [...]}`` as JSON.
+before verl's sleep. Then drafter pushes whose first one SGLang refuses: the replica serves on, its
+read-back reports no drafter (the push guard rejects), the rollback pushes the one before again.
+Prints ``{"nonconforming": [...], "order": [...], "pushes": [...]}`` as JSON.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def main(site: str) -> None:
             log.append(["resume", tags])
 
         async def _make_async_request(self, endpoint, body, timeout=None):  # (verl's client: 60 s by default)
+            if endpoint == "get_weights_by_name":
+                log.append([endpoint, body["name"]])
+                return [[0.5, -0.25]]
             assert timeout is not None and timeout >= 3600, f"/{endpoint} would be timed out and posted again"
             log.append([endpoint, body["rid"]])
             return {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "stop"}, "spec_verify_ct": 1}}
@@ -57,7 +62,7 @@ def main(site: str) -> None:
 
     s = object.__new__(TLTSGLangServer)  # verl's constructor launches SGLang: not here
     s.cfg = TLTConfig.from_mapping({"engine": {"batch_window_ms": 1.0}})
-    s.config = types.SimpleNamespace(max_model_len=64, response_length=8, prompt_length=8)
+    s.config = types.SimpleNamespace(max_model_len=64, response_length=8, prompt_length=8, dtype="bfloat16")
     s.rank, s.eagle, s.global_steps = 0, True, 1
     s.http, s.core = Http(), ReplicaCore(s.cfg, rank=0, seed=0, spot_root="")
     s.core.agent, s.core.buffer = Agent(), [object()]  # a buffer with something to train on
@@ -76,7 +81,32 @@ def main(site: str) -> None:
         await asyncio.sleep(0.05)
 
     asyncio.run(scenario())
-    print(json.dumps({"nonconforming": _nonconforming(ReplicaAPI, TLTSGLangServer), "order": log}))
+    order = list(log)
+    log.clear()
+
+    class Worker:  # verl's worker actor: tlt_push_drafter, SPMD over the replica's ranks
+        class tlt_push_drafter:  # noqa: N801 - a Ray actor method's shape
+            @staticmethod
+            async def remote(source, version, drafter_cfg, dtype):
+                if version == 1:  # (verl's push raises once every rank is through: sglang_push._LeaderEngine)
+                    raise RuntimeError("replica 0: drafter version 1 not pushed: update_weights_from_tensor failed "
+                                       "(HTTPError: 400 a weight-update session is already open)")
+                log.append(["push", version, source])
+
+    s.workers, s.spot_root, s.drafter_cfg, s._push_failed = [Worker()], "/spot", None, False
+    s.core.drafters.served = {"kind": "export", "path": "start"}
+
+    async def pushes():
+        out = []
+        for call in (lambda: s.load_drafter(1, 5), s.served_drafter, lambda: s.rollback_drafter(2),
+                     s.served_drafter, lambda: s.load_drafter(3, 6), s.served_drafter):
+            got = await call()
+            out.append([got["digest"] is not None if isinstance(got, dict) else got, s.core.drafters.served])
+        return out
+
+    results = asyncio.run(pushes())
+    print(json.dumps({"nonconforming": _nonconforming(ReplicaAPI, TLTSGLangServer), "order": order,
+                      "pushes": {"results": results, "calls": log}}))
 
 
 def _nonconforming(api, cls) -> list[str]:

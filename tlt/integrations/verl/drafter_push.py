@@ -90,8 +90,8 @@ class DrafterPusher:
             expected, served = self._served(root, step)
             lost = [i for i, s in enumerate(served) if s["digest"] != expected]
             if lost:
-                log.warning("tlt: replicas %s no longer serve drafter version %d (spot step %d) after a memory "
-                            "release/resume; pushing it again", lost, self.version, step)
+                log.warning("tlt: replicas %s no longer serve drafter version %d (spot step %d) (a memory "
+                            "release/resume, or a push that failed); pushing it again", lost, self.version, step)
                 servers = self.servers()
                 ray.get([servers[i].load_drafter.remote(self.version, step) for i in lost])
                 self.repushed += len(lost)

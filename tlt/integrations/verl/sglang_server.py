@@ -95,6 +95,7 @@ class TLTSGLangServer(SGLangHttpServer):
         self.core.drafters.served = {"kind": "export", "path": start_drafter} if start_drafter else None
         self.http: TLTHttpEngine | None = None
         self._in_flight = 0
+        self._push_failed = False  # the last drafter push failed (event loop)
         self._rids: set[str] = set()  # request ids in flight (event loop)
         self._dropping = False  # tail batching dropped this round's requests (event loop)
         self._released = False    # TLT released the KV cache (and must resume it before serving)
@@ -284,9 +285,9 @@ class TLTSGLangServer(SGLangHttpServer):
         """Spot checkpoint ``step`` pushed into the server's draft model (draft only) by the
         replica's actor workers, as ``version``."""
         source = {"kind": "spot", "root": self.spot_root, "step": step}
-        await self._push(source, version)
-        self.core.drafters.push(source, version)
-        return version
+        drafters = self.core.drafters
+        drafters.push(source if await self._push(source, version) else drafters.served, version)
+        return version  # (not pushed: a rollback then restores the drafter before, not the one before it)
 
     async def rollback_drafter(self, version: int) -> int:
         drafters = self.core.drafters
@@ -294,21 +295,33 @@ class TLTSGLangServer(SGLangHttpServer):
             return drafters.version
         drafters.rollback(version)  # before the push's await: a push meanwhile follows this one
         source = drafters.served
-        await self._push(source, version)
-        log.warning("replica %d: drafter rolled back (%s)", self.rank, source)
+        if await self._push(source, version):
+            log.warning("replica %d: drafter rolled back (%s)", self.rank, source)
         return version
 
-    async def _push(self, source: dict, version: int) -> None:
-        """Every actor worker of this replica takes part (the push is SPMD over its TP ranks)."""
-        await asyncio.gather(*[_worker_method(w, "tlt_push_drafter").remote(
-            source, version, self.drafter_cfg, str(self._dtype())) for w in self.workers])
+    async def _push(self, source: dict, version: int) -> bool:
+        """Every actor worker of this replica takes part (the push is SPMD over its TP ranks).
+        False where it failed (SGLang refused a call, the checkpoint could not be read): the RL step
+        goes on, since a drafter is only ever a matter of speed. What the draft model holds is then
+        unknown (a push can fail between buckets), so the read-back reports no drafter until a push
+        succeeds: the push guard rejects this one, and the next step's re-check pushes the accepted
+        drafter again."""
+        try:
+            await asyncio.gather(*[_worker_method(w, "tlt_push_drafter").remote(
+                source, version, self.drafter_cfg, str(self._dtype())) for w in self.workers])
+        except Exception:  # noqa: BLE001 - logged; the guard's read-back sees it
+            log.exception("replica %d: drafter version %d (%s) not pushed", self.rank, version, source)
+            self._push_failed = True
+            return False
+        self._push_failed = False
+        return True
 
     async def served_drafter(self) -> dict[str, Any]:
         """The hard check's read-back: digest of the first elements of the draft ``fc`` weight."""
         n = self.cfg.sglang.readback_elements
-        got = await self.http._make_async_request(
+        got = None if self._push_failed else await self.http._make_async_request(
             "get_weights_by_name", {"name": f"tlt.draft/{CANARY['served']}", "truncate_size": n})
-        digest = None  # no draft model, or no such weight in it
+        digest = None  # no draft model, no such weight in it, or part of a failed push
         if isinstance(got, list) and got:
             values = torch.tensor(got, dtype=torch.float32).flatten()[:n]
             digest = weights_digest([(CANARY["pushed"], values)], torch.float32)
