@@ -87,8 +87,9 @@ class HooksMissing(RuntimeError):
     pass
 
 
-def _key(v: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in v.split(".")[:3] if p.isdigit())
+def version_key(v: str) -> tuple[int, ...]:
+    """``"0.5.23+cu129"`` -> ``(0, 5, 23)``: release numbers compare as numbers."""
+    return tuple(int(x) for x in v.split("+")[0].split(".")[:3] if x.isdigit())
 
 
 def sglang_version() -> str:
@@ -99,7 +100,7 @@ def sglang_version() -> str:
 
 def table_for(version: str) -> tuple[str, tuple[Hook, ...]]:
     """(supported version whose table applies, its hooks)."""
-    older = [v for v in SUPPORTED if _key(v) <= _key(version)]
+    older = [v for v in SUPPORTED if version_key(v) <= version_key(version)]
     chosen = older[-1] if older else SUPPORTED[0]
     if chosen != version:
         log.warning("TLT: SGLang %s is not a tested version (%s); using the hooks of %s",

@@ -31,11 +31,12 @@ from typing import Any
 
 import torch
 
+from tlt.integrations.sglang.hook_table import SUPPORTED, version_key
+
 log = logging.getLogger(__name__)
 
 # SGLang 0.5.12's draft-only push: a --custom-weight-loader that loads only into the draft model
 DRAFT_LOADER = "tlt.integrations.sglang.draft_loader.load_draft_only"
-SUPPORTED = ("0.5.12", "0.5.23")
 NGRAM_DEFAULTS = {"speculative_num_draft_tokens": 8}  # SGLang's n-gram drafts per verify
 # The tuner's starting step count (one of TLT's candidate steps). SGLang 0.5.12 refuses a
 # topk without the step count, and a chain verifies steps + 1 tokens.
@@ -50,13 +51,9 @@ def installed_version() -> str | None:
         return None
 
 
-def _key(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in v.split("+")[0].split(".")[:3] if x.isdigit())
-
-
 def has_steps0(version: str) -> bool:
     """Whether SGLang's adaptive speculation has a steps=0 (plain decode) arm: 0.5.23 on."""
-    return _key(version) >= _key("0.5.23")
+    return version_key(version) >= version_key("0.5.23")
 
 
 def plan(tlt, version: str | None) -> str:
@@ -65,7 +62,7 @@ def plan(tlt, version: str | None) -> str:
     if version is None:
         raise ValueError("actor_rollout_ref.rollout.name=sglang but SGLang is not installed: "
                          "pip install 'tlt-rollout[sglang]' (SGLang 0.5.12 or 0.5.23)")
-    if _key(version) not in {_key(v) for v in SUPPORTED}:  # hooks and request formats are tested there only
+    if version_key(version) not in set(map(version_key, SUPPORTED)):  # hooks and formats are tested there only
         raise ValueError(f"SGLang {version}: TLT supports {' and '.join(SUPPORTED)}; "
                          f"pip install 'sglang=={SUPPORTED[-1]}'")
     if tlt.sglang.algorithm == "ngram":
