@@ -364,19 +364,19 @@ class TLTServer:
         got = load_spot_drafter(self.spot_root, self.drafter_cfg, self.model.embed_weight,
                                 self.model.lm_head.weight, step)
         drafters = self.core.drafters
-        if got is None:  # (a spot root this node cannot see): the drafter before serves on, as refused below
-            log.error("replica %d: drafter version %d not loaded: no spot checkpoint %s under %s; the previous "
-                      "one serves on", self.rank, version, "newest" if step is None else f"step {step}",
-                      self.spot_root)
-            drafters.push(drafters.served, version)  # a rollback then restores it, not the one before it
-            return version
         with self._lock:  # never in the middle of a batch (hence of a verify)
-            try:
-                self.assembly.set_drafter(got[0])
-            except ValueError as e:  # the engine refuses it (no room in its memory): the old one serves on
-                log.error("replica %d: drafter version %d refused, the previous one serves on: %s", self.rank,
-                          version, e)
-                drafters.push(drafters.served, version)  # the guard's read-back differs: the push is rejected
+            why = ""  # why it is not served
+            if got is None:  # (a spot root this node cannot see)
+                why = f"no spot checkpoint {'newest' if step is None else f'step {step}'} under {self.spot_root}"
+            else:
+                try:
+                    self.assembly.set_drafter(got[0])
+                except ValueError as e:  # the engine refuses it (no room in its memory)
+                    why = f"refused: {e}"
+            if why:  # the drafter before serves on, under this version: the guard's read-back rejects the push
+                log.error("replica %d: drafter version %d not served (%s); the previous one serves on", self.rank,
+                          version, why)
+                drafters.push(drafters.served, version)  # a rollback then restores it, not the one before it
                 return version
             drafters.push(got[0], version)  # the previous one: the push guard's rollback
         if self.core.agent is not None:  # the next one-rank session here resumes from memory
