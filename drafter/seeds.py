@@ -48,6 +48,7 @@ def request_seed(*, data_seed: int, step: int, index: int, sample: int, validate
 
 
 def fallback_seed(server_seed: int, request_id: str) -> int:
-    """The seed of a request sent without one, from its request id (verl keeps a request's uuid when
-    it retries or resubmits it, so the request keeps its seed). Bit 63 set."""
+    """The seed of a request sent without one, from its request id. verl's client sends a new uuid
+    per call, or the agent loop's own id with ``rollout.full_determinism`` (a tool loop's turns share
+    it; their draws differ all the same, keyed by absolute position). Bit 63 set."""
     return _hash63(["fallback", int(server_seed), str(request_id)]) | (1 << 63)
