@@ -122,7 +122,9 @@ class SpotTrainer:
             world_size=s.world_size, timeout=datetime.timedelta(seconds=self.cfg.timeout_s),
             device_id=self.device if cuda else None)
         try:
-            return dist.new_group(backend="gloo")  # DCP's writer thread gets a group of its own
+            # DCP's writer thread gets a group of its own, bounded like the session's (torch's
+            # default for a new group is 30 minutes: a dead peer held a save, and the STOP, that long)
+            return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
         except BaseException:  # a peer died in between: leave no group behind for the next session
             dist.destroy_process_group()
             raise

@@ -533,6 +533,25 @@ def test_session_refuses_a_live_process_group(tmp_path, monkeypatch):
         t.run(_Stream(), lambda: False)
 
 
+def test_every_group_of_a_session_times_out_at_timeout_s(tmp_path):
+    """The checkpoint writer's group too (torch gives a new group 30 minutes unless told): a peer
+    that dies in a save stops the survivor's collective, and its STOP, within ``timeout_s``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dcfg, embed, head = _target()
+    t = SpotTrainer(spec=SessionSpec(rank=0, world_size=1, master_port=_free_port(), session_id="g"),
+                    config=_cfg(timeout_s=7.0), drafter_config=dcfg, embed_weight=embed, head_weight=head,
+                    checkpoint_root=tmp_path)
+    group = t._init_group(lambda: False)
+    try:
+        timeouts = [g._get_backend(torch.device("cpu")).options._timeout for g in (group, dist.group.WORLD)]
+    finally:
+        dist.destroy_process_group()
+    assert timeouts == [datetime.timedelta(seconds=7)] * 2
+
+
 @pytest.mark.parametrize("field", ["betas"])
 def test_frozen_configs(field):
     with pytest.raises(dataclasses.FrozenInstanceError):
