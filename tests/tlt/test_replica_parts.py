@@ -504,6 +504,33 @@ def test_a_step_begins_though_a_session_outlives_its_stop():
     server.core.agent = Stuck()
     server.begin_step(4)
     assert server.core.step == 4
+    asyncio.run(server.end_rollout())  # (logged too)
+
+
+def test_a_rollout_ends_with_no_session_training():
+    """A session whose STOP timed out at the coordinator (its final checkpoint slower than the
+    barrier's wait) is waited out when the rollout ends, before verl's update uses the device;
+    one already stopped is left alone."""
+    from tlt.integrations.verl.config import TLTConfig
+    from tlt.integrations.verl.replica_core import ReplicaCore
+    from tlt.integrations.verl.server import TLTServer
+
+    server = object.__new__(TLTServer)
+    server.rank, server.core = 0, ReplicaCore(TLTConfig.from_mapping({}), rank=0, seed=0, spot_root="")
+    server.core.step = 6
+    calls = []
+
+    class Late:
+        training = True
+
+        def busy(self, step):
+            calls.append(step)
+            self.training = False
+
+    server.core.agent = Late()
+    asyncio.run(server.end_rollout())
+    asyncio.run(server.end_rollout())
+    assert calls == [6]
 
 
 @pytest.mark.parametrize("case", ["refused", "unreadable"])

@@ -307,21 +307,27 @@ class TLTServer:
     # ------------------------------------------------------------------ control (driver / workers)
     def begin_step(self, step: int) -> None:
         """RL step ``step``'s rollout is about to start: stats restart; training (if any) stops."""
+        self._stop_training(step, "begins")
+        self.core.begin_step(step)
+        self.moves.begin_step()
+
+    async def end_rollout(self) -> None:
+        """The rollout ended and the coordinator preempted training. A session whose STOP timed out
+        there (a slow final checkpoint, say) is waited out here, so that none trains through verl's
+        update on the same device. Nothing to give back: the project's engine never releases memory."""
+        await asyncio.to_thread(self._stop_training, self.core.step, "ends its rollout")
+
+    def _stop_training(self, step: int, when: str) -> None:
+        """Stop this replica's spot session, if one runs; one that outlives ``busy_timeout_s`` is
+        logged and left (a generation here waits for it again, and fails if it still runs)."""
         agent = self.core.agent
         if agent is not None and agent.training:
             from tlt.spot_agent import TrainingDidNotStop
 
             try:
                 agent.busy(step)
-            except TrainingDidNotStop:  # the step goes on: a generation here waits for the session again
-                log.exception("replica %d: step %d begins with a spot session still running", self.rank, step)
-        self.core.begin_step(step)
-        self.moves.begin_step()
-
-    async def end_rollout(self) -> None:
-        """The rollout ended (the coordinator has preempted training): nothing to give back, the
-        project's engine never releases memory."""
-        return None
+            except TrainingDidNotStop:
+                log.exception("replica %d: step %d %s with a spot session still running", self.rank, step, when)
 
     def step_stats(self) -> dict[str, Any]:
         return self.core.step_stats(proposer=self.proposer_name, drift_top1=self.probe.top1,
