@@ -171,7 +171,7 @@ class SpotAgent:
                             self.worker_id, step, self._cur.promote.session)
                 return
             self._step, self._idle = step, True
-        self.client.report("IDLE", step)
+            self.client.report("IDLE", step)  # (never blocks) under the lock: reports keep the calls' order
 
     def busy(self, step: int) -> None:
         """Rollout of ``step`` begins: stop training (checkpointed) if any, then report BUSY.
@@ -191,8 +191,9 @@ class SpotAgent:
                 raise TrainingDidNotStop(f"worker {self.worker_id}: spot session {cur.promote.session} did not stop "
                                          f"within busy_timeout_s={self.cfg.busy_timeout_s:.0f}s; it still holds "
                                          "the device (it acks BUSY when it ends)")
-        self._step = step
-        self.client.report("BUSY", step)
+        with self._cond:  # an idle() meanwhile (its rollout drained while this one waited) reported first
+            self._step, self._idle = step, False
+            self.client.report("BUSY", step)
 
     @property
     def training(self) -> bool:

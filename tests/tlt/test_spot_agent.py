@@ -62,6 +62,33 @@ def _agent(addr, root, **agent_kw):
                      make_trainer=make_trainer, batches=batches, config=AgentConfig(port_span=16, **agent_kw))
 
 
+def test_idle_and_busy_report_in_the_order_they_take_effect(tmp_path):
+    """``idle()`` and ``busy()`` from two threads: whichever sets the agent's state last reports
+    last, so the coordinator never holds IDLE for an agent that is busy (it would promote a worker
+    that declines, and wait out the STOP). Here idle()'s report is slow (held); busy() meanwhile
+    must wait for it, not report BUSY first."""
+    agent = _agent("tcp://127.0.0.1:1", tmp_path)  # never started: the client only records
+    reports, inside, release = [], threading.Event(), threading.Event()
+
+    def report(state, step=None, *, ok=True):
+        if state == "IDLE":
+            inside.set()
+            release.wait(10)
+        reports.append(state)
+
+    agent.client.report = report
+    a = threading.Thread(target=agent.idle, args=(1,))
+    a.start()
+    assert inside.wait(10)
+    b = threading.Thread(target=agent.busy, args=(2,))
+    b.start()
+    time.sleep(0.2)  # busy() runs meanwhile as far as it can
+    release.set()
+    a.join(10)
+    b.join(10)
+    assert reports == ["IDLE", "BUSY"] and not agent._idle
+
+
 def test_one_worker_cycle_against_a_real_coordinator(tmp_path):
     coord = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval_s=HB, liveness=40,
                                           promotion=PromotionConfig(idle_threshold=1, stop_timeout_s=20))).start()
