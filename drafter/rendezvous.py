@@ -6,8 +6,9 @@ membership change can arrive while some ranks are still on their way, and a work
 within the coordinator's deadline instead of sitting out the rendezvous timeout.
 
 So the ranks meet on a ``TCPStore`` (hosted by rank 0) and agree on one decision key with
-``compare_set``: the last rank to arrive writes ``go``; a rank asked to stop first writes ``abort``.
-Whichever lands first is what every rank reads, so either all ranks build the process group on
+``compare_set``: the last rank to arrive writes ``go``; a rank asked to stop first writes ``abort``,
+one whose wait ran out ``timeout`` (a failure on every rank, not a stop). Whichever lands first is
+what every rank reads, so either all ranks build the process group on
 the store or none does (one rank building it alone would hang in gloo's full-mesh connect).
 Ranks that have not reached the store when it aborts see it vanish, or time out, and abort too.
 
@@ -32,7 +33,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 _ARRIVED, _SEEN, _DECISION = "arrived", "seen_abort", "decision"  # under "tlt/<session id>/"
-_GO, _ABORT = b"go", b"abort"
+_GO, _ABORT, _TIMEOUT = b"go", b"abort", b"timeout"
 _POLL_S = 0.02
 _CONNECT_TRY_S = 1.0  # one connection attempt of a non-zero rank (then should_stop is checked)
 _HOSTED: dict[tuple[str, int], dist.TCPStore] = {}  # the last store this process hosted
@@ -48,8 +49,8 @@ def rendezvous(host: str, port: int, rank: int, world_size: int, *, session_id: 
 
     Returns the store (its timeout set to ``store_timeout_s`` for the process group built on it)
     once all ``world_size`` ranks arrived. Raises :class:`RendezvousAborted` if ``should_stop()``
-    became true first (on any rank), ``TimeoutError`` after ``timeout_s``, and ``RuntimeError`` if
-    rank 0 cannot host the store (port taken).
+    became true first (on any rank), ``TimeoutError`` after ``timeout_s`` (on any rank), and
+    ``RuntimeError`` if rank 0 cannot host the store (port taken).
     """
     deadline = time.monotonic() + timeout_s
     tcp = _connect(host, port, rank, world_size, deadline, should_stop)
@@ -59,11 +60,11 @@ def rendezvous(host: str, port: int, rank: int, world_size: int, *, session_id: 
         decision = b""
         if store.add(_ARRIVED, 1) == world_size:
             decision = store.compare_set(_DECISION, "", _GO)
-        while decision not in (_GO, _ABORT):
+        while decision not in (_GO, _ABORT, _TIMEOUT):
             stopped = bool(should_stop())
             timed_out = not stopped and time.monotonic() > deadline
             if stopped or timed_out:  # settle it for every rank; a "go" written first still wins
-                decision = store.compare_set(_DECISION, "", _ABORT)
+                decision = store.compare_set(_DECISION, "", _TIMEOUT if timed_out else _ABORT)
                 break
             time.sleep(_POLL_S)
             if store.check([_DECISION]):
@@ -72,11 +73,11 @@ def rendezvous(host: str, port: int, rank: int, world_size: int, *, session_id: 
         if should_stop():
             raise RendezvousAborted(f"rendezvous at {host}:{port} ended by its host") from e
         raise RuntimeError(f"rendezvous at {host}:{port} failed: {e}") from e
-    if decision == _ABORT:
+    if decision in (_ABORT, _TIMEOUT):
         arrived = _acknowledge_abort(store, rank)
-        if timed_out:
+        if decision == _TIMEOUT:
             raise TimeoutError(f"rendezvous at {host}:{port}: {arrived} of {world_size} ranks arrived "
-                               f"within {timeout_s:.0f}s")
+                               + (f"within {timeout_s:.0f}s" if timed_out else "within another rank's wait"))
         raise RendezvousAborted(f"session stopped during the rendezvous at {host}:{port}"
                                 + ("" if stopped else " (by another rank)"))
     tcp.set_timeout(datetime.timedelta(seconds=store_timeout_s))
