@@ -30,6 +30,21 @@ def test_accept_lengths_are_pooled_and_steps_without_verifies_do_not_count():
     assert "verifies B 102, C 100" in "\n".join(demo.summary_lines({**s, "seconds": 1.0}))
 
 
+def test_spot_vs_stale_counts_only_steps_that_served_a_spot_drafter():
+    """A push the guard rolled back to the warm-up drafter raises the drafter version but serves no
+    spot-trained drafter: the step after it is not a spot step (records without the key: by version)."""
+    records = {"B": [_step(s, 10, 20, 0) for s in (1, 2, 3, 4)],
+               "C": [_step(1, 10, 20, 1), _step(2, 10, 30, 2), _step(3, 10, 20, 3), _step(4, 10, 30, 3)]}
+    for r, spot in zip(records["C"], (4, 0, 6, 6)):  # step 2's push rolled back to the warm-up drafter
+        r["tlt/drafter_spot_step"] = float(spot)
+    s = demo.summarize(records)
+    assert s["accept_length_steps"] == [2, 4]  # the steps after steps 1 and 3
+    assert math.isclose(s["accept_length_ratio_spot_vs_stale"], 3.0 / 2.0)
+    for r in records["C"]:
+        del r["tlt/drafter_spot_step"]
+    assert demo.summarize(records)["accept_length_steps"] == [2, 3, 4]
+
+
 def test_no_verifies_at_all_gives_no_ratio():
     records = {a: [_step(1, 0, 0, 0), _step(2, 0, 0, 1)] for a in "BC"}
     s = demo.summarize(records)

@@ -30,13 +30,14 @@ def test_metrics_pool_the_replicas_and_name_each_arm():
     w.begin()
     w.end()
     w.collect([a, b], None, {"moves": 3})
-    m = step_metrics(w, drafter_version=4, push_rejected=1, repushed=0, failures={"responses": 1, "checkpoint": 2},
-                     feeds_dropped=0, rounds=None)
+    m = step_metrics(w, drafter_version=4, drafter_spot_step=6, push_rejected=1, repushed=0,
+                     failures={"responses": 1, "checkpoint": 2}, feeds_dropped=0, rounds=None)
     # verifies count rows (batch 2 + batch 1); a plain step is neither verified nor an arm
     assert m["rollout/spec_accept_length"] == (10 + 4) / 3 and m["tlt/spec_verifies"] == 3
     assert m["tlt/sd_token_share"] == 14 / 17 and m["tlt/tail_moves"] == 3 and m["tlt/evicted"] == 2
     assert m["tlt/arm_share/3,1,3"] == m["tlt/arm_share/3,1,3@suffix"] == 1 / 2 and "tlt/arm_share/off" not in m
     assert m["tlt/proposer_share/suffix"] == 1 / 2 and m["tlt/drafter_version"] == 4
+    assert m["tlt/drafter_spot_step"] == 6
     # a failed read of the step's responses loses both its record and its draft history
     assert m["tlt/history_push_failures"] == m["tlt/response_record_failures"] == 1
     assert m["tlt/checkpoint_failures"] == 2 and "tlt/tail_queue" not in m
@@ -50,7 +51,8 @@ def test_a_step_without_speculation_has_no_accept_length():
     w = RolloutWindow()
     w.collect([_snapshot([StepRecord(batch=1, arm="off", sd=False, accepted=0, committed=1, seconds=0.1)], 1)],
               None, {})
-    m = step_metrics(w, drafter_version=0, push_rejected=0, repushed=0, failures={}, feeds_dropped=0,
+    m = step_metrics(w, drafter_version=0, drafter_spot_step=0, push_rejected=0, repushed=0, failures={},
+                     feeds_dropped=0,
                      rounds={"queued_after": 5, "dropped_share": 0.25})
     assert math.isnan(m["rollout/spec_accept_length"]) and m["tlt/tail_queue"] == 5
     assert w.lengths == []  # the consolidator's estimate: the replicas' response lengths

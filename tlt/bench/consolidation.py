@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from tlt.bench.demo_runs import run_summary
-from tlt.demo.step_ratios import over, pooled_accept, ratio_over_steps, step_interval, total
+from tlt.demo.step_ratios import over, pooled_accept, ratio_over_steps, serves_spot, step_interval, total
 from tlt.sim.workloads import arm_lines
 
 ARMS = "BCE"
@@ -47,7 +47,7 @@ def pooled(runs: list[Path]) -> dict:
     later = sorted(k for k in set(by["C"]) & set(by["E"]) & set(by["B"]) if k[1] > 1)
 
     def adapted(arm):  # steps whose rollout served a spot-trained drafter
-        return [k for k in later if by[arm].get((k[0], k[1] - 1), {}).get("tlt/drafter_version", 0) >= 1]
+        return [k for k in later if serves_spot(by[arm].get((k[0], k[1] - 1)))]
 
     out = {"steps": len(later)}
     for name, num, den, steps, ratio in (

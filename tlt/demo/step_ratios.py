@@ -13,6 +13,14 @@ import random
 import statistics
 
 
+def serves_spot(rec: dict | None) -> bool:
+    """Whether the drafter served after this step record's step is a spot-trained one: its spot step
+    (records before that key: any drafter version above the warm-up's, which a guard's rollback to
+    the warm-up drafter also raises)."""
+    rec = rec or {}
+    return rec.get("tlt/drafter_spot_step", rec.get("tlt/drafter_version", 0)) >= 1
+
+
 def mean(xs) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
@@ -65,7 +73,7 @@ def over(measure):
     """The ratio of a per-arm ``measure`` (of a list of step records): num's over den's."""
     def ratio(num_rows, den_rows) -> float | None:
         a, b = measure(num_rows), measure(den_rows)
-        return a / b if a and b else None
+        return a / b if a is not None and b else None  # (0 over something: 0x, not n/a)
     return ratio
 
 
@@ -79,8 +87,8 @@ def step_interval(num: dict[int, dict], den: dict[int, dict], steps: list[int], 
     """90% interval of :func:`ratio_over_steps` when the RL steps are resampled with replacement.
 
     The arms run the same prompts at the same step, so a step is resampled for both sides at once.
-    This is the step-to-step variation inside one run only (the arms sample their own responses);
-    runs on a shared machine spread further (docs/verl.md).
+    This is the step-to-step variation inside one run only (the responses are the arms' same ones;
+    their times vary with the machine's load); runs on a shared machine spread further (docs/verl.md).
     """
     if len(steps) < 2:
         return None

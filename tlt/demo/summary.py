@@ -14,7 +14,7 @@ import collections
 from pathlib import Path
 
 from tlt.demo.step_ratios import (eagle_accept, mean, over, pooled_accept, ratio_over_steps, same_strategy_ratio,
-                                  step_interval, total)
+                                  serves_spot, step_interval, total)
 
 ARM_LABELS = {"A": "no speculation", "B": "TLT, warm-up drafter frozen (stale)",
               "C": "full TLT (spot training, tail consolidation)",
@@ -83,7 +83,7 @@ def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] |
     out["accept_length_by_arm"] = {a: pooled_accept(by[a][s] for s in later) for a in by if a != "A"}
     if "B" in by and "C" in by:
         # Steps whose rollout used a spot-trained drafter: pushed at the end of an earlier step.
-        adapted = [s for s in later if by["C"].get(s - 1, {}).get("tlt/drafter_version", 0) >= 1]
+        adapted = [s for s in later if serves_spot(by["C"].get(s - 1))]
         out["accept_length_ratio_spot_vs_stale"] = ratio_over_steps(by["C"], by["B"], adapted, over(pooled_accept))
         out["accept_length_ratio_ci90"] = step_interval(by["C"], by["B"], adapted, over(pooled_accept))
         # The drafters alone: the suffix drafter is the same in both arms, and each arm's tuner
@@ -119,7 +119,7 @@ def summarize(records: dict[str, list[dict]], responses: dict[str, list[dict]] |
     out["proposer_share_by_step"] = {a: {s: _shares([by[a][s]], "tlt/proposer_share/") for s in steps}
                                      for a in by if a != "A"}
     if "B" in by and "E" in by:  # arm E's own spot vs stale figure (its pushes, its steps)
-        adapted_e = [s for s in later if by["E"].get(s - 1, {}).get("tlt/drafter_version", 0) >= 1]
+        adapted_e = [s for s in later if serves_spot(by["E"].get(s - 1))]
         out["accept_length_ratio_spot_vs_stale_e"] = ratio_over_steps(by["E"], by["B"], adapted_e, over(pooled_accept))
         out["accept_length_ratio_ci90_e"] = step_interval(by["E"], by["B"], adapted_e, over(pooled_accept))
     if "C" in by and "E" in by and later:  # tail consolidation on (C) vs off (E), the same seeds

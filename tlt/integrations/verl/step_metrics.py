@@ -43,9 +43,10 @@ class RolloutWindow:
         return self.ended - self.began
 
 
-def step_metrics(w: RolloutWindow, *, drafter_version: int, push_rejected: int, repushed: int,
-                 failures: Mapping[str, int], feeds_dropped: int, rounds: dict | None) -> dict[str, float]:
-    """verl's metrics for the step (``rounds``: tail batching's round record, None without it)."""
+def step_metrics(w: RolloutWindow, *, drafter_version: int, drafter_spot_step: int, push_rejected: int,
+                 repushed: int, failures: Mapping[str, int], feeds_dropped: int, rounds: dict | None) -> dict[str, float]:
+    """verl's metrics for the step (``rounds``: tail batching's round record, None without it;
+    ``drafter_spot_step``: the spot checkpoint served after the step, 0 for the warm-up drafter)."""
     st = w.stats
     verifies = sum(s["verifies"] for s in st)
     committed = sum(s["committed"] for s in st)
@@ -65,6 +66,7 @@ def step_metrics(w: RolloutWindow, *, drafter_version: int, push_rejected: int, 
         "tlt/spec_verifies": float(verifies),
         "tlt/spec_committed": float(committed),
         "tlt/drafter_version": float(drafter_version),
+        "tlt/drafter_spot_step": float(drafter_spot_step),  # (a rollback to the warm-up drafter: 0 again)
         "tlt/drafter_push_rejected": float(push_rejected),
         "tlt/drafter_repushed": float(repushed),
         "tlt/drafter_loss": statistics.fmean(losses) if losses else float("nan"),

@@ -304,8 +304,9 @@ class TLTTrainer(PPOTrainerSync):
                                       self._pusher, self._servers, spot_root, self._records.history_path)
         rounds = self._rounds.record if self._rounds is not None else None
         metrics = step_metrics(self._window, drafter_version=self._pusher.version,
-                               push_rejected=self._pusher.guard.rejected, repushed=self._pusher.repushed,
-                               failures=self._records.failures, feeds_dropped=self._feeds_dropped(), rounds=rounds)
+                               drafter_spot_step=self._pusher.accepted or 0, push_rejected=self._pusher.guard.rejected,
+                               repushed=self._pusher.repushed, failures=self._records.failures,
+                               feeds_dropped=self._feeds_dropped(), rounds=rounds)
         self._step_extra = step_extra(self._window, rounds=rounds)
         restored = self._resume.take_restored()
         if restored is not None:  # the first step after a resume: what it restored
