@@ -9,7 +9,7 @@ times (default 3) into a temporary directory.
 Each view reads the arms it compares, where every run holds them:
 - the main job (arms A, B, C), per run and as mean, range and count across runs: rollout and RL
   step time AR / TLT (arm A over arm C), spot vs stale accept length (arm C over arm B), the share
-  of responses token-identical between the arms, arm A's reward, last step over first;
+  of responses token-identical between the arms, arm A's reward, last two steps over first two;
 - tail consolidation (arms B, C, E): :mod:`tlt.bench.consolidation` (``tlt bench consolidation``
   is this view alone);
 - tail batching (arms A and F; G against C and H against B where present), per run:
@@ -74,7 +74,7 @@ def arms_of(run: Path) -> set[str]:
 def main_job_lines(rec: dict) -> list[str]:
     names = {"rollout_time_ratio_ar_over_tlt": "rollout time AR / TLT", "step_time_ratio_ar_over_tlt":
              "RL step time AR / TLT", "accept_length_ratio_spot_vs_stale": "spot vs stale accept length",
-             "reward_rise_a": "arm A reward, last / first step", "seconds": "demo seconds",
+             "reward_rise_a": "arm A reward, last two / first two steps", "seconds": "demo seconds",
              "identical_share_ab": "identical responses A-B", "identical_share_ac": "identical responses A-C"}
     return [f"  {names[k]}: mean {v['mean']:.2f}, range {v['min']:.2f}-{v['max']:.2f} over {v['runs']} runs"
             for k, v in rec["across_runs"].items()]
