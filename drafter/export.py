@@ -25,6 +25,7 @@ from tlt.drafter.eagle import METHODS, WEIGHTS_NAME, DrafterConfig, read_config
 from tlt.drafter.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
+EXPORT_FILES = frozenset({"config.json", WEIGHTS_NAME})  # all an export writes
 
 FORMATS = ("sglang", "vllm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -215,7 +216,9 @@ def export_drafter(drafter_dir: str | Path, target_dir: str | Path, fmt: str,
     """Write ``out_dir/{config.json,model.safetensors}`` for the ``fmt`` loader.
 
     Returns ``{format, method, architectures, num_tensors, bytes, out_dir}``. Raises ValueError on a
-    drafter/target mismatch, a non-empty ``out_dir`` without ``overwrite``, or an incomplete export.
+    drafter/target mismatch, a non-empty ``out_dir`` without ``overwrite``, an ``out_dir`` that is not
+    an earlier export (``overwrite`` replaces only one: never the drafter, the target, or a folder
+    holding anything else), or an incomplete export.
     """
     drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
     if dtype not in DTYPES:
@@ -226,8 +229,13 @@ def export_drafter(drafter_dir: str | Path, target_dir: str | Path, fmt: str,
     dcfg.check_target(target)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise ValueError(f"{out_dir} is not empty; replace it with --overwrite (overwrite=True)")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise ValueError(f"{out_dir} is not empty; replace it with --overwrite (overwrite=True)")
+        other = sorted(p.name for p in out_dir.iterdir() if p.name not in EXPORT_FILES)
+        if other:
+            raise ValueError(f"{out_dir} is not an earlier export (it holds {', '.join(other[:3])}), so "
+                             "--overwrite would delete it; choose a new directory")
     weights = drafter_dir / WEIGHTS_NAME
     if not weights.is_file():
         raise ValueError(f"{drafter_dir}: no {WEIGHTS_NAME}")

@@ -4,6 +4,7 @@ tests/integrations/test_verl_loop.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file
@@ -27,6 +28,13 @@ def test_export_cli_refuses_then_overwrites(tmp_path, trained_target, chat_promp
     assert main(args) == 2
     assert "not empty" in capsys.readouterr().err
     assert main(args + ["--overwrite"]) == 0
+    model = tmp_path / "model"  # a model directory (a copy: the session's target stays out of harm's way)
+    shutil.copytree(trained_target, model)
+    for kept in (drafter, model):  # --overwrite replaces an earlier export only, never a drafter or a model
+        before = sorted(p.name for p in kept.iterdir())
+        assert main(args[:-1] + [str(kept), "--overwrite"]) == 2
+        assert "is not an earlier export" in capsys.readouterr().err
+        assert sorted(p.name for p in kept.iterdir()) == before
 
 
 def test_bench_packing_quick_writes_record(tmp_path, capsys):
