@@ -81,8 +81,7 @@ def _cmd_rollout(a: argparse.Namespace) -> None:
                      temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, arm=_parse_arm(a.arm),
                      no_sd=a.no_sd, elastic_threshold=a.elastic_threshold, seed=a.seed)
     for flag, name in (("--out", a.out), ("--record", a.record)):  # before the rollout, not after it
-        if name and Path(name).is_dir():
-            raise ValueError(f"{flag} {name} is a directory; give a file name")
+        _file_out(flag, name)
     r = run_rollout(job, Path(a.out) if a.out else None, Path(a.record) if a.record else None)
     al = f", mean accept length {r['mean_accept_length']:.2f}" if r["mean_accept_length"] else ""
     print(f"rollout: {r['requests']} responses, {r['tokens']} tokens in {r['seconds']:.1f}s "
@@ -95,18 +94,23 @@ def _cmd_rollout(a: argparse.Namespace) -> None:
 def _cmd_report(a: argparse.Namespace) -> None:
     from tlt.rollout_job import plot_record, plot_steps
 
-    record = Path(a.record)
+    record, out = Path(a.record), Path(a.out)
+    if record.is_dir():
+        raise ValueError(f"record {record} is a directory; pass a file in it (a verl run's tlt_steps.jsonl, "
+                         "or the JSON of `tlt rollout --record`)")
     if not record.is_file():
         raise ValueError(f"record {record} does not exist")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    if not out.suffix:  # (matplotlib would add .png itself, and the name printed would be wrong)
+        out = out.with_name(out.name + ".png")
+    _file_out("--out", str(out))
     try:
         if record.suffix == ".jsonl":  # a verl run's per-step records (tlt_steps.jsonl)
-            plot_steps([json.loads(x) for x in record.read_text().splitlines() if x.strip()], Path(a.out))
+            plot_steps([json.loads(x) for x in record.read_text().splitlines() if x.strip()], out)
         else:
-            plot_record(json.loads(record.read_text()), Path(a.out))
+            plot_record(json.loads(record.read_text()), out)
     except json.JSONDecodeError as err:
         raise ValueError(f"{record} is not JSON: {err.msg}") from None
-    print(f"wrote {a.out}")
+    print(f"wrote {out}")
 
 
 def _cmd_coordinator(a: argparse.Namespace) -> None:
@@ -125,16 +129,17 @@ def _batches(text: str) -> tuple[int, ...]:
     return out
 
 
-def _json_out(path: str | None) -> None:
-    """Refuse a ``--json`` path that cannot be written before the work, not after it; make its folder."""
+def _file_out(flag: str, path: str | None) -> None:
+    """Refuse a path of a file the command writes (``flag``'s) that cannot be written, before the
+    work, not after it; make its folder."""
     if not path:
         return
     if Path(path).is_dir():
-        raise ValueError(f"--json {path} is a directory; give a file name")
+        raise ValueError(f"{flag} {path} is a directory; give a file name")
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"--json {path}: cannot create its folder ({e.strerror})") from None
+        raise ValueError(f"{flag} {path}: cannot create its folder ({e.strerror})") from None
 
 
 def _write_json(path: str, record: dict) -> None:
@@ -162,7 +167,7 @@ def _cmd_bench(a: argparse.Namespace) -> None:
         raise ValueError(f"--new-tokens={a.new_tokens}: must be >= 0 (0: the bench's default)")
     if a.block_size < 0:
         raise ValueError(f"--block-size={a.block_size}: must be >= 0 (0: no paged cache)")
-    _json_out(a.json)
+    _file_out("--json", a.json)
     result = run(a)
     print("\n".join(result["summary"]))
     if a.json:
@@ -172,7 +177,7 @@ def _cmd_bench(a: argparse.Namespace) -> None:
 def _cmd_doctor(a: argparse.Namespace) -> None:
     from tlt.integrations.sglang import doctor
 
-    _json_out(a.json)
+    _file_out("--json", a.json)
     r = doctor.report()
     print("\n".join(doctor.lines(r)))
     if a.json:
@@ -202,12 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
         "trained on idle rollout workers. Start with `tlt demo`.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    # the same two after the command (`tlt demo -q`); SUPPRESS: one given before it is kept
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
+    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bars")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("make-target", help="build the small embedded target model (HF format)",
-                       description="Build a small Llama/Qwen2/Qwen3 target with a tokenizer trained "
-                       "here; with --train-steps, train it on the synthetic arithmetic corpus. "
-                       "Cached by content under $TLT_CACHE (default ~/.cache/tlt).")
+    def add(name: str, **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kw)
+
+    s = add("make-target", help="build the small embedded target model (HF format)",
+            description="Build a small Llama/Qwen2/Qwen3 target with a tokenizer trained "
+            "here; with --train-steps, train it on the synthetic arithmetic corpus. "
+            "Cached by content under $TLT_CACHE (default ~/.cache/tlt).")
     s.add_argument("--family", choices=("llama", "qwen2", "qwen3"), default="llama")
     s.add_argument("--out", required=True, help="directory to write (must be new or empty)")
     s.add_argument("--train-steps", type=int, default=0, help="training steps (0 = random weights)")
@@ -215,9 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache", help="cache directory (default $TLT_CACHE or ~/.cache/tlt)")
     s.set_defaults(fn=_cmd_make_target)
 
-    s = sub.add_parser("warmup", help="train a first drafter on the target's own rollouts",
-                       description="Prompts -> target responses -> hidden states -> drafter. Prints "
-                       "held-out top-1/top-3 accuracy and estimated accept length before and after.")
+    s = add("warmup", help="train a first drafter on the target's own rollouts",
+            description="Prompts -> target responses -> hidden states -> drafter. Prints "
+            "held-out top-1/top-3 accuracy and estimated accept length before and after.")
     s.add_argument("--target", required=True, help="HF model directory (config.json, safetensors, tokenizer.json)")
     s.add_argument("--data", required=True, help="prompts: .json/.jsonl/.parquet, text or chat messages")
     s.add_argument("--out", required=True, help="drafter checkpoint directory")
@@ -243,20 +255,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=_cmd_warmup)
 
-    s = sub.add_parser("export", help="write a drafter as an SGLang or vLLM serving checkpoint")
-    s.add_argument("--drafter", required=True)
-    s.add_argument("--target", required=True)
-    s.add_argument("--format", choices=("sglang", "vllm"), required=True)
-    s.add_argument("--out", required=True)
-    s.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    s.add_argument("--overwrite", action="store_true")
+    s = add("export", help="write a drafter as an SGLang or vLLM serving checkpoint",
+            description="Write a drafter from `tlt warmup` (or a spot checkpoint's drafter) as "
+            "the draft-model checkpoint SGLang's or vLLM's EAGLE loader reads: OUT/config.json and "
+            "OUT/model.safetensors.")
+    s.add_argument("--drafter", required=True, help="drafter directory (tlt_drafter.json, model.safetensors)")
+    s.add_argument("--target", required=True, help="the target model directory the drafter was trained on")
+    s.add_argument("--format", choices=("sglang", "vllm"), required=True, help="the serving engine's loader")
+    s.add_argument("--out", required=True, help="directory to write (new or empty)")
+    s.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="weights' dtype (default bfloat16)")
+    s.add_argument("--overwrite", action="store_true", help="replace --out if it holds an earlier export")
     s.set_defaults(fn=_cmd_export)
 
-    s = sub.add_parser("rollout", help="generate responses with elastic, tuned speculative decoding",
-                       description="GRPO-style rollout: --n samples per prompt (a group), drafted by the "
-                       "EAGLE drafter in --drafter or, without one, by the suffix drafter over the "
-                       "prompt, the request's own output and its group siblings. Lossless: outputs are "
-                       "distributed exactly as plain sampling from the target.")
+    s = add("rollout", help="generate responses with elastic, tuned speculative decoding",
+            description="GRPO-style rollout: --n samples per prompt (a group), drafted by the "
+            "EAGLE drafter in --drafter or, without one, by the suffix drafter over the "
+            "prompt, the request's own output and its group siblings. Lossless: outputs are "
+            "distributed exactly as plain sampling from the target.")
     s.add_argument("--target", required=True)
     s.add_argument("--data", required=True, help="prompts: .json/.jsonl/.parquet")
     s.add_argument("--drafter", help="drafter directory from `tlt warmup` (default: suffix drafter)")
@@ -276,31 +292,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=_cmd_rollout)
 
-    s = sub.add_parser("report", help="plot a rollout record (JSON) or a verl run's step records (tlt_steps.jsonl)")
-    s.add_argument("record")
-    s.add_argument("--out", default="rollout.png")
+    s = add("report", help="plot a rollout record (JSON) or a verl run's step records (tlt_steps.jsonl)")
+    s.add_argument("record", help="a verl run's tlt_steps.jsonl, or the JSON of `tlt rollout --record`")
+    s.add_argument("--out", default="rollout.png", help="image to write (default rollout.png; no suffix: .png)")
     s.set_defaults(fn=_cmd_report)
 
     try:  # pyzmq is a dependency, but a machine without a package index (the GPU check's) may lack it
         from tlt.coordinator.cli import DESCRIPTION, add_arguments
     except ImportError as e:
-        s = sub.add_parser("coordinator", help=f"(unavailable here: {e})")
+        s = add("coordinator", help=f"(unavailable here: {e})")
         s.set_defaults(fn=lambda a, e=e: sys.exit(f"tlt coordinator needs pyzmq ({e}): pip install pyzmq"))
     else:
-        s = sub.add_parser("coordinator", help="run the ZeroMQ worker coordinator standalone",
-                           description=DESCRIPTION)
+        s = add("coordinator", help="run the ZeroMQ worker coordinator standalone",
+                description=DESCRIPTION)
         add_arguments(s)
         s.set_defaults(fn=_cmd_coordinator)
 
-    s = sub.add_parser("doctor", help="check an integration here: `tlt doctor sglang`",
-                       description="Apply TLT's SGLang hooks in this environment, as every SGLang process "
-                       "does at start, and report the SGLang version and each hook: applied or missing. "
-                       "Exit 1 if any is missing.")
+    s = add("doctor", help="check an integration here: `tlt doctor sglang`",
+            description="Apply TLT's SGLang hooks in this environment, as every SGLang process "
+            "does at start, and report the SGLang version and each hook: applied or missing. "
+            "Exit 1 if any is missing.")
     s.add_argument("what", choices=["sglang"])
     s.add_argument("--json", help="also write the report here (keys sglang_version, hooks_applied, hooks_missing)")
     s.set_defaults(fn=_cmd_doctor)
 
-    s = sub.add_parser("bench", help="benchmarks that print side-by-side ratios and write JSON")
+    s = add("bench", help="benchmarks that print side-by-side ratios and write JSON")
     from tlt.bench import BENCHES, MOVED, RENAMED
 
     s.add_argument("which", choices=sorted(BENCHES) + sorted(RENAMED) + sorted(MOVED),
@@ -359,11 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "does not exist; without --trace a fresh one is recorded and not kept)")
     s.set_defaults(fn=_cmd_bench)
 
-    s = sub.add_parser("demo", help="the main job: real verl GRPO on CPU, with and without TLT",
-                       description="Build and train the demo's deep, narrow target (cached), warm up an "
-                       "EAGLE drafter on its rollouts, export it for SGLang, then run verl 0.9.1's GRPO loop "
-                       "(2 rollout replicas, FSDP2 on gloo) three times on the same seeds, sampling the same "
-                       "tokens (coupled sampling): A) no speculation, B) TLT with the warm-up drafter "
+    s = add("demo", help="the main job: real verl GRPO on CPU, with and without TLT",
+            description="Build and train the demo's deep, narrow target (cached), warm up an "
+            "EAGLE drafter on its rollouts, export it for SGLang, then run verl 0.9.1's GRPO loop "
+            "(2 rollout replicas, FSDP2 on gloo) three times on the same seeds, sampling the same "
+            "tokens (coupled sampling): A) no speculation, B) TLT with the warm-up drafter "
                        "frozen, C) full TLT with spot training. Writes OUT/summary.json and OUT/demo.png; "
                        "each arm's verl log is in OUT/arm-X/verl.log. No network, no GPU; about 20 minutes "
                        "on 2 cores the first time (--quick: a few minutes).")
@@ -388,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
         args.fn(args)
     except ValueError as err:
         print(f"tlt {args.cmd}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a path the user gave that cannot be read or written
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"tlt {args.cmd}: error: {where}{err.strerror or err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"tlt {args.cmd}: interrupted", file=sys.stderr)

@@ -53,6 +53,8 @@ def test_rollout_bad_arguments(trained_target, chat_prompts, tmp_path, capsys, a
 
 
 def test_report_errors(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "is a directory; pass a file in it" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "missing.json")]) == 2
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
@@ -126,6 +128,9 @@ def test_report_plots_verl_step_records(tmp_path, capsys):
     png = tmp_path / "steps.png"
     assert main(["report", str(rec), "--out", str(png)]) == 0
     assert png.stat().st_size > 10_000 and f"wrote {png}" in capsys.readouterr().out
+    assert main(["report", str(rec), "--out", str(tmp_path / "plots" / "steps")]) == 0  # no suffix: .png
+    assert f"wrote {tmp_path / 'plots' / 'steps.png'}" in capsys.readouterr().out
+    assert (tmp_path / "plots" / "steps.png").is_file()
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"accept": 1}) + "\n")
     assert main(["report", str(bad), "--out", str(png)]) == 2
@@ -149,12 +154,12 @@ def test_the_cli_runs_its_benches_without_pyzmq(tmp_path):
 
 
 def test_a_json_path_that_cannot_be_written_is_refused_before_the_bench_runs(tmp_path, capsys):
-    from tlt.cli import _json_out
+    from tlt.cli import _file_out
 
     (tmp_path / "d.json").mkdir()
     assert main(["bench", "step-cost", "--quick", "--json", str(tmp_path / "d.json")]) == 2
     assert "is a directory" in capsys.readouterr().err
-    _json_out(str(tmp_path / "new" / "sub" / "r.json"))  # its folder is made before the work
+    _file_out("--json", str(tmp_path / "new" / "sub" / "r.json"))  # its folder is made before the work
     assert (tmp_path / "new" / "sub").is_dir()
 
 
@@ -162,6 +167,7 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_bench_runs(tmp
     (["--no-sd", "--arm", "5,1,5"], "would be ignored"),
     (["--max-prompts", "-1"], "--max-prompts must be >= 0"),
     (["--out", "."], "is a directory"),
+    (["--record", f"{__file__}/r.json"], "r.json: cannot create its folder"),  # a file where its folder goes
 ])
 def test_rollout_refuses_what_it_would_ignore_or_lose_before_it_runs(args, message, capsys):
     assert main(["rollout", "--target", "no-target", "--data", "no-data", *args]) == 2
@@ -174,3 +180,14 @@ def test_step_cost_quick_keeps_the_lengths_given(tmp_path):
                  "--repeats", "3", "--json", str(rec)]) == 0
     r = json.loads(rec.read_text())
     assert r["prompt_len"] == 24 and "over 3 alternating repeats" in "\n".join(r["summary"])
+
+
+def test_verbosity_flags_go_before_or_after_the_command():
+    from tlt.cli import build_parser
+
+    p = build_parser()
+    for argv, quiet, verbose in ((["demo"], False, False), (["-q", "demo"], True, False),
+                                 (["demo", "-q"], True, False), (["-v", "demo", "--quick", "-q"], True, True),
+                                 (["make-target", "--out", "t", "-v"], False, True)):
+        a = p.parse_args(argv)
+        assert (a.quiet, a.verbose) == (quiet, verbose), argv
