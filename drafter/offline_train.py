@@ -53,10 +53,14 @@ class TrainConfig:
     ttt: TTTConfig = TTTConfig()
 
     def __post_init__(self) -> None:
-        if self.max_steps < 0 or self.lr <= 0 or self.token_budget <= 0 or self.save_every <= 0:
-            raise ValueError("max_steps >= 0, lr > 0, token_budget > 0 and save_every > 0 are "
-                             f"required; got {self.max_steps=}, {self.lr=}, {self.token_budget=}, "
-                             f"{self.save_every=}")
+        if self.max_steps < 0:
+            raise ValueError(f"max_steps (--max-steps) {self.max_steps}: must be >= 0 (0: no training)")
+        if not self.lr > 0:
+            raise ValueError(f"lr (--lr) {self.lr}: must be > 0")
+        if self.token_budget <= 0:
+            raise ValueError(f"token_budget (--token-budget) {self.token_budget}: must be > 0")
+        if self.save_every <= 0:
+            raise ValueError(f"save_every (--save-every) {self.save_every}: must be > 0")
         self.spot_config()  # the schedule's own checks
 
     def spot_config(self) -> SpotConfig:

@@ -58,8 +58,15 @@ class WarmupConfig:
             raise ValueError(f"--responses {self.responses!r}: use auto, generate or file")
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"heldout fraction must be in (0, 1), got {self.heldout_fraction}")
-        if self.samples_per_prompt < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
-            raise ValueError("--samples-per-prompt, --max-new-tokens and --max-prompt-tokens must be >= 1")
+        for flag, value in (("--samples-per-prompt", self.samples_per_prompt),
+                            ("--max-new-tokens", self.max_new_tokens), ("max_prompt_tokens", self.max_prompt_tokens)):
+            if value < 1:
+                raise ValueError(f"{flag} {value}: must be >= 1")
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"--draft-vocab-size {self.draft_vocab_size}: must be >= 0 (0: the target's vocabulary)")
+        if self.draft_vocab_size and self.method != "eagle3":
+            raise ValueError(f"--draft-vocab-size {self.draft_vocab_size}: only --method eagle3 has a draft "
+                             f"vocabulary (this is --method {self.method})")
         if self.max_prompts < 0:
             raise ValueError(f"--max-prompts must be >= 0 (0: every prompt), got {self.max_prompts}")
 

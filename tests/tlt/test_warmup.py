@@ -113,3 +113,18 @@ def test_non_empty_out_and_bad_target(trained_target, chat_prompts, tmp_path, ca
     assert _warmup(broken, chat_prompts, tmp_path / "d2") == 2
     assert "no model.safetensors" in capsys.readouterr().err
     assert not (tmp_path / "d2").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft-vocab-size", "-5", "--method", "eagle3"], "--draft-vocab-size -5: must be >= 0"),
+    (["--draft-vocab-size", "100"], "only --method eagle3 has a draft vocabulary"),  # (eagle would ignore it)
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+    (["--max-steps", "-3"], "max_steps (--max-steps) -3: must be >= 0"),
+    (["--lr", "0"], "lr (--lr) 0.0: must be > 0"),
+])
+def test_each_bad_value_names_its_flag_before_anything_runs(tmp_path, capsys, args, message):
+    out = tmp_path / "d"
+    assert _warmup(tmp_path / "no-target", tmp_path / "no-data", out, *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists()
