@@ -8,8 +8,8 @@ within the coordinator's deadline instead of sitting out the rendezvous timeout.
 So the ranks meet on a ``TCPStore`` (hosted by rank 0) and agree on one decision key with
 ``compare_set``: the last rank to arrive writes ``go``; a rank asked to stop first writes ``abort``,
 one whose wait ran out ``timeout`` (a failure on every rank, not a stop). Whichever lands first is
-what every rank reads, so either all ranks build the process group on
-the store or none does (one rank building it alone would hang in gloo's full-mesh connect).
+what every rank reads, so either all ranks build the process group on the store or none does (one
+rank building it alone would hang in gloo's full-mesh connect).
 Ranks that have not reached the store when it aborts see it vanish, or time out, and abort too.
 
 Keys live under the session id, so a rank that reaches a stale store left on the same port by an

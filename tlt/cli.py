@@ -256,9 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_warmup)
 
     s = add("export", help="write a drafter as an SGLang or vLLM serving checkpoint",
-            description="Write a drafter from `tlt warmup` (or a spot checkpoint's drafter) as "
-            "the draft-model checkpoint SGLang's or vLLM's EAGLE loader reads: OUT/config.json and "
-            "OUT/model.safetensors.")
+            description="Write a drafter from `tlt warmup` as the draft-model checkpoint SGLang's "
+            "or vLLM's EAGLE loader reads: OUT/config.json and OUT/model.safetensors.")
     s.add_argument("--drafter", required=True, help="drafter directory (tlt_drafter.json, model.safetensors)")
     s.add_argument("--target", required=True, help="the target model directory the drafter was trained on")
     s.add_argument("--format", choices=("sglang", "vllm"), required=True, help="the serving engine's loader")
@@ -303,8 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
         s = add("coordinator", help=f"(unavailable here: {e})")
         s.set_defaults(fn=lambda a, e=e: sys.exit(f"tlt coordinator needs pyzmq ({e}): pip install pyzmq"))
     else:
-        s = add("coordinator", help="run the ZeroMQ worker coordinator standalone",
-                description=DESCRIPTION)
+        s = add("coordinator", help="run the ZeroMQ worker coordinator standalone", description=DESCRIPTION)
         add_arguments(s)
         s.set_defaults(fn=_cmd_coordinator)
 
