@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="free workers (idle + training) needed before idle workers are promoted")
     p.add_argument("--stop-timeout-s", type=float, default=dp.stop_timeout_s,
                    help="seconds a training worker has to ack STOP before it is marked LOST")
-    p.add_argument("--max-workers", type=int, default=dp.max_workers)
+    p.add_argument("--max-workers", type=int, default=dp.max_workers, help="workers it takes at most")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop when the process that started this one exits (even if it was killed)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),

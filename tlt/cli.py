@@ -201,6 +201,17 @@ def _cmd_demo(a: argparse.Namespace) -> None:
     print(f"wrote {out / 'summary.json'} and {out / 'demo.png'}")
 
 
+class _Help(argparse.HelpFormatter):
+    """A flag's help ends with its default, unless the help names one or there is none to name."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or "%(default)" in text
+                or action.default is None or action.default is False or action.default == argparse.SUPPRESS):
+            return text
+        return f"{text} (default %(default)s)" if text else "default %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tlt", description="TLT: lossless speculative decoding for RL rollouts, with a drafter "
@@ -214,16 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def add(name: str, **kw) -> argparse.ArgumentParser:
-        return sub.add_parser(name, parents=[common], **kw)
+        return sub.add_parser(name, parents=[common], formatter_class=_Help, **kw)
 
     s = add("make-target", help="build the small embedded target model (HF format)",
             description="Build a small Llama/Qwen2/Qwen3 target with a tokenizer trained "
             "here; with --train-steps, train it on the synthetic arithmetic corpus. "
             "Cached by content under $TLT_CACHE (default ~/.cache/tlt).")
-    s.add_argument("--family", choices=("llama", "qwen2", "qwen3"), default="llama")
+    s.add_argument("--family", choices=("llama", "qwen2", "qwen3"), default="llama", help="architecture")
     s.add_argument("--out", required=True, help="directory to write (must be new or empty)")
     s.add_argument("--train-steps", type=int, default=0, help="training steps (0 = random weights)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="random seed")
     s.add_argument("--cache", help="cache directory (default $TLT_CACHE or ~/.cache/tlt)")
     s.set_defaults(fn=_cmd_make_target)
 
@@ -233,26 +244,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", required=True, help="HF model directory (config.json, safetensors, tokenizer.json)")
     s.add_argument("--data", required=True, help="prompts: .json/.jsonl/.parquet, text or chat messages")
     s.add_argument("--out", required=True, help="drafter checkpoint directory")
-    s.add_argument("--method", choices=("eagle", "eagle3"), default="eagle")
+    s.add_argument("--method", choices=("eagle", "eagle3"), default="eagle", help="drafter architecture")
     s.add_argument("--max-steps", type=int, default=300, help="optimizer steps (default 300)")
     s.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     s.add_argument("--responses", choices=("auto", "generate", "file"), default="auto",
                    help="auto: use the file's responses when every row has one, else generate")
     s.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
-    s.add_argument("--max-new-tokens", type=int, default=256)
+    s.add_argument("--max-new-tokens", type=int, default=256, help="response length cap when generating")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
-    s.add_argument("--samples-per-prompt", type=int, default=1)
+    s.add_argument("--samples-per-prompt", type=int, default=1, help="responses generated per prompt")
     s.add_argument("--draft-vocab-size", type=int, default=0, help="EAGLE-3 draft vocab (0 = full)")
-    s.add_argument("--lr", type=float, default=3e-3)
+    s.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine schedule)")
     s.add_argument("--token-budget", type=int, default=4096, help="tokens per packed batch")
     s.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps")
-    s.add_argument("--ttt-decay", type=float, default=0.8)
+    s.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight decay per training-time-test step")
     s.add_argument("--loss", choices=("feature+ce", "ce"), default="feature+ce",
                    help="EAGLE loss (EAGLE-3 always uses ce)")
     s.add_argument("--save-every", type=int, default=100,
                    help="optimizer steps between training-state checkpoints (what --resume continues); "
                         "the drafter weights are written when training ends")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="random seed")
     s.set_defaults(fn=_cmd_warmup)
 
     s = add("export", help="write a drafter as an SGLang or vLLM serving checkpoint",
@@ -272,23 +283,23 @@ def build_parser() -> argparse.ArgumentParser:
             "EAGLE drafter in --drafter or, without one, by the suffix drafter over the "
             "prompt, the request's own output and its group siblings. Lossless: outputs are "
             "distributed exactly as plain sampling from the target.")
-    s.add_argument("--target", required=True)
+    s.add_argument("--target", required=True, help="HF model directory")
     s.add_argument("--data", required=True, help="prompts: .json/.jsonl/.parquet")
     s.add_argument("--drafter", help="drafter directory from `tlt warmup` (default: suffix drafter)")
     s.add_argument("--n", type=int, default=1, help="samples per prompt (GRPO group size)")
     s.add_argument("--out", help="responses as JSONL")
     s.add_argument("--record", help="per-rollout record (JSON) for `tlt report`")
-    s.add_argument("--max-prompts", type=int, default=0)
-    s.add_argument("--max-new-tokens", type=int, default=256)
+    s.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    s.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
     s.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
+    s.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
     s.add_argument("--arm", help="fixed strategy DEPTH,TOPK,TOKENS_TO_VERIFY (default: BEG-MAB tuner)")
     s.add_argument("--no-sd", action="store_true", help="plain autoregressive decoding")
     s.add_argument("--elastic-threshold", type=int, default=None,
                    help="speculate only while at most this many requests run (default: no cap, the "
                         "tuner learns per batch size where speculation stops paying)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="random seed")
     s.set_defaults(fn=_cmd_rollout)
 
     s = add("report", help="plot a rollout record (JSON) or a verl run's step records (tlt_steps.jsonl)")
@@ -323,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
                    + "; " + ", ".join(MOVED) + ": research experiments in examples/research/)")
     s.add_argument("--json", help="write the result record here")
     s.add_argument("--quick", action="store_true", help="smaller workload (for smoke tests)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="random seed")
     s.add_argument("--repeats", type=int, default=0,
                    help="rollout: timed repeats per variant (0: 5, or 1 with --quick); the paired ratios "
                    "to AR get a bootstrap 90%% interval; step-cost: alternating repeats (0: 5, or 2 with --quick)")

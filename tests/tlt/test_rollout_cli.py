@@ -191,3 +191,13 @@ def test_verbosity_flags_go_before_or_after_the_command():
                                  (["make-target", "--out", "t", "-v"], False, True)):
         a = p.parse_args(argv)
         assert (a.quiet, a.verbose) == (quiet, verbose), argv
+
+
+def test_help_names_each_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["rollout", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--max-new-tokens MAX_NEW_TOKENS response length cap (default 256)", "--seed SEED random seed (default 0)",
+                 "--temperature TEMPERATURE 0 = greedy (default 1.0)"):
+        assert flag in text, flag
+    assert "--no-sd plain autoregressive decoding --elastic" in text  # a switch has no default to name
