@@ -11,6 +11,7 @@ import json
 import logging
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -212,21 +213,8 @@ class _Help(argparse.HelpFormatter):
         return f"{text} (default %(default)s)" if text else "default %(default)s"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="tlt", description="TLT: lossless speculative decoding for RL rollouts, with a drafter "
-        "trained on idle rollout workers. Start with `tlt demo`.")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    # the same two after the command (`tlt demo -q`); SUPPRESS: one given before it is kept
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
-    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bars")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-
-    def add(name: str, **kw) -> argparse.ArgumentParser:
-        return sub.add_parser(name, parents=[common], formatter_class=_Help, **kw)
-
+def _add_make_target(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`tlt make-target` and its arguments."""
     s = add("make-target", help="build the small embedded target model (HF format)",
             description="Build a small Llama/Qwen2/Qwen3 target with a tokenizer trained "
             "here; with --train-steps, train it on the synthetic arithmetic corpus. "
@@ -238,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache", help="cache directory (default $TLT_CACHE or ~/.cache/tlt)")
     s.set_defaults(fn=_cmd_make_target)
 
+
+def _add_warmup(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`tlt warmup` and its arguments."""
     s = add("warmup", help="train a first drafter on the target's own rollouts",
             description="Prompts -> target responses -> hidden states -> drafter. Prints "
             "held-out top-1/top-3 accuracy and estimated accept length before and after.")
@@ -266,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="random seed")
     s.set_defaults(fn=_cmd_warmup)
 
+
+def _add_export(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`tlt export` and its arguments."""
     s = add("export", help="write a drafter as an SGLang or vLLM serving checkpoint",
             description="Write a drafter from `tlt warmup` as the draft-model checkpoint SGLang's "
             "or vLLM's EAGLE loader reads: OUT/config.json and OUT/model.safetensors.")
@@ -278,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="replace --out if it holds an earlier export")
     s.set_defaults(fn=_cmd_export)
 
+
+def _add_rollout(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`tlt rollout` and its arguments."""
     s = add("rollout", help="generate responses with elastic, tuned speculative decoding",
             description="GRPO-style rollout: --n samples per prompt (a group), drafted by the "
             "EAGLE drafter in --drafter or, without one, by the suffix drafter over the "
@@ -302,11 +299,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="random seed")
     s.set_defaults(fn=_cmd_rollout)
 
+
+def _add_report(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`tlt report` and its arguments."""
     s = add("report", help="plot a rollout record (JSON) or a verl run's step records (tlt_steps.jsonl)")
     s.add_argument("record", help="a verl run's tlt_steps.jsonl, or the JSON of `tlt rollout --record`")
     s.add_argument("--out", default="rollout.png", help="image to write (default rollout.png; no suffix: .png)")
     s.set_defaults(fn=_cmd_report)
 
+
+def _add_coordinator(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`tlt coordinator` and its arguments."""
     try:  # pyzmq is a dependency, but a machine without a package index (the GPU check's) may lack it
         from tlt.coordinator.cli import DESCRIPTION, add_arguments
     except ImportError as e:
@@ -317,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments(s)
         s.set_defaults(fn=_cmd_coordinator)
 
+
+def _add_doctor(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`tlt doctor` and its arguments."""
     s = add("doctor", help="check an integration here: `tlt doctor sglang`",
             description="Apply TLT's SGLang hooks in this environment, as every SGLang process "
             "does at start, and report the SGLang version and each hook: applied or missing. "
@@ -325,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="also write the report here (keys sglang_version, hooks_applied, hooks_missing)")
     s.set_defaults(fn=_cmd_doctor)
 
+
+def _add_bench(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`tlt bench` and its arguments."""
     s = add("bench", help="benchmarks that print side-by-side ratios and write JSON")
     from tlt.bench import BENCHES, MOVED, RENAMED
 
@@ -384,24 +393,49 @@ def build_parser() -> argparse.ArgumentParser:
                    "does not exist; without --trace a fresh one is recorded and not kept)")
     s.set_defaults(fn=_cmd_bench)
 
+
+def _add_demo(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`tlt demo` and its arguments."""
     s = add("demo", help="the main job: real verl GRPO on CPU, with and without TLT",
             description="Build and train the demo's deep, narrow target (cached), warm up an "
             "EAGLE drafter on its rollouts, export it for SGLang, then run verl 0.9.1's GRPO loop "
             "(2 rollout replicas, FSDP2 on gloo) three times on the same seeds, sampling the same "
             "tokens (coupled sampling): A) no speculation, B) TLT with the warm-up drafter "
-                       "frozen, C) full TLT with spot training. Writes OUT/summary.json and OUT/demo.png; "
-                       "each arm's verl log is in OUT/arm-X/verl.log. No network, no GPU; about 20 minutes "
-                       "on 2 cores the first time (--quick: a few minutes).")
-    s.add_argument("--out", "--workdir", dest="out", default="runs/demo", help="output directory (default runs/demo): new, empty, or an earlier demo's, which it replaces")
+            "frozen, C) full TLT with spot training. Writes OUT/summary.json and OUT/demo.png; "
+            "each arm's verl log is in OUT/arm-X/verl.log. No network, no GPU; about 20 minutes "
+            "on 2 cores the first time (--quick: a few minutes).")
+    s.add_argument("--out", "--workdir", dest="out", default="runs/demo",
+                   help="output directory (default runs/demo): new, empty, or an earlier demo's, which it replaces")
     s.add_argument("--quick", action="store_true", help="tiny sizes and 4 RL steps per arm, for tests")
     s.add_argument("--arms", default="ABC", help="which arms to run (default ABC; D: full TLT with the EAGLE "
                    "drafter only, no model-free drafter: `--arms ACD` measures what the model-free drafter adds; "
-                   "E: full TLT without tail consolidation: `--arms BCE` measures what consolidation adds, on the same seeds; "
+                   "E: full TLT without tail consolidation: `--arms BCE` measures what consolidation adds, on the "
+                   "same seeds; "
                    "F, G, H: A, C, B with RollPacker's tail batching: `--arms ABCFGH`, then `tlt bench tail-batching "
                    "--from OUT`)")
     s.add_argument("--steps", type=int, default=None,
                    help="RL steps per arm (default 8: two epochs of the 32 prompts); more steps, more epochs")
     s.set_defaults(fn=_cmd_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tlt", description="TLT: lossless speculative decoding for RL rollouts, with a drafter "
+        "trained on idle rollout workers. Start with `tlt demo`.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    # the same two after the command (`tlt demo -q`); SUPPRESS: one given before it is kept
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
+    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bars")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def add(name: str, **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], formatter_class=_Help, **kw)
+
+    for add_command in (_add_make_target, _add_warmup, _add_export, _add_rollout, _add_report, _add_coordinator,
+                        _add_doctor, _add_bench, _add_demo):  # (the order of `tlt --help`)
+        add_command(add)
     return p
 
 

@@ -44,7 +44,8 @@ class RolloutWindow:
 
 
 def step_metrics(w: RolloutWindow, *, drafter_version: int, drafter_spot_step: int, push_rejected: int,
-                 repushed: int, failures: Mapping[str, int], feeds_dropped: int, rounds: dict | None) -> dict[str, float]:
+                 repushed: int, failures: Mapping[str, int], feeds_dropped: int,
+                 rounds: dict | None) -> dict[str, float]:
     """verl's metrics for the step (``rounds``: tail batching's round record, None without it;
     ``drafter_spot_step``: the spot checkpoint served after the step, 0 for the warm-up drafter)."""
     st = w.stats
