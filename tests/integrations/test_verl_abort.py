@@ -2,9 +2,10 @@
 
 ``abort_all_requests`` returns every running request's partial output (``aborted``); a request that
 arrives before ``resume_generation`` waits for it (with ``reject_request`` it returns at once, aborted
-and empty); verl's partial rollout resubmits an aborted request as prompt + partial output under the
-same request id, and the replica goes on from the request's state: the tokens equal an uninterrupted
-run's (same seeds, coupled sampling). A request that arrives while others decode joins them.
+and empty); verl's partial rollout resubmits an aborted request as prompt + partial output under a
+new request id (verl's client sends one per call), and the replica goes on from the request's state:
+the tokens equal an uninterrupted run's (same seeds, coupled sampling), a request whose seed came
+from its first id included. A request that arrives while others decode joins them.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def test_abort_returns_partials_holds_arrivals_and_resumes_token_for_token(serve
     ray.get(s.resume_generation.remote())
     assert ray.get(held, timeout=120).token_ids == ref[0].token_ids
 
-    # verl's partial rollout: prompt + partial output, the same request id, the budget left
-    again = ray.get([s.generate.remote(f"r{i}", _prompt(i) + outs[i].token_ids,
+    # verl's partial rollout: prompt + partial output, a new request id, the budget left
+    again = ray.get([s.generate.remote(f"r{i}-again", _prompt(i) + outs[i].token_ids,
                                        _sampling(i, 160 - len(outs[i].token_ids))) for i in cut], timeout=300)
     for i, o in zip(cut, again):
         assert outs[i].token_ids + o.token_ids == ref[i].token_ids
@@ -110,3 +111,21 @@ def test_a_request_without_a_seed_keeps_one_per_request_id(server):
     a, b, c = ray.get([s.generate.remote(rid, _prompt(0), unseeded) for rid in ("u1", "u1", "u2")], timeout=120)
     assert a.token_ids == b.token_ids  # a retry under the same request id samples the same tokens
     assert a.token_ids != c.token_ids
+
+
+def test_an_unseeded_request_resumes_its_own_seed_under_a_new_request_id(server):
+    """No seed from the agent loop: the seed comes from the first request id, and the resubmission
+    (a new id, as verl's client sends it) goes on with it: token for token the uninterrupted run."""
+    s = server
+    unseeded = {k: v for k, v in _sampling(4).items() if k != "seed"}
+    ref = ray.get(s.generate.remote("u", _prompt(4), unseeded), timeout=300)
+    call = s.generate.remote("u", _prompt(4), unseeded)
+    _wait_running(s)
+    time.sleep(0.05)
+    ray.get(s.abort_all_requests.remote(), timeout=120)
+    part = ray.get(call, timeout=120)
+    ray.get(s.resume_generation.remote())
+    assert part.stop_reason == "aborted" and 0 < len(part.token_ids) < len(ref.token_ids)
+    rest = {**unseeded, "max_tokens": 160 - len(part.token_ids)}
+    again = ray.get(s.generate.remote("u-again", _prompt(4) + part.token_ids, rest), timeout=300)
+    assert part.token_ids + again.token_ids == ref.token_ids

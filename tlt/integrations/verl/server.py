@@ -27,11 +27,12 @@ their state; ``reserve`` makes this replica a destination. The replica's :class:
 orders a reservation with the IDLE decision of ``_idle_work``.
 
 Requests (verl's ``generate``): each is a :class:`~tlt.rollout.request.RequestState` with its seed
-(verl's, else :func:`~tlt.drafter.seeds.fallback_seed` of its request id, which verl keeps
-when it retries). verl's ``abort_all_requests`` returns every running request's partial output; the
-replica keeps the aborted states, and a resubmission (verl's partial rollout sends prompt + partial
-output under the same request id) goes on from its state: same seed and GRPO group, the features
-this replica's DataBuffer already received not trained on twice.
+(verl's, else :func:`~tlt.drafter.seeds.fallback_seed` of its request id). verl's
+``abort_all_requests`` returns every running request's partial output; the replica keeps the aborted
+states by their tokens and seed, not by request id (verl's client sends a new id on each call unless
+``rollout.full_determinism``), and a resubmission (verl's partial rollout sends prompt + partial
+output) goes on from its state: same seed and GRPO group, the features this replica's DataBuffer
+already received not trained on twice.
 
 Why here and not in the actor worker: this is the process that idles when its requests drain, it
 serves the drafter it trains (no copy for its own updates), and it has no default process group of
@@ -99,6 +100,15 @@ def replica_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def resume_key(tokens, seed: int | None) -> tuple[int, int, int | None]:
+    """The key an aborted request's state is kept under: its tokens (prompt + partial output, what
+    its resubmission sends as the prompt) and the seed its agent loop gave (None: none given).
+    Two requests of one GRPO group aborted at the same tokens differ by their seeds; a hash
+    collision is caught by the caller comparing the tokens."""
+    t = tuple(tokens)
+    return len(t), hash(t), seed
+
+
 class TLTServer:
     """The Ray actor of one replica (``ray.remote`` is applied by the replica class)."""
 
@@ -147,9 +157,9 @@ class TLTServer:
             self._reload_history()
         self.weight_version = 0  # verl's global step of the policy being served
         self._lock = threading.Lock()  # held while the engine runs a generation (weights swap between)
-        # aborted requests' states by verl request id: a resubmission (prompt + partial output, as
-        # verl's partial rollout sends it) goes on from there; the oldest are dropped past a bound
-        self._partial: dict[str, RequestState] = {}
+        # aborted requests' states by resume_key: a resubmission (prompt + partial output, as verl's
+        # partial rollout sends it) goes on from there; the oldest are dropped past a bound
+        self._partial: dict[tuple[int, int, int | None], RequestState] = {}
         self._dropping = False  # tail batching dropped this round's requests (event loop)
         self.moves = ReplicaMoves()
         self.batcher = RequestBatcher(lambda: self.engine, window_s=self.cfg.engine.batch_window_ms / 1000,
@@ -206,18 +216,18 @@ class TLTServer:
             peer = await self.forwarding.peer()
             return await peer.generate.remote(request_id, prompt_ids, sampling_params, image_data=image_data,
                                               video_data=video_data, tlt_state=tlt_state, **kwargs)
-        params, seed = engine_params(dict(sampling_params), prompt_len=len(prompt_ids), max_len=self.max_len,
-                                     response_length=self.response_length,
-                                     eos_ids=tuple(self.model.config.eos_ids or ()))
-        if seed is None:  # no seed from the agent loop: one from the request id (verl's client sends a new
-            # one per call unless rollout.full_determinism: exact, not reproducible across runs)
-            seed = fallback_seed(self.seed, request_id)
+        params, given = engine_params(dict(sampling_params), prompt_len=len(prompt_ids), max_len=self.max_len,
+                                      response_length=self.response_length,
+                                      eos_ids=tuple(self.model.config.eos_ids or ()))
         if tlt_state is not None:
             state = moved_in(tlt_state, prompt_ids)
             self.moves.arrived()
         else:
-            state = self._partial.pop(request_id, None)
+            state = self._partial.pop(resume_key(prompt_ids, given), None)
             if state is None or list(prompt_ids) != list(state.prompt + state.output):
+                # no seed from the agent loop: one from the request id (verl's client sends a new one
+                # per call unless rollout.full_determinism: exact, not reproducible across runs)
+                seed = fallback_seed(self.seed, request_id) if given is None else given
                 state = RequestState(tuple(prompt_ids), params, seed, group=tuple(prompt_ids))
         fin = None
         try:
@@ -230,7 +240,7 @@ class TLTServer:
                                if sampling_params.get("logprobs") else None,
                                stop_reason=DROPPED, extra_fields={"global_steps": self.weight_version})
         if fin.reason == "aborted" and not fin.state.done:
-            self._partial[request_id] = fin.state
+            self._partial[resume_key(fin.state.prompt + fin.state.output, given)] = fin.state
             while len(self._partial) > 4 * self.cfg.engine.max_batch:
                 self._partial.pop(next(iter(self._partial)))
         new = len(state.output)  # a resubmission returns what it added to the partial output verl holds
