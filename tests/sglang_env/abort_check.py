@@ -6,7 +6,8 @@ classes, ``/abort_request`` into ``AbortReq``, and decodes with the project's en
 sampling). The actor's own ``generate`` and ``abort_request`` run on a real event loop, over real
 HTTP (verl's SGLang client). Scenario: an uninterrupted request; the same request again, aborted
 while it decodes; its partial output resubmitted as verl's partial rollout does (prompt + partial
-output, the same request id and seed, the budget left). Prints JSON: the three outputs and the
+output, the same request id and seed, the budget left); a request aborted while it waits at the
+actor's gate, and an abort of an id not in flight. Prints JSON: the outputs, the answers and the
 stand-in's recorded calls.
 """
 
@@ -63,7 +64,7 @@ def main(site: str, model: str, max_len: str, out_dir: str) -> None:
         s.http = TLTHttpEngine(model_path=model, host="127.0.0.1", port=port, launch_server=False, device="cpu")
         s.core, s.eagle, s.global_steps = ReplicaCore(s.cfg, rank=0, seed=0, spot_root=""), False, 1
         s.rank, s._in_flight, s._released, s._rollout_over, s._idle_task = 0, 0, False, True, None
-        s._rids, s._dropping = set(), False  # tail batching's (TLTSGLangServer.__init__)
+        s._calls, s._dropping = {}, False  # tail batching's (TLTSGLangServer.__init__)
         prompt = [1, 5, 7, 9, 11]
 
         def sampling(n):
@@ -85,13 +86,19 @@ def main(site: str, model: str, max_len: str, out_dir: str) -> None:
             answer = await s.abort_request("a")
             part = await task
             again = await s.generate("a", prompt + part.token_ids, sampling(BUDGET - len(part.token_ids)))
-            return ref, answer, part, again
+            async with s._gate:  # "b" waits at the gate (as behind a wake-up): aborted there
+                held = asyncio.ensure_future(s.generate("b", prompt, sampling(BUDGET)))
+                await asyncio.sleep(0.05)
+                at_gate = [await s.abort_request("b"), await s.abort_request("nope")]
+            held = await held
+            return ref, answer, part, again, at_gate, held
 
-        ref, answer, part, again = asyncio.run(scenario())
+        ref, answer, part, again, at_gate, held = asyncio.run(scenario())
         calls = [json.loads(x) for x in (out / "calls.jsonl").read_text().splitlines()]
         print(json.dumps({"ref": [ref.token_ids, ref.log_probs, ref.stop_reason], "answer": answer,
                           "part": [part.token_ids, part.log_probs, part.stop_reason],
-                          "again": [again.token_ids, again.log_probs, again.stop_reason], "calls": calls}))
+                          "again": [again.token_ids, again.log_probs, again.stop_reason], "at_gate": at_gate,
+                          "held": [held.token_ids, held.log_probs, held.stop_reason], "calls": calls}))
     finally:
         proc.kill()
 

@@ -67,7 +67,7 @@ def main(site: str) -> None:
     s.http, s.core = Http(), ReplicaCore(s.cfg, rank=0, seed=0, spot_root="")
     s.core.agent, s.core.buffer = Agent(), [object()]  # a buffer with something to train on
     s._in_flight, s._released, s._rollout_over, s._gate, s._idle_task = 0, False, True, None, None
-    s._rids, s._dropping = set(), False  # tail batching's (TLTSGLangServer.__init__)
+    s._calls, s._dropping = {}, False  # tail batching's (TLTSGLangServer.__init__)
 
     async def scenario():
         s._gate = asyncio.Lock()

@@ -70,6 +70,18 @@ log = logging.getLogger(__name__)
 # request out at 60 s and posts it again under the same rid (which SGLang refuses as a duplicate):
 # /generate waits this long instead, so it never does.
 GENERATE_TIMEOUT_S = 24 * 3600.0
+# SGLang ignores an abort that reaches it before its request does: a request still in flight this
+# long after its abort is aborted once more
+ABORT_RESEND_S = 0.1
+
+
+class _Call:
+    """One ``generate`` call in flight: whether an abort asked for it, whether its body went to SGLang."""
+
+    __slots__ = ("aborted", "sent")
+
+    def __init__(self) -> None:
+        self.aborted = self.sent = False
 
 
 class TLTSGLangServer(SGLangHttpServer):
@@ -96,7 +108,7 @@ class TLTSGLangServer(SGLangHttpServer):
         self.http: TLTHttpEngine | None = None
         self._in_flight = 0
         self._push_failed = False  # the last drafter push failed (event loop)
-        self._rids: set[str] = set()  # request ids in flight (event loop)
+        self._calls: dict[str, _Call] = {}  # request id -> its call in flight (event loop)
         self._dropping = False  # tail batching dropped this round's requests (event loop)
         self._released = False    # TLT released the KV cache (and must resume it before serving)
         self._rollout_over = True  # between end_rollout and the next begin_step: no idle work
@@ -148,21 +160,24 @@ class TLTSGLangServer(SGLangHttpServer):
             return TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
                                stop_reason=DROPPED, extra_fields={"global_steps": self.global_steps})
         self._in_flight += 1
-        self._rids.add(request_id)
+        call = self._calls[request_id] = _Call()
         try:
             async with self._gate:  # training stopped and the KV cache back before the server sees it
                 if self._idle_task is not None:
                     self._idle_task.cancel()
                     self._idle_task = None
                 await self._wake()
-            if self._dropping:  # dropped while it waited at the gate: it never reaches SGLang
+            if self._dropping or call.aborted:  # dropped or aborted at the gate: it never reaches SGLang
                 return TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
-                                   stop_reason=DROPPED, extra_fields={"global_steps": self.global_steps})
+                                   stop_reason=DROPPED if self._dropping else "aborted",
+                                   extra_fields={"global_steps": self.global_steps})
+            call.sent = True
             self.core.stats.resumed(time.monotonic())
             return await self._generate(request_id, list(prompt_ids), dict(sampling_params))
         finally:
             self._in_flight -= 1
-            self._rids.discard(request_id)
+            if self._calls.get(request_id) is call:
+                del self._calls[request_id]
             if self._in_flight == 0:
                 self.core.stats.went_idle()
                 if not self._rollout_over and self.core.agent is not None:
@@ -199,11 +214,28 @@ class TLTSGLangServer(SGLangHttpServer):
     async def abort_request(self, request_id: str) -> dict[str, Any]:
         """Abort one request (SGLang's ``/abort_request``): its ``generate`` returns the tokens it has,
         with their log-probs, as ``aborted`` (verl's partial rollout resubmits it as prompt +
-        partial output). verl's ``abort_all_requests`` (pause with ``mode="abort"``) is unchanged."""
-        if self.http is None:
+        partial output); one still waiting to reach SGLang returns at once, aborted and empty. An id not
+        in flight answers ``aborted: False``. verl's ``abort_all_requests`` (pause with
+        ``mode="abort"``) is unchanged."""
+        call = self._calls.get(request_id)
+        if self.http is None or call is None:
             return {"aborted": False, "request_id": request_id}
-        await self.http.abort_request(rid=request_id)
+        call.aborted = True
+        if call.sent:
+            await self._abort_sent({request_id: call})
         return {"aborted": True, "request_id": request_id}
+
+    async def _abort_sent(self, calls: dict[str, _Call]) -> None:
+        """SGLang's ``/abort_request`` for each call, and once more for those still in flight after
+        :data:`ABORT_RESEND_S` (only the same call: a later one may reuse the id)."""
+        if not calls:
+            return
+        for rid in calls:
+            await self.http.abort_request(rid=rid)
+        await asyncio.sleep(ABORT_RESEND_S)
+        for rid, call in calls.items():
+            if self._calls.get(rid) is call:
+                await self.http.abort_request(rid=rid)
 
     async def drop_requests(self) -> int:
         """Tail batching's drop: every request in flight is aborted (SGLang's ``/abort_request``) and
@@ -211,16 +243,10 @@ class TLTSGLangServer(SGLangHttpServer):
         resubmit it); requests arriving until :meth:`resume_generation` return at once, dropped.
         Returns the requests dropped."""
         self._dropping = True
-        rids = list(self._rids)
+        calls = dict(self._calls)  # those not yet sent see the drop at the gate
         if self.http is not None:
-            for rid in rids:
-                await self.http.abort_request(rid=rid)
-            # an abort that reached SGLang before its request did is ignored: abort the ones still in
-            # flight once more (SGLang answers an unknown id with nothing)
-            await asyncio.sleep(0.1)
-            for rid in [r for r in rids if r in self._rids]:
-                await self.http.abort_request(rid=rid)
-        return len(rids)
+            await self._abort_sent({rid: call for rid, call in calls.items() if call.sent})
+        return len(calls)
 
     async def resume_generation(self) -> None:
         self._dropping = False
