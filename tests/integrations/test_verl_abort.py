@@ -133,6 +133,11 @@ def test_an_unseeded_request_resumes_its_own_seed_under_a_new_request_id(server)
         assert ref.token_ids[:len(part.token_ids)] == part.token_ids
     else:
         pytest.fail(f"no abort caught {rid} mid-generation in 5 tries ({len(ref.token_ids)} tokens)")
+    # the same tokens under other settings: a new request, not this one's resume (greedy, twice alike)
+    greedy = {**unseeded, "temperature": 0.0, "max_tokens": 160 - len(part.token_ids)}
+    g1, g2 = (ray.get(s.generate.remote(f"{rid}-greedy{k}", _prompt(4) + part.token_ids, greedy), timeout=300)
+              for k in (1, 2))
+    assert g1.token_ids == g2.token_ids
     rest = {**unseeded, "max_tokens": 160 - len(part.token_ids)}
     again = ray.get(s.generate.remote(f"{rid}-again", _prompt(4) + part.token_ids, rest), timeout=300)
     assert part.token_ids + again.token_ids == ref.token_ids

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -103,10 +104,19 @@ def replica_device() -> torch.device:
 def resume_key(tokens, seed: int | None) -> tuple[int, int, int | None]:
     """The key an aborted request's state is kept under: its tokens (prompt + partial output, what
     its resubmission sends as the prompt) and the seed its agent loop gave (None: none given).
-    Two requests of one GRPO group aborted at the same tokens differ by their seeds; a hash
-    collision is caught by the caller comparing the tokens."""
+    Seeded requests of one GRPO group aborted at the same tokens differ by their seeds (unseeded
+    ones share a key: the last one kept wins); the caller compares tokens and settings
+    (:func:`resumes`)."""
     t = tuple(tokens)
     return len(t), hash(t), seed
+
+
+def resumes(state: RequestState, prompt_ids, params) -> bool:
+    """Whether a request of ``prompt_ids`` and ``params`` goes on from the aborted ``state`` kept
+    under its key: the same tokens (not a hash collision) and the same settings but the budget (a
+    new request with other settings, e.g. a greedy validation of the same tokens, starts anew)."""
+    return (list(prompt_ids) == list(state.prompt + state.output)
+            and dataclasses.replace(state.params, max_new_tokens=params.max_new_tokens) == params)
 
 
 class TLTServer:
@@ -223,8 +233,11 @@ class TLTServer:
             state = moved_in(tlt_state, prompt_ids)
             self.moves.arrived()
         else:
-            state = self._partial.pop(resume_key(prompt_ids, given), None)
-            if state is None or list(prompt_ids) != list(state.prompt + state.output):
+            key = resume_key(prompt_ids, given)
+            state = self._partial.get(key)
+            if state is not None and resumes(state, prompt_ids, params):
+                del self._partial[key]
+            else:
                 # no seed from the agent loop: one from the request id (verl's client sends a new one
                 # per call unless rollout.full_determinism: exact, not reproducible across runs)
                 seed = fallback_seed(self.seed, request_id) if given is None else given

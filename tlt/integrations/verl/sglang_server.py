@@ -214,7 +214,8 @@ class TLTSGLangServer(SGLangHttpServer):
     async def abort_request(self, request_id: str) -> dict[str, Any]:
         """Abort one request (SGLang's ``/abort_request``): its ``generate`` returns the tokens it has,
         with their log-probs, as ``aborted`` (verl's partial rollout resubmits it as prompt +
-        partial output); one still waiting to reach SGLang returns at once, aborted and empty. An id not
+        partial output); one still waiting at the actor's gate returns, aborted and empty, when it
+        passes the gate (it never reaches SGLang). An id not
         in flight answers ``aborted: False``. verl's ``abort_all_requests`` (pause with
         ``mode="abort"``) is unchanged."""
         call = self._calls.get(request_id)
