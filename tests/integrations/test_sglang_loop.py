@@ -212,7 +212,7 @@ def test_one_request_aborts_with_its_partial_output_and_resumes_token_for_token(
     aborts = [c["body"] for c in r["calls"] if c["endpoint"] == "abort_request"]
     # once, and once more if "a" was still in flight after sglang_server.ABORT_RESEND_S
     assert 1 <= len(aborts) <= 2 and all(b == {"rid": "a", "abort_all": False} for b in aborts)
-    # aborted at the actor's gate: it returns at once, empty, and never reaches SGLang; an id not in
+    # aborted at the actor's gate: it returns empty when the gate opens, never reaching SGLang; an id not in
     # flight is not aborted (no call either)
     assert r["at_gate"] == [{"aborted": True, "request_id": "b"}, {"aborted": False, "request_id": "nope"}]
     assert r["held"] == [[], [], "aborted"]
