@@ -1,4 +1,5 @@
-"""The coordinator process/thread: a ROUTER socket, one poll loop, heartbeats, and the promotion rules.
+"""The coordinator process/thread: a ROUTER socket, one poll loop and heartbeats. The promotion rules
+it applies to each message are :mod:`tlt.coordinator.promotion`'s.
 
 One thread owns the socket (zguide Paranoid Pirate / Majordomo broker):
 
