@@ -68,7 +68,8 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from tlt.drafter.checkpoint import AsyncCheckpointer, TrainState, latest, load
+from tlt.drafter.async_checkpoint import AsyncCheckpointer
+from tlt.drafter.checkpoint import TrainState, latest, load
 from tlt.drafter.eagle import WEIGHTS_NAME, Drafter, DrafterConfig
 from tlt.drafter.packing import FeatureSample, empty_like, pack, shard_samples, split_chunks
 from tlt.drafter.rendezvous import RendezvousAborted, rendezvous

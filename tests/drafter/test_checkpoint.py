@@ -15,9 +15,8 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import tlt.drafter.checkpoint as ck
+from tlt.drafter.async_checkpoint import AsyncCheckpointer, SaveState
 from tlt.drafter.checkpoint import (
-    AsyncCheckpointer,
-    SaveState,
     TrainState,
     complete_steps,
     latest,

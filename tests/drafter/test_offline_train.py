@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tlt.drafter.eagle import Drafter
-from tlt.drafter.checkpoint import AsyncCheckpointer, complete_steps, latest
+from tlt.drafter.async_checkpoint import AsyncCheckpointer
+from tlt.drafter.checkpoint import complete_steps, latest
 from tlt.drafter.spot import SpotTrainer
 from tlt.drafter.offline_train import STATE_NAME, TrainConfig, evaluate, train
 from tlt.drafter.ttt import TTTConfig
@@ -84,12 +85,12 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     train(d, samples, _cfg(max_steps=3), tmp_path, progress=False)
     before = (tmp_path / "model.safetensors").read_bytes()
 
-    import tlt.drafter.checkpoint as ckpt_mod
+    import tlt.drafter.async_checkpoint as ckpt_mod
 
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt_mod, "_commit", boom)
+    monkeypatch.setattr(ckpt_mod, "commit", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         train(d, samples, _cfg(max_steps=6), tmp_path, resume=True, progress=False)
     monkeypatch.undo()

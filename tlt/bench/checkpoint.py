@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
+from tlt.drafter.async_checkpoint import AsyncCheckpointer
 from tlt.drafter.checkpoint import (
-    AsyncCheckpointer,
     TrainState,
     save_sync,
     state_nbytes,
