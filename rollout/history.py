@@ -26,7 +26,9 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from tlt.rollout.suffix import SEP, IndexedSeq, SuffixConfig, NgramIndex
+from tlt.rollout.suffix import SuffixConfig
+from tlt.rollout.suffix_index import IndexedSeq, NgramIndex
+from tlt.rollout.suffix_tree import SEP
 
 _HISTORY_STAMP = -(1 << 40)  # history stamps count up from here: older than every prompt token
 

@@ -80,18 +80,18 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol
 
 import torch
 
 from tlt.rollout.draft_tree import DraftTree, Proposer, ProposerInput, request_ids
+from tlt.rollout.suffix_index import MEMBER_BITS, MEMBER_MASK, Group, HistorySource, IndexedSeq, NgramIndex
 from tlt.rollout.suffix_tree import SEP, chain, trie_paths
 from tlt.rollout.step_upload import StepUpload
 from tlt.rollout.strategy import Arm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HistorySource", "IndexedSeq", "SuffixConfig", "NgramIndex", "SuffixProposer", "SEP"]
+__all__ = ["SuffixConfig", "SuffixProposer", "SEP"]  # the index structures: tlt.rollout.suffix_index
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -125,59 +125,6 @@ class SuffixConfig:
                              "enable at least one source (or run with Arm.off())")
 
 
-class NgramIndex:
-    """n-gram (tuple) -> the positions right after each of its occurrences, oldest first."""
-
-    __slots__ = ("table",)
-
-    def __init__(self) -> None:
-        self.table: dict[tuple[int, ...], list[int]] = {}
-
-
-class IndexedSeq:
-    """One request (or a history corpus): its tokens, their stamps and its prompt index (its outputs
-    are indexed in its group's table)."""
-
-    __slots__ = ("rid", "group", "member", "tokens", "stamps", "prompt_len", "prompt_index", "finished", "history")
-
-    def __init__(self, rid: int, group: "_Group | None", prompt_len: int, prompt_index: NgramIndex) -> None:
-        self.rid = rid
-        self.group = group
-        self.member = 0  # its index in group.members
-        self.tokens: list[int] = []
-        self.stamps: list[int] = []  # stamps[i]: i - prompt_len in the prompt, else the global clock
-        self.prompt_len = prompt_len
-        self.prompt_index = prompt_index  # positions p < prompt_len (may be shared with siblings)
-        self.finished = False
-        # its prompt's history corpora and their n-gram tables (looked up when it starts)
-        self.history: list[tuple[IndexedSeq, dict[tuple[int, ...], list[int]]]] = []
-
-
-class HistorySource(Protocol):
-    """Earlier responses to draft from: indexed, finished sequences for a prompt (its own history, a
-    global pool); :class:`tlt.rollout.history.ResponseHistory` is the implementation."""
-
-    def sources(self, prompt: tuple[int, ...]) -> list[IndexedSeq]: ...
-
-
-_MEMBER_BITS = 16  # a group's members are numbered in the low bits of its output table's entries
-_MEMBER_MASK = (1 << _MEMBER_BITS) - 1
-
-
-class _Group:
-    __slots__ = ("gid", "members", "running", "prompt_indexes", "outputs")
-
-    def __init__(self, gid: int) -> None:
-        self.gid = gid
-        self.members: list[IndexedSeq] = []
-        self.running = 0
-        self.prompt_indexes: dict[tuple[int, ...], NgramIndex] = {}  # equal prompts share one index
-        # n-gram -> p << MEMBER_BITS | member for positions p >= prompt_len of every member's outputs,
-        # in the order the token at p arrived (= stamp order): one lookup per n covers own output and
-        # siblings. Ints, not (member, p) tuples: the tables hold no object the cyclic GC must walk.
-        self.outputs: dict[tuple[int, ...], list[int]] = {}
-
-
 def _as_list(tokens: Iterable[int]) -> list[int]:
     return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
 
@@ -196,7 +143,7 @@ class SuffixProposer(Proposer):
         # requests and history corpora, tokens other arms committed): not this arm's drafting cost
         self.catch_up_s = 0.0
         self._reqs: dict[int, IndexedSeq] = {}
-        self._groups: dict[int, _Group] = {}
+        self._groups: dict[int, Group] = {}
         self._clock = 0
         self._generation: int | None = None  # ProposerInput.generation being followed
         self._live: set[int] = set()  # its requests started and not finished
@@ -222,7 +169,7 @@ class SuffixProposer(Proposer):
             prompt = _as_list(prompt)
             group = self._groups.get(gid)
             if group is None:
-                group = self._groups[gid] = _Group(gid)
+                group = self._groups[gid] = Group(gid)
             key = tuple(prompt)
             shared = group.prompt_indexes.get(key)
             seq = IndexedSeq(rid, group, len(prompt), shared if shared is not None else NgramIndex())
@@ -232,8 +179,8 @@ class SuffixProposer(Proposer):
             if shared is None:
                 group.prompt_indexes[key] = seq.prompt_index
             seq.member = len(group.members)
-            if seq.member > _MEMBER_MASK:
-                raise ValueError(f"start: group {gid} has more than {_MEMBER_MASK + 1} requests")
+            if seq.member > MEMBER_MASK:
+                raise ValueError(f"start: group {gid} has more than {MEMBER_MASK + 1} requests")
             group.members.append(seq)
             group.running += 1
             self._reqs[rid] = seq
@@ -349,7 +296,7 @@ class SuffixProposer(Proposer):
                 stamps.append(self._clock)
                 self._clock += 1
                 toks.append(t)
-                table, value = outputs, q << _MEMBER_BITS | seq.member
+                table, value = outputs, q << MEMBER_BITS | seq.member
             for n in range(lo, min(hi, q) + 1):
                 key = tuple(toks[q - n:q])
                 bucket = table.get(key)
@@ -380,11 +327,11 @@ class SuffixProposer(Proposer):
             hits = outputs.get(key)
             if hits:
                 for code in reversed(hits):
-                    src = members[code & _MEMBER_MASK]
+                    src = members[code & MEMBER_MASK]
                     if (not own and src is seq) or (not sib and src is not seq) or code in seen_out:
                         continue
                     seen_out.add(code)
-                    p = code >> _MEMBER_BITS
+                    p = code >> MEMBER_BITS
                     found.append((n, src.stamps[p], src, p))
                     if len(found) >= cap:
                         return found
