@@ -219,3 +219,20 @@ def test_one_request_aborts_with_its_partial_output_and_resumes_token_for_token(
     assert not [c for c in r["calls"] if "error" in c]
     # each posted once, though each ran past the client's (shrunk) default timeout
     assert [c["rid"] for c in r["calls"] if c["endpoint"] == "generate"] == ["ref", "a", "a"]
+
+
+def test_an_abort_is_sent_again_only_to_the_same_call_still_in_flight():
+    """SGLang ignores an abort that arrives before its request, so the actor aborts once more after
+    ``ABORT_RESEND_S`` (tests/sglang_env/resend_check.py): three calls aborted together each get an
+    abort at once; after the wait only "a", still the same call in flight, gets a second one. "b"
+    finished in between, and "c" finished and was posted again under the same id: the new call is
+    not aborted."""
+    site = ENVS / VERSION
+    if not (site / ".complete").exists():
+        pytest.skip(f"SGLang {VERSION} is not installed for the CPU tests: bash tests/sglang_env/install.sh")
+    p = subprocess.run([sys.executable, "-m", "tests.sglang_env.resend_check", str(site)], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [rid for rid, _ in r["sent"]] == ["a", "b", "c", "a"]
+    assert all(t < r["resend_s"] / 4 for _, t in r["sent"][:3]) and r["sent"][3][1] >= r["resend_s"]
