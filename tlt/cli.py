@@ -380,6 +380,10 @@ def _add_bench(add: Callable[..., argparse.ArgumentParser]) -> None:
                    "its arms (ABC the main job, BCE tail consolidation, A and F tail batching) instead of running "
                    "the demo --repeats times (default 3); consolidation: that view alone (`--arms BCE` runs); "
                    "tail-batching: the one `tlt demo --arms ABCFGH` directory to read")
+    s.add_argument("--add-to", metavar="RECORD",
+                   help="demo: keep the runs of this earlier record (a main-job record of `tlt bench demo`, "
+                   "e.g. docs/bench/demo_runs.json) before the new ones and read the figures across all; "
+                   "--json RECORD writes the grown record back")
     s.add_argument("--validate", action="store_true",
                    help="cluster: predict a demo run's per-step rollout time (--from FIT_RUN PREDICT_RUN: step costs "
                    "from the first, lengths and measured times from the second) and report the error")

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tlt.bench import consolidation, tail_batching
-from tlt.bench.demo_runs import views
+from tlt.bench.demo_runs import add_to, views
 from tlt.cli import main
 
 
@@ -66,3 +66,39 @@ def test_runs_of_one_view_show_that_view_alone(tmp_path):
         views(mixed)
     with pytest.raises(ValueError, match="at least one"):
         views([])
+
+
+def test_add_to_grows_a_record_over_days(tmp_path, capsys):
+    """``--add-to RECORD`` keeps the earlier record's runs (with their own dates) before the new ones,
+    reads every figure across all of them, and refuses a record of another kind before any work."""
+    first = tmp_path / "first.json"
+    assert main(["-q", "bench", "demo", "--from", str(_run(tmp_path, 1, "ABC")), "--json", str(first)]) == 0
+    earlier = json.loads(first.read_text())
+    for r in earlier["runs"]:  # a record written before runs carried their own date: the record's applies
+        del r["date"], r["machine"]
+    earlier["date"] = "2026-01-02"
+    first.write_text(json.dumps(earlier))
+    later = _run(tmp_path / "later", 2, "ABC")
+    for arm in "AC":  # run 2's rollout ratio: 4.0 / 1.0 instead of run 1's 4.0 / 2.0
+        path = later / f"arm-{arm}" / "tlt_steps.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, "tlt/rollout_s": 4.0 if arm == "A" else 1.0}) + "\n" for r in rows))
+    grown = tmp_path / "grown.json"
+    assert main(["-q", "bench", "demo", "--from", str(later), "--add-to", str(first), "--json", str(grown)]) == 0
+    rec = json.loads(grown.read_text())
+    assert [r["run"] for r in rec["runs"]] == [1, 2]
+    assert rec["runs"][0]["date"] == "2026-01-02" and rec["runs"][0]["machine"] == earlier["machine"]
+    assert rec["runs"][1]["date"] == rec["date"] > "2026-01-02" and rec["dates"] == ["2026-01-02", rec["date"]]
+    ratio = rec["across_runs"]["rollout_time_ratio_ar_over_tlt"]
+    assert (ratio["runs"], ratio["min"], ratio["max"]) == (2, pytest.approx(2.0), pytest.approx(4.0))
+    assert ratio["mean"] == pytest.approx(3.0)
+    assert "--add-to" in rec["command"] and "1 from" in capsys.readouterr().out
+
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"bench": "rollout", "runs": []}))
+    assert main(["bench", "demo", "--from", str(later), "--add-to", str(other)]) == 2
+    assert "not a main-job record" in capsys.readouterr().err
+    assert main(["bench", "demo", "--add-to", str(tmp_path / "missing.json")]) == 2  # refused before any demo runs
+    assert "cannot read it" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="views"):  # runs of other arms do not join a main-job record
+        add_to(earlier, {"views": ["consolidation"], "quick": False}, "first.json")

@@ -4,7 +4,9 @@ Owns the record README's results table reads (``docs/bench/demo_runs.json``) and
 set of runs. ``--from DIR ...`` reads runs made before: each DIR is a ``tlt demo`` output
 directory, and its figures are computed again from the arms' step and response records, with this
 code, so every run is read the same way. Without ``--from`` it runs the default demo ``--repeats``
-times (default 3) into a temporary directory.
+times (default 3) into a temporary directory. ``--add-to RECORD`` keeps an earlier main-job record's
+runs (each with its own date and machine) before the new ones, and reads the figures across all of
+them: a record grows over days, so its range shows what a user's single run may give on another day.
 
 Each view reads the arms it compares, where every run holds them:
 - the main job (arms A, B, C), per run and as mean, range and count across runs: rollout and RL
@@ -43,24 +45,69 @@ def run_summary(run: Path, arms: str = ARMS) -> dict:
     return summarize(records, responses)
 
 
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "processor": platform.machine(), "python": platform.python_version()}
+
+
 def aggregate(runs: list[Path]) -> dict:
     per_run = []
     for run in runs:
         s = run_summary(run)
-        wall = json.loads((run / "summary.json").read_text()).get("seconds") if (run / "summary.json").is_file() \
-            else None
+        written = run / "summary.json"  # the demo's own summary: its wall time, its CPU ceiling, when it ended
+        done = json.loads(written.read_text()) if written.is_file() else {}
         same = s.get("identical_response_share") or {}
-        per_run.append({"run": len(per_run) + 1, **{k: s.get(k) for k in KEYS if k != "seconds"}, "seconds": wall,
+        per_run.append({"run": len(per_run) + 1, **{k: s.get(k) for k in KEYS if k != "seconds"},
+                        "seconds": done.get("seconds"),
                         "identical_share_ab": (same.get("AB") or {}).get("share"),
                         "identical_share_ac": (same.get("AC") or {}).get("share"),
                         "responses_matched": (same.get("AC") or {}).get("matched"),
-                        "rollout_time_ratio_ci90_ar_over_tlt": s.get("rollout_time_ratio_ci90_ar_over_tlt")})
-    across = {}
+                        "rollout_time_ratio_ci90_ar_over_tlt": s.get("rollout_time_ratio_ci90_ar_over_tlt"),
+                        # the machine's plain / speculative step cost in that run (the demo's CPU ceiling line)
+                        "plain_over_spec_step": {k.removeprefix("batch"): v["plain_over_spec_step"]
+                                                 for k, v in (done.get("speedup_limit") or {}).items()} or None,
+                        "date": datetime.date.fromtimestamp((written if written.is_file() else run).stat().st_mtime)
+                        .isoformat(),
+                        "machine": machine()})
+    return {"runs": per_run, "across_runs": across(per_run)}
+
+
+def across(per_run: list[dict]) -> dict:
+    """Mean, min, max and count of each figure over the runs that have it."""
+    out = {}
     for k in (*KEYS, "identical_share_ab", "identical_share_ac"):
         vals = [r[k] for r in per_run if r.get(k) is not None]
         if vals:
-            across[k] = {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals), "runs": len(vals)}
-    return {"runs": per_run, "across_runs": across}
+            out[k] = {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals), "runs": len(vals)}
+    return out
+
+
+def check_earlier(earlier: dict, name: str) -> None:
+    """``earlier`` is a main-job record this bench wrote."""
+    if not isinstance(earlier, dict) or earlier.get("bench") != "demo" or not isinstance(earlier.get("runs"), list) \
+            or earlier.get("views") != ["main job"]:
+        raise ValueError(f"--add-to {name}: not a main-job record of `tlt bench demo` (bench 'demo', views "
+                         "['main job']); name the record the README's table reads, docs/bench/demo_runs.json")
+
+
+def add_to(earlier: dict, rec: dict, name: str) -> dict:
+    """``rec`` (new main-job runs) after the runs of ``earlier`` (a record this bench wrote; ``name``
+    its file, for errors), the figures read across all of them. A run the earlier record holds
+    without its own date or machine gets the record's."""
+    check_earlier(earlier, name)
+    if rec["views"] != ["main job"]:
+        raise ValueError(f"--add-to: the runs hold the views {rec['views']}; a main-job record takes `tlt demo` "
+                         "runs of arms ABC only")
+    if bool(earlier.get("quick")) != rec["quick"]:
+        raise ValueError(f"--add-to {name}: its runs are {'quick' if earlier.get('quick') else 'full'} demos, "
+                         f"these are {'quick' if rec['quick'] else 'full'}: a record compares one size")
+    old = [{**r, "date": r.get("date") or earlier.get("date"), "machine": r.get("machine") or earlier.get("machine")}
+           for r in earlier["runs"]]
+    runs = [{**r, "run": i + 1} for i, r in enumerate(old + rec["runs"])]
+    dates = sorted({r["date"] for r in runs if r.get("date")})
+    merged = {**rec, "runs": runs, "across_runs": across(runs), "date": dates[-1], "dates": dates}
+    merged["summary"] = [f"{len(runs)} `tlt demo` runs, arms ABC, {', '.join(dates)}: main job "
+                         f"({len(old)} from {name})", *main_job_lines(merged)]
+    return merged
 
 
 VIEWS = {"main job": "ABC", "consolidation": "BCE", "tail batching": "AF"}  # view -> the arms it reads
@@ -111,15 +158,25 @@ def run(args: argparse.Namespace) -> dict:
     from tlt.demo.job import run_demo
 
     runs = [Path(d) for d in (getattr(args, "runs_from", None) or [])]
+    earlier = None
+    if getattr(args, "add_to", None):  # read first: a run of the demo does not end on a bad record
+        try:
+            earlier = json.loads(Path(args.add_to).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--add-to {args.add_to}: cannot read it as a JSON record ({e})") from None
+        check_earlier(earlier, args.add_to)
     if not runs:
         root = Path(tempfile.mkdtemp(prefix="tlt-demo-runs-"))
         for i in range(args.repeats or 3):
             run_demo(root / f"run-{i + 1}", quick=args.quick, progress=True, arms=ARMS)
             runs.append(root / f"run-{i + 1}")
     found, lines = views(runs)
-    return {"bench": "demo", "quick": bool(args.quick), **found,
-            "machine": {"cpus": os.cpu_count(), "processor": platform.machine(), "python": platform.python_version()},
-            "date": datetime.date.today().isoformat(),
-            "command": (f"tlt demo{'' if found['arms'] == ARMS else ' --arms ' + found['arms']} (one per run), "
-                        "aggregated by `tlt bench demo --from DIR ...`"),
-            "summary": lines}
+    rec = {"bench": "demo", "quick": bool(args.quick), **found, "machine": machine(),
+           "date": datetime.date.today().isoformat(),
+           "command": (f"tlt demo{'' if found['arms'] == ARMS else ' --arms ' + found['arms']} (one per run), "
+                       "aggregated by `tlt bench demo --from DIR ...`"),
+           "summary": lines}
+    if earlier:
+        rec = add_to(earlier, rec, args.add_to)
+        rec["command"] += f" --add-to {args.add_to}"
+    return rec
