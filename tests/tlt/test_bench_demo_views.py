@@ -83,12 +83,15 @@ def test_add_to_grows_a_record_over_days(tmp_path, capsys):
         path = later / f"arm-{arm}" / "tlt_steps.jsonl"
         rows = [json.loads(x) for x in path.read_text().splitlines()]
         path.write_text("".join(json.dumps({**r, "tlt/rollout_s": 4.0 if arm == "A" else 1.0}) + "\n" for r in rows))
+    elsewhere = {"cpu": "Some CPU (family 1, model 2)", "cpus": 64}  # the demo's summary names its machine
+    (later / "summary.json").write_text(json.dumps({"seconds": 600.0, "machine": elsewhere}))
     grown = tmp_path / "grown.json"
     assert main(["-q", "bench", "demo", "--from", str(later), "--add-to", str(first), "--json", str(grown)]) == 0
     rec = json.loads(grown.read_text())
     assert [r["run"] for r in rec["runs"]] == [1, 2]
     assert rec["runs"][0]["date"] == "2026-01-02" and rec["runs"][0]["machine"] == earlier["machine"]
     assert rec["runs"][1]["date"] == rec["date"] > "2026-01-02" and rec["dates"] == ["2026-01-02", rec["date"]]
+    assert rec["runs"][1]["machine"] == elsewhere and rec["runs"][1]["seconds"] == 600.0
     ratio = rec["across_runs"]["rollout_time_ratio_ar_over_tlt"]
     assert (ratio["runs"], ratio["min"], ratio["max"]) == (2, pytest.approx(2.0), pytest.approx(4.0))
     assert ratio["mean"] == pytest.approx(3.0)

@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
 import tempfile
 from pathlib import Path
 
+from tlt.demo.job import machine
 from tlt.demo.summary import summarize
 from tlt.sim.workloads import arm_lines
 
@@ -43,10 +42,6 @@ def run_summary(run: Path, arms: str = ARMS) -> dict:
     responses = {a: arm_lines(run, a, "tlt_responses.jsonl") for a in arms
                  if (Path(run) / f"arm-{a}" / "tlt_responses.jsonl").is_file()}
     return summarize(records, responses)
-
-
-def machine() -> dict:
-    return {"cpus": os.cpu_count(), "processor": platform.machine(), "python": platform.python_version()}
 
 
 def aggregate(runs: list[Path]) -> dict:
@@ -67,7 +62,8 @@ def aggregate(runs: list[Path]) -> dict:
                                                  for k, v in (done.get("speedup_limit") or {}).items()} or None,
                         "date": datetime.date.fromtimestamp((written if written.is_file() else run).stat().st_mtime)
                         .isoformat(),
-                        "machine": machine()})
+                        # a run whose summary predates its machine field is taken as made on this one
+                        "machine": done.get("machine") or machine()})
     return {"runs": per_run, "across_runs": across(per_run)}
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import os
+import platform
 import re
 import shutil
 import statistics
@@ -169,7 +170,7 @@ def run_demo(workdir: Path, *, quick: bool = False, progress: bool = True, arms:
     probe = [tok.chat_prompt([{"role": "user", "content": p.prompt}]) for p in problems[:4]]
     summary["speedup_limit"] = speedup_limit(target, workdir / "drafter", probe)
     summary.update(target=str(target), drafter_warmup=warm["trained"], export=export["out_dir"],
-                   seconds=time.monotonic() - t0, quick=quick)
+                   seconds=time.monotonic() - t0, quick=quick, machine=machine())
     lengths = response_lengths(workdir / "arm-A" / "generations", target, size.max_response) if "A" in records else []
     if lengths:
         med = statistics.median(lengths)
@@ -185,6 +186,23 @@ def run_demo(workdir: Path, *, quick: bool = False, progress: bool = True, arms:
         log.warning("matplotlib is not installed: no demo.png (pip install 'tlt-rollout[demo]')")
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     return summary
+
+
+def machine() -> dict:
+    """The machine a run ran on: its CPU model (kernels round differently across CPUs, so a run's
+    reward follows its CPU), core count, Python and torch."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                    if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        cpu = f"{info['model name']} (family {info['cpu family']}, model {info['model']})"
+    except (OSError, KeyError, ValueError):
+        pass
+    return {"cpu": cpu, "cpus": os.cpu_count(), "processor": platform.machine(), "python": platform.python_version(),
+            "torch": torch.__version__}
 
 
 def arm_overrides(arm: str, workdir: Path, size: DemoSize, target: Path, drafter: Path, train: Path,
