@@ -146,15 +146,20 @@ def test_tlt_loop_on_sglang(tmp_path):
     assert len(warnings) == 1 and "replicas [0] of 2 do not serve" in warnings[0], warnings
 
 
-@pytest.fixture(scope="module")
-def server_check():
+def _check(module: str) -> dict:
+    """Run ``tests.sglang_env.<module>`` with SGLang importable; the JSON of its last line."""
     site = ENVS / VERSION
     if not (site / ".complete").exists():
         pytest.skip(f"SGLang {VERSION} is not installed for the CPU tests: bash tests/sglang_env/install.sh")
-    p = subprocess.run([sys.executable, "-m", "tests.sglang_env.server_check", str(site)], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", f"tests.sglang_env.{module}", str(site)], capture_output=True,
                        text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def server_check():
+    return _check("server_check")
 
 
 def test_the_sglang_server_conforms_to_the_replica_interface(server_check):
@@ -227,12 +232,6 @@ def test_an_abort_is_sent_again_only_to_the_same_call_still_in_flight():
     abort at once; after the wait only "a", still the same call in flight, gets a second one. "b"
     finished in between, and "c" finished and was posted again under the same id: the new call is
     not aborted."""
-    site = ENVS / VERSION
-    if not (site / ".complete").exists():
-        pytest.skip(f"SGLang {VERSION} is not installed for the CPU tests: bash tests/sglang_env/install.sh")
-    p = subprocess.run([sys.executable, "-m", "tests.sglang_env.resend_check", str(site)], capture_output=True,
-                       text=True, timeout=300, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads(p.stdout.strip().splitlines()[-1])
+    r = _check("resend_check")
     assert [rid for rid, _ in r["sent"]] == ["a", "b", "c", "a"]
     assert all(t < r["resend_s"] / 4 for _, t in r["sent"][:3]) and r["sent"][3][1] >= r["resend_s"]
