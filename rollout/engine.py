@@ -64,6 +64,7 @@ from tlt.rollout.attention import AttnMeta, default_splits, physical
 from tlt.rollout.blocks import BlockPool
 from tlt.rollout.feature_store import FeatureStore
 from tlt.rollout.kv_cache import StaticKVCache, swap_remove, tree_ancestors
+from tlt.rollout.prefill import prefill_last_hidden
 from tlt.rollout.request import Finished, RequestState
 from tlt.rollout.row_state import RowState
 from tlt.rollout.sampling import RowSampling, sample
@@ -643,34 +644,13 @@ class RolloutEngine:
         ids_host = [r.seq[:-1] if r.state.output else r.seq for r in reqs]
         lens = torch.tensor([len(x) for x in ids_host], device=self.device)
         ids = right_pad(ids_host, device=self.device)  # [B, T]
-        b, t = ids.shape
+        b = ids.shape[0]
         sampling = RowSampling.build([r.state.params for r in reqs], [r.state.seed for r in reqs], self.device)
         pending = torch.tensor([r.seq[-1] if r.state.output else -1 for r in reqs], device=self.device)  # [B]
-        # Chunks of the prompts: each attends to the chunks cached before it without a mask and causally
-        # within itself, over the rows with tokens in it; logits only at each prompt's last token.
-        chunk = max(16, self.cfg.prefill_tokens // b)
-        host_lens = [len(x) for x in ids_host]
-        last = torch.zeros(b, self.target.config.hidden_size, dtype=self.cache.k.dtype, device=self.device)  # [B, H]
-        for c0 in range(0, t, chunk):  # (a chunk's query rows fill the device: no context splits)
-            alive = [i for i, n in enumerate(host_lens) if n > c0]
-            tc = min(chunk, max(host_lens[i] for i in alive) - c0)
-            ctx = torch.full((len(alive),), c0, device=self.device)
-            idx = torch.arange(b, device=self.device) if len(alive) == b else torch.tensor(alive, device=self.device)
-            part = ids[idx, c0: c0 + tc] if len(alive) < b else ids[:, c0: c0 + tc]
-            if tables is not None:  # a paged cache: the rows' blocks
-                meta = AttnMeta(tables[idx], self.cache.max_len, torch.zeros_like(ctx), ctx, tc, span=c0 + tc,
-                                kernel=self.cfg.attention, scratch=self.pool.scratch)
-            elif len(alive) == b:  # every row: cache rows row0 .. (views)
-                meta = AttnMeta.rows(ctx, tc, self.cache.max_len, row0=row0, span=c0 + tc, kernel=self.cfg.attention)
-            else:  # the rows still going: their cache rows by block table
-                meta = AttnMeta((row0 + idx)[:, None].int(), self.cache.max_len, torch.zeros_like(ctx), ctx, tc,
-                                span=c0 + tc, kernel=self.cfg.attention)
-            pos = torch.arange(c0, c0 + tc, device=self.device).expand(len(alive), tc)
-            out = self.target(part, pos, self.cache.backend(meta), capture=self._capture, logits=False)
-            n = lens[idx]
-            h = out.hidden[torch.arange(len(alive), device=self.device), (n - 1 - c0).clamp(0, tc - 1)]
-            last[idx] = torch.where(((n - 1 >= c0) & (n - 1 < c0 + tc))[:, None], h, last[idx])
-            self._keep_features(out, meta, c0)
+        last = prefill_last_hidden(self.target, self.cache, ids, lens, [len(x) for x in ids_host],
+                                   chunk=max(16, self.cfg.prefill_tokens // b), row0=row0, tables=tables,
+                                   kernel=self.cfg.attention, scratch=self.pool.scratch if self.pool else 0,
+                                   capture=self._capture, keep=self._keep_features)  # [B, H]
         logits = self.target.lm_head(last)[:, None]  # [B, 1, V]
         tok, lp = sample(logits, sampling, lens[:, None])  # a fresh request's first token sits at position len(prompt)
         tok = torch.where(pending[:, None] >= 0, pending[:, None], tok)
