@@ -64,6 +64,7 @@ from tlt.rollout.attention import AttnMeta, default_splits, physical
 from tlt.rollout.blocks import BlockPool
 from tlt.rollout.feature_store import FeatureStore
 from tlt.rollout.kv_cache import StaticKVCache, swap_remove, tree_ancestors
+from tlt.rollout.pool_size import block_bytes, pool_blocks
 from tlt.rollout.prefill import prefill_last_hidden
 from tlt.rollout.request import Finished, RequestState
 from tlt.rollout.row_state import RowState
@@ -197,7 +198,7 @@ class RolloutEngine:
         # the last one scratch, each row's table in RowState.blocks [B, table_width]
         self.pool: BlockPool | None = None
         if cfg.block_size is not None:
-            self.pool = BlockPool(self._pool_blocks() + 1, cfg.block_size)
+            self.pool = BlockPool(pool_blocks(cfg, self.device, self._block_bytes_sized()) + 1, cfg.block_size)
             if cfg.kv_bytes is not None or cfg.kv_fraction is not None:
                 self._sized_block_bytes = self._block_bytes_sized()
         self.table_width = -(-cfg.slots // cfg.block_size) if self.pool else 1
@@ -222,38 +223,19 @@ class RolloutEngine:
         self.static_step: StaticTargetStep | None = self._new_static_step() if static else None
 
     def block_bytes(self) -> int:
-        """Bytes a block of the paged pools takes: the target's keys and values over every layer, the
-        feature buffer's row (the last hidden state and the captured layers), and what the proposers
-        keep per position in the engine's blocks (an EAGLE drafter's keys and values)."""
-        mc, bs = self.target.config, self.cfg.block_size or self.cfg.slots
-        elem = self.target.embed_weight.element_size()
+        """Bytes a block of the paged pools takes (:func:`~tlt.rollout.pool_size.block_bytes`): the
+        target's keys and values over every layer, the feature buffer's row (the last hidden state and
+        the captured layers), and what the proposers keep per position in the engine's blocks (an EAGLE
+        drafter's keys and values)."""
+        mc = self.target.config
         feats = (mc.hidden_size if self._stores_hidden else 0) + mc.hidden_size * len(self._aux_layers)
-        drafters = sum(p.kv_position_bytes for p in self.proposers.values())
-        return bs * (elem * (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim + feats) + drafters)
+        return block_bytes(mc, self.target.embed_weight.element_size(), self.cfg.block_size or self.cfg.slots, feats,
+                           sum(p.kv_position_bytes for p in self.proposers.values()))
 
     def _block_bytes_sized(self) -> int:
         """The block bytes a pool sized by memory divides it by: :meth:`block_bytes` and the room
         ``draft_position_bytes`` keeps for proposers set later."""
         return self.block_bytes() + self.cfg.block_size * self.cfg.draft_position_bytes
-
-    def _pool_blocks(self) -> int:
-        cfg = self.cfg
-        if cfg.kv_blocks is not None:
-            return cfg.kv_blocks
-        if cfg.kv_bytes is not None:
-            n, how = cfg.kv_bytes // self._block_bytes_sized(), f"kv_bytes={cfg.kv_bytes}"
-        elif cfg.kv_fraction is not None:
-            if self.device.type != "cuda":
-                raise ValueError(f"kv_fraction={cfg.kv_fraction} sizes the pool by a CUDA device's memory; on "
-                                 f"{self.device.type} give kv_bytes or kv_blocks")
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            free = cfg.kv_fraction * total - torch.cuda.memory_allocated(self.device)
-            n, how = int(free // self._block_bytes_sized()), f"kv_fraction={cfg.kv_fraction} of {total / 2**30:.1f} GiB"
-        else:  # today's capacity: max_batch rows of max_len + max_draft_tokens
-            return cfg.max_batch * -(-cfg.slots // cfg.block_size)
-        if n < 1:
-            raise ValueError(f"{how} holds no block of {self._block_bytes_sized()} bytes: give the pool more memory")
-        return n
 
     def _new_static_step(self) -> StaticTargetStep:
         sizes = tuple(c for c in DEFAULT_CAPTURE_BATCH_SIZES if c < self.cfg.max_batch) + (self.cfg.max_batch,)
