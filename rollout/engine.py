@@ -3,10 +3,10 @@
 Owns the step loop over the running requests and their lifecycle; the queue, admission and
 eviction order are its :class:`~tlt.rollout.scheduler.Scheduler`'s. Requests join between steps
 (:meth:`RolloutEngine.add`: prefilled in chunks by :mod:`~tlt.rollout.prefill`, right-padded, into
-the free KV rows after the running ones, possibly with tokens they made elsewhere), each step runs one target pass over ``[last committed
-token] + draft tree`` per running request on the static KV cache, verifies losslessly and compacts
-the accepted nodes' keys/values into place, and requests leave between steps: finished (a stop
-token or their budget), aborted, or moved elsewhere with their state
+the free KV rows after the running ones, possibly with tokens they made elsewhere), each step runs
+one target pass over ``[last committed token] + draft tree`` per running request on the static KV
+cache, verifies losslessly and compacts the accepted nodes' keys/values into place, and requests
+leave between steps: finished (a stop token or their budget), aborted, or moved elsewhere with their state
 (:class:`~tlt.rollout.request.RequestState`), by swap-remove of cache rows (survivors from the end
 fill the holes). ``generate`` is add + step until done. Plain decoding is the same step with an
 empty tree. Single-threaded: one thread owns an engine (the verl backend's batcher thread while a

@@ -16,7 +16,8 @@ from tlt.drafter.model_config import ModelConfig
 from tlt.rollout.engine_config import EngineConfig
 
 
-def block_bytes(config: ModelConfig, element_size: int, block_size: int, feature_width: int, proposer_position_bytes: int) -> int:
+def block_bytes(config: ModelConfig, element_size: int, block_size: int, feature_width: int,
+                proposer_position_bytes: int) -> int:
     """Bytes of one block of ``block_size`` positions: ``config`` (the target's) sets the
     KV's layers, KV heads and head dim; ``feature_width`` elements per position in the feature buffer;
     ``proposer_position_bytes`` bytes per position the proposers keep."""
