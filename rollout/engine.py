@@ -198,9 +198,10 @@ class RolloutEngine:
         # the last one scratch, each row's table in RowState.blocks [B, table_width]
         self.pool: BlockPool | None = None
         if cfg.block_size is not None:
-            self.pool = BlockPool(pool_blocks(cfg, self.device, self._block_bytes_sized()) + 1, cfg.block_size)
+            sized = self._block_bytes_sized()
+            self.pool = BlockPool(pool_blocks(cfg, self.device, sized) + 1, cfg.block_size)
             if cfg.kv_bytes is not None or cfg.kv_fraction is not None:
-                self._sized_block_bytes = self._block_bytes_sized()
+                self._sized_block_bytes = sized
         self.table_width = -(-cfg.slots // cfg.block_size) if self.pool else 1
         self.cache = StaticKVCache(mc.num_hidden_layers, self.pool.capacity + 1 if self.pool else cfg.max_batch,
                                    mc.num_key_value_heads, cfg.block_size or cfg.slots, mc.head_dim,
