@@ -1,10 +1,10 @@
 """Whole verl 0.9.1 GRPO runs on this CPU (real Ray, TransferQueue, FSDP2 on gloo, our rollout).
 
 - ``tlt demo --quick``, run as README command 1 runs it (the console script, an empty working
-  directory, no ``--out``): three arms, 2 RL steps each; arm C (full TLT) must show speculation
-  (accept length > 1), a DataBuffer that grew from the old-log-prob capture, a drafter version
-  that advanced, replicas the coordinator promoted and stopped (IDLE -> TRAINING -> BUSY), rollout
-  log-probs equal to the actor's recomputed ones (fp32), and the summary keys.
+  directory, no ``--out``): three arms of ``demo.QUICK.steps`` RL steps; arm C (full TLT) must show
+  speculation (accept length > 1), a DataBuffer that grew from the old-log-prob capture, a drafter
+  version that advanced, replicas the coordinator promoted and stopped (IDLE -> TRAINING -> BUSY),
+  rollout log-probs equal to the actor's recomputed ones (fp32), and the summary keys.
 - a bad ``tlt.*`` value stops the run with one line before Ray or any worker starts, with the
   project's engine or SGLang as the rollout.
 """
